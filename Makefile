@@ -1,0 +1,28 @@
+# Quick start: `make demo` and `make test` each set up .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned, so nothing can pull a CUDA build in its place.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) -m fx2xla.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/inference.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,8 @@
+"""fx2xla: a torch.compile backend that lowers FX graphs to StableHLO and runs them on PJRT.
+
+    compiled = torch.compile(model, backend="fx2xla")   # registered by entry point
+"""
+from .metrics import metrics
+
+__version__ = "0.1.0"
+__all__ = ["metrics", "__version__"]

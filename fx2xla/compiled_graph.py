@@ -1,0 +1,144 @@
+"""A compiled FX graph: the per-call path (argument hand-off -> PJRT execute -> outputs).
+
+Everything that can be decided once is decided when the graph is compiled; `__call__` does
+only the hand-off, the execute and the output wrapping.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import dump
+from .lowering.graph import LoweredGraph, lower_graph
+from .metrics import counters
+from .runtime import Device, compile_module
+from .runtime.executor import optimized_hlo_text
+from .runtime.handoff import export_array, import_tensor
+
+
+class _Specialization:
+    """One executable and the plan to call it with (one per concrete input signature)."""
+
+    __slots__ = ("exe", "lowered", "out_plans", "plain_outputs")
+
+    def __init__(self, exe, lowered: LoweredGraph):
+        self.exe = exe
+        self.lowered = lowered
+        self.out_plans = lowered.outputs
+        self.plain_outputs = all(p.kind == "tensor" and p.inv_perm is None and p.stride is None for p in self.out_plans)
+
+
+def static_input_indices(num_inputs: int) -> set[int]:
+    """Inputs AOTAutograd knows to be parameters/buffers (stable across calls): their device
+    buffers are kept resident. Falls back to every input when the metadata is unavailable."""
+    try:
+        from torch._guards import TracingContext  # private: read once per graph
+
+        ctx = TracingContext.try_get()
+        idx = ctx.fw_metadata.static_input_indices if ctx is not None and ctx.fw_metadata else None
+    except (ImportError, AttributeError):
+        idx = None
+    return set(range(num_inputs)) if idx is None else set(idx)
+
+
+class CompiledGraph:
+    """Callable with AOTAutograd's boxed convention: `compiled(args_list) -> list of outputs`."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str):
+        from .lowering.graph import check_rules, plan_input
+
+        check_rules(gm)  # unsupported ops fail at compile time, not on the first call
+        self.gm = gm
+        self.name = name
+        self.device = device
+        self._jax_device = device.jax_device
+        self.example_inputs = list(example_inputs)
+        self.plans = [plan_input(v) for v in self.example_inputs]
+        self._tensor_positions = [i for i, p in enumerate(self.plans) if p.kind != "symint"]
+        self.dynamic = any(
+            isinstance(v, torch.SymInt)
+            or (isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape))
+            for v in self.example_inputs
+        )
+        resident = static_input_indices(len(self.example_inputs))
+        self._resident_positions = [i in resident for i in self._tensor_positions]
+        self._resident: list = [None] * len(self._tensor_positions)
+        self._specializations: dict = {}
+        self._static: _Specialization | None = None
+        counters.graphs += 1
+        if not self.dynamic:
+            self._static = self._specialize(None)
+
+    # -- compile --------------------------------------------------------------------------
+    def _specialize(self, args) -> _Specialization:
+        t0 = time.perf_counter()
+        lowered = lower_graph(self.gm, self.example_inputs, args)
+        t1 = time.perf_counter()
+        exe = compile_module(lowered.module_text, self.device)
+        counters.lower_seconds += t1 - t0
+        counters.specializations += 1
+        suffix = "" if args is None else "_" + "_".join("x".join(map(str, s)) for s, _ in lowered.arg_shapes)[:80]
+        dump.write_graph(self.name + suffix, self.gm, lowered.module_text, lambda: optimized_hlo_text(exe))
+        return _Specialization(exe, lowered)
+
+    def _signature(self, args):
+        return tuple(
+            tuple(a.shape) if isinstance(a, torch.Tensor) else int(a) for a in args
+        )
+
+    # -- call -----------------------------------------------------------------------------
+    def __call__(self, args: list):
+        spec = self._static
+        if spec is None:
+            key = self._signature(args)
+            spec = self._specializations.get(key)
+            if spec is None:
+                spec = self._specializations[key] = self._specialize(list(args))
+        bufs = self._import(args)
+        args.clear()  # boxed convention: drop our references to the inputs early
+        outs = spec.exe.execute(bufs)
+        if spec.plain_outputs:
+            return [export_array(o) for o in outs]
+        return self._wrap_outputs(spec, outs)
+
+    def _import(self, args):
+        dev = self._jax_device
+        plans = self.plans
+        resident = self._resident
+        bufs = []
+        for j, i in enumerate(self._tensor_positions):
+            t = args[i]
+            if self._resident_positions[j]:
+                r = resident[j]
+                if r is not None and r[0] is t and r[1] == t._version:
+                    bufs.append(r[2])
+                    continue
+            plan = plans[i]
+            if plan.kind == "tensor":
+                buf = import_tensor(t, dev)
+            elif plan.kind == "permuted":
+                buf = import_tensor(t.permute(plan.perm), dev)
+            else:
+                buf = import_tensor(t.contiguous(), dev)
+            if self._resident_positions[j]:
+                resident[j] = (t, t._version, buf)
+            bufs.append(buf)
+        return bufs
+
+    @staticmethod
+    def _wrap_outputs(spec: _Specialization, outs):
+        results = []
+        for p in spec.out_plans:
+            if p.kind == "const":
+                results.append(p.value)
+                continue
+            t = export_array(outs[p.index])
+            if p.inv_perm is not None:
+                t = t.permute(p.inv_perm)
+            elif p.stride is not None:
+                t = torch.empty_strided(t.shape, p.stride, dtype=t.dtype).copy_(t)
+            results.append(t)
+        return results

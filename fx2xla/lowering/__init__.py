@@ -1,0 +1,6 @@
+"""Lowering rules, one module per op family; importing this package registers them all."""
+from . import elementwise, reductions, shape, linalg, indexing, nn  # noqa: F401
+from .graph import lower_graph
+from .registry import LOWERINGS, LoweringContext, register_lowering
+
+__all__ = ["lower_graph", "register_lowering", "LoweringContext", "LOWERINGS"]

@@ -1,0 +1,181 @@
+"""The lowering registry: one rule per ATen overload, emitting StableHLO through jax.lax/jnp.
+
+Every rule has one signature, `rule(ctx, *args, **kwargs) -> jax value(s)`, where tensor
+arguments arrive as traced jax values and everything else (ints, lists, dtypes) as in the FX
+node. Type promotion and broadcasting are decided here, by the decorator, never inside rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from .dtypes import to_jax_dtype
+
+# How a rule's tensor/scalar arguments are cast before the rule runs.
+#  None          : untouched
+#  "out"         : to the node's output dtype (torch's DEFAULT / INT_TO_FLOAT promotion)
+#  "common"      : to torch.result_type of the arguments (comparisons: output is bool)
+PROMOTIONS = (None, "out", "common")
+
+
+@dataclass(frozen=True)
+class LoweringRule:
+    fn: Callable
+    promote: str | None
+    broadcast: bool
+
+
+LOWERINGS: dict[torch._ops.OpOverload, LoweringRule] = {}
+
+
+def _overloads(op) -> list:
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
+
+
+def register_lowering(*ops, promote: str | None = None, broadcast: bool = False):
+    """Register `fn` as the lowering of `ops` (overloads, or packets = all their overloads).
+
+    promote: see PROMOTIONS. broadcast: tensor and scalar arguments are broadcast to the
+    output shape (after promotion), so rules may use lax ops directly.
+    """
+    assert promote in PROMOTIONS, promote
+
+    def deco(fn):
+        rule = LoweringRule(fn, promote, broadcast)
+        for op in ops:
+            for ov in _overloads(op):
+                LOWERINGS[ov] = rule
+        return fn
+
+    return deco
+
+
+def lowering_for(op) -> LoweringRule | None:
+    return LOWERINGS.get(op)
+
+
+@dataclass(frozen=True)
+class LoweringContext:
+    """What a rule may know about the node it lowers."""
+
+    node: torch.fx.Node
+
+    @property
+    def out(self) -> Any:
+        """The node's meta value (FakeTensor, tuple of them, or SymInt)."""
+        return self.node.meta.get("val")
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        """The jax dtype of the (first) output."""
+        v = self.out
+        if isinstance(v, (tuple, list)):
+            v = v[0]
+        return to_jax_dtype(v.dtype)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        v = self.out
+        if isinstance(v, (tuple, list)):
+            v = v[0]
+        return concrete_shape(v.shape, self.sizes)
+
+    def arg_meta(self, i: int):
+        """The meta value of positional argument `i` (FakeTensor), or the literal argument."""
+        a = self.node.args[i]
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    # Set by lower_graph: maps a symbolic size expression to its concrete value.
+    sizes: Any = None
+
+
+def concrete_shape(shape, sizes=None) -> tuple[int, ...]:
+    out = []
+    for s in shape:
+        if isinstance(s, torch.SymInt):
+            s = sizes(s) if sizes is not None else int(s)
+        out.append(int(s))
+    return tuple(out)
+
+
+def is_array(x) -> bool:
+    return isinstance(x, (jnp.ndarray, np.ndarray)) or hasattr(x, "aval")
+
+
+def _promotion_operand(v):
+    """A stand-in for an argument that keeps its category in torch's promotion rules
+    (dimensioned tensor > 0-d tensor > Python scalar)."""
+    if isinstance(v, torch.Tensor):
+        return torch.empty((1,) if v.dim() > 0 else (), dtype=v.dtype, device="meta")
+    if isinstance(v, torch.SymBool):
+        return True
+    if isinstance(v, torch.SymInt):
+        return 1
+    if isinstance(v, torch.SymFloat):
+        return 1.0
+    return v
+
+
+def _scalar_of(dtype: torch.dtype):
+    if dtype == torch.bool:
+        return True
+    if dtype.is_complex:
+        return 1j
+    return 1.0 if dtype.is_floating_point else 1
+
+
+def _common_dtype(ctx: LoweringContext) -> np.dtype:
+    """torch.result_type over all tensor and scalar arguments of the node."""
+    ops = []
+    for a in list(ctx.node.args) + list(ctx.node.kwargs.values()):
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+        if isinstance(v, (torch.Tensor, bool, int, float, complex, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            ops.append(_promotion_operand(v))
+    if not ops:
+        return ctx.out_dtype
+    acc = ops[0]
+    for b in ops[1:]:
+        dtype = torch.result_type(acc, b)
+        tensors = [x for x in (acc, b) if isinstance(x, torch.Tensor)]
+        if any(t.dim() > 0 for t in tensors):
+            acc = torch.empty((1,), dtype=dtype, device="meta")
+        elif tensors:
+            acc = torch.empty((), dtype=dtype, device="meta")
+        else:
+            acc = _scalar_of(dtype)
+    dtype = acc.dtype if isinstance(acc, torch.Tensor) else torch.tensor(acc).dtype
+    return to_jax_dtype(dtype)
+
+
+def _cast(x, dtype):
+    if is_array(x):
+        return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+    if isinstance(x, (bool, int, float, complex)):
+        return jnp.asarray(x, dtype=dtype)
+    return x
+
+
+def prepare_args(rule: LoweringRule, ctx: LoweringContext, args: list, kwargs: dict):
+    """Apply the rule's promotion and broadcasting to the arguments."""
+    if rule.promote is None and not rule.broadcast:
+        return args, kwargs
+    if rule.promote == "out":
+        dtype = ctx.out_dtype
+    elif rule.promote == "common":
+        dtype = _common_dtype(ctx)
+    else:
+        dtype = None
+    if dtype is not None:
+        args = [_cast(a, dtype) for a in args]
+        kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+    if rule.broadcast:
+        shape = ctx.out_shape
+        args = [jnp.broadcast_to(a, shape) if is_array(a) and a.shape != shape else a for a in args]
+    return args, kwargs

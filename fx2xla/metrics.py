@@ -1,0 +1,31 @@
+"""Process-wide counters. Read them with `fx2xla.metrics()`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Counters:
+    graphs: int = 0  # FX graphs handed to the backend (forward, backward, inference)
+    specializations: int = 0  # executables requested (one per graph and input signature)
+    lower_seconds: float = 0.0  # FX -> StableHLO tracing time
+
+
+counters = Counters()
+
+
+def metrics() -> dict:
+    """Counters of this process: graphs, specializations, executable-cache hits and misses,
+    XLA compiles and their seconds, lowering seconds."""
+    from .runtime import executable_cache
+
+    out = dict(counters.__dict__)
+    s = executable_cache.stats
+    out.update(
+        cache_hits=s.hits,
+        cache_misses=s.misses,
+        cache_evictions=s.evictions,
+        compiles=s.compiles,
+        compile_seconds=s.compile_seconds,
+    )
+    return out

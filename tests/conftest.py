@@ -1,0 +1,59 @@
+"""Shared fixtures: compile with fx2xla and compare against eager PyTorch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+# Tolerances per dtype for comparisons against eager (XLA fuses and reorders float math).
+TOLERANCES = {
+    torch.float32: dict(rtol=1e-4, atol=1e-5),
+    torch.float64: dict(rtol=1e-7, atol=1e-7),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+}
+
+
+def tolerance(dtype: torch.dtype, scale: float = 1.0) -> dict:
+    """assert_close kwargs for `dtype` (exact for integer and bool), loosened by `scale`."""
+    tol = TOLERANCES.get(dtype)
+    if tol is None:
+        return dict(rtol=0, atol=0)
+    return {k: v * scale for k, v in tol.items()}
+
+
+def assert_matches_eager(fn, *args, tol_scale: float = 1.0, fullgraph: bool = True, dynamic=False, **kwargs):
+    """Run `fn` eagerly and compiled with fx2xla on the same inputs; assert outputs match in
+    value, dtype, shape and strides. Returns the compiled outputs."""
+    torch._dynamo.reset()
+    expected = fn(*_clone(args), **kwargs)
+    compiled = torch.compile(fn, backend="fx2xla", fullgraph=fullgraph, dynamic=dynamic)
+    actual = compiled(*_clone(args), **kwargs)
+    _compare(actual, expected, tol_scale)
+    return actual
+
+
+def _clone(args):
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _compare(actual, expected, tol_scale):
+    if isinstance(expected, (tuple, list)):
+        assert isinstance(actual, (tuple, list)) and len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            _compare(a, e, tol_scale)
+        return
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), type(actual)
+        assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+        assert actual.shape == expected.shape, (actual.shape, expected.shape)
+        torch.testing.assert_close(actual, expected, equal_nan=True, **tolerance(expected.dtype, tol_scale))
+        return
+    assert actual == expected
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
