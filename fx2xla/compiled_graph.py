@@ -45,9 +45,10 @@ def static_input_indices(num_inputs: int) -> set[int]:
 class CompiledGraph:
     """Callable with AOTAutograd's boxed convention: `compiled(args_list) -> list of outputs`."""
 
-    _boxed_call = True
-
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str):
+        # In the instance dict: AOTAutograd wraps backward compilers' results with
+        # functools.wraps, which copies __dict__ but not class attributes.
+        self._boxed_call = True
         from .lowering.graph import check_rules, plan_input
 
         check_rules(gm)  # unsupported ops fail at compile time, not on the first call
@@ -113,8 +114,9 @@ class CompiledGraph:
             t = args[i]
             if self._resident_positions[j]:
                 r = resident[j]
-                if r is not None and r[0] is t and r[1] == t._version:
-                    bufs.append(r[2])
+                # Same tensor, unchanged since, same storage (`p.data = ...` keeps _version).
+                if r is not None and r[0] is t and r[1] == t._version and r[2] == t.data_ptr():
+                    bufs.append(r[3])
                     continue
             plan = plans[i]
             if plan.kind == "tensor":
@@ -124,7 +126,7 @@ class CompiledGraph:
             else:
                 buf = import_tensor(t.contiguous(), dev)
             if self._resident_positions[j]:
-                resident[j] = (t, t._version, buf)
+                resident[j] = (t, t._version, t.data_ptr(), buf)
             bufs.append(buf)
         return bufs
 

@@ -1,7 +1,8 @@
 """Zero-copy tensor hand-off between torch and PJRT buffers through DLPack.
 
-The fast import is a private jaxlib call; it sits behind `_private_importer` alone, with the
-public `jax.dlpack.from_dlpack` as the fallback (`FX2XLA_PUBLIC_DLPACK=1` forces it).
+The fast paths are private jaxlib calls; each sits behind one small function here
+(`_private_importer`, `_private_exporter`), with jax's public DLPack API as the fallback.
+`FX2XLA_PUBLIC_DLPACK=1` forces the public paths.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 import torch.utils.dlpack
 
 _DLPACK_CPU = 1  # kDLCPU
+_to_capsule = torch.utils.dlpack.to_dlpack  # public, and ~4 µs cheaper than Tensor.__dlpack__
+_from_capsule = torch.utils.dlpack.from_dlpack
 
 
 def _private_importer():
@@ -23,7 +26,7 @@ def _private_importer():
         return None
 
     def import_private(t: torch.Tensor, device):
-        return fn(t.__dlpack__(), device, None, None, _DLPACK_CPU if t.device.type == "cpu" else None)
+        return fn(_to_capsule(t), device, None, None, None)
 
     return import_private
 
@@ -40,23 +43,48 @@ def _public_importer():
     return import_public
 
 
-def make_importer(public: bool | None = None):
-    """Return `import_tensor(t, jax_device) -> jax.Array`, sharing memory with `t` where possible.
+def _private_exporter():
+    """jaxlib's direct buffer -> DLPack capsule (skips ~5 µs of Python in `Array.__dlpack__`)."""
+    try:
+        from jax._src.lib import _jax
 
-    `t` must be densely packed (contiguous); callers make it so once per graph, not per call.
-    """
+        fn = _jax.buffer_to_dlpack_managed_tensor
+    except (ImportError, AttributeError):
+        return None
+
+    def export_private(a) -> torch.Tensor:
+        return _from_capsule(fn(a, stream=None))
+
+    return export_private
+
+
+def _public_exporter():
+    def export_public(a) -> torch.Tensor:
+        return _from_capsule(a.__dlpack__())
+
+    return export_public
+
+
+def _use_public(public: bool | None) -> bool:
     if public is None:
-        public = os.environ.get("FX2XLA_PUBLIC_DLPACK", "") not in ("", "0")
-    if not public:
-        private = _private_importer()
-        if private is not None:
-            return private
-    return _public_importer()
+        return os.environ.get("FX2XLA_PUBLIC_DLPACK", "") not in ("", "0")
+    return public
+
+
+def make_importer(public: bool | None = None):
+    """`import_tensor(t, jax_device) -> jax.Array`, sharing memory with `t` where possible
+    (a copy when `t` is not 64-byte aligned). `t` must be dense and row-major; callers make
+    it so with a plan decided once per graph, not per call."""
+    private = None if _use_public(public) else _private_importer()
+    return private or _public_importer()
+
+
+def make_exporter(public: bool | None = None):
+    """`export_array(a) -> torch.Tensor` sharing the PJRT buffer's memory; it waits for a
+    result that is still being computed."""
+    private = None if _use_public(public) else _private_exporter()
+    return private or _public_exporter()
 
 
 import_tensor = make_importer()
-
-
-def export_array(a) -> torch.Tensor:
-    """A PJRT buffer as a torch tensor (zero-copy; waits for the value if still computing)."""
-    return torch.utils.dlpack.from_dlpack(a.__dlpack__())
+export_array = make_exporter()

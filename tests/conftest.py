@@ -57,3 +57,9 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def check():
+    """`check(fn, *args, tol_scale=1, dynamic=False)`: compile `fn` with fx2xla, compare with eager."""
+    return assert_matches_eager

@@ -1,29 +1,366 @@
-"""Lowering rules: elementwise arithmetic, comparisons, math functions, casts, where."""
+"""Lowering rules: elementwise arithmetic, comparisons, math functions, casts, where.
+
+Numerics follow PyTorch's CPU kernels: bfloat16/float16 are computed in float32 ("opmath")
+and rounded once at the end (the registry casts every result to torch's output dtype).
+"""
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from torch.ops import aten
 
 from .registry import register_lowering
 
+_F32 = np.dtype(jnp.float32)
+_REDUCED = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
-# Binary arithmetic: operands promoted to the output dtype and broadcast by the registry.
-@register_lowering(aten.add.Tensor, aten.add.Scalar, promote="out", broadcast=True)
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _is_bool(dtype) -> bool:
+    return np.dtype(dtype) == np.dtype(jnp.bool_)
+
+
+def _opmath(x):
+    """`x` in the dtype torch computes it in: float32 for bfloat16/float16."""
+    return lax.convert_element_type(x, _F32) if x.dtype in _REDUCED else x
+
+
+def _arith_operands(ctx, a, b, exact_scalar: bool):
+    """Operands of add/sub/mul/div cast to their compute dtype and broadcast.
+
+    exact_scalar: torch's mul/div kernels read a one-element second operand of a bf16/f16
+    op at its original precision (a Python scalar or e.g. a 0-d float32 tensor) instead of
+    rounding it to the output dtype first.
+    """
+    dtype, shape = ctx.out_dtype, ctx.out_shape
+    if exact_scalar and dtype in _REDUCED and (not hasattr(b, "dtype") or b.size == 1):
+        b = jnp.asarray(b, dtype=_F32) if not hasattr(b, "dtype") else lax.convert_element_type(b, _F32)
+    else:
+        b = _opmath(jnp.asarray(b, dtype=dtype) if not hasattr(b, "dtype") else lax.convert_element_type(b, dtype))
+    a = _opmath(jnp.asarray(a, dtype=dtype) if not hasattr(a, "dtype") else lax.convert_element_type(a, dtype))
+    return jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+
+
+def _scaled(ctx, b, alpha):
+    """`alpha * b`, alpha rounded to the output dtype first as torch's add kernel does."""
+    if alpha is None or alpha == 1:
+        return b
+    return lax.mul(b, lax.convert_element_type(jnp.asarray(alpha, dtype=ctx.out_dtype), b.dtype))
+
+
+@register_lowering(aten.add.Tensor, aten.add.Scalar)
 def _add(ctx, a, b, alpha=None):
-    if alpha is not None and alpha != 1:
-        b = b * jnp.asarray(alpha, ctx.out_dtype)
-    return lax.add(a, b) if ctx.out_dtype != jnp.bool_ else lax.bitwise_or(a, b)
+    a, b = _arith_operands(ctx, a, b, exact_scalar=False)
+    if _is_bool(ctx.out_dtype):
+        return lax.bitwise_or(a, b) if alpha is None or alpha else a
+    return lax.add(a, _scaled(ctx, b, alpha))
 
 
-@register_lowering(aten.sub.Tensor, aten.sub.Scalar, promote="out", broadcast=True)
+@register_lowering(aten.sub.Tensor, aten.sub.Scalar)
 def _sub(ctx, a, b, alpha=None):
-    if alpha is not None and alpha != 1:
-        b = b * jnp.asarray(alpha, ctx.out_dtype)
-    return lax.sub(a, b)
+    a, b = _arith_operands(ctx, a, b, exact_scalar=False)
+    return lax.sub(a, _scaled(ctx, b, alpha))
 
 
-@register_lowering(aten.mul.Tensor, aten.mul.Scalar, promote="out", broadcast=True)
+@register_lowering(aten.mul.Tensor, aten.mul.Scalar)
 def _mul(ctx, a, b):
-    return lax.mul(a, b) if ctx.out_dtype != jnp.bool_ else lax.bitwise_and(a, b)
+    a, b = _arith_operands(ctx, a, b, exact_scalar=True)
+    return lax.mul(a, b) if not _is_bool(ctx.out_dtype) else lax.bitwise_and(a, b)
+
+
+def _floor_div_float(a, b):
+    """torch's c10::div_floor_floating: Python floor division, exact at integer quotients."""
+    zero, one = jnp.zeros((), a.dtype), jnp.ones((), a.dtype)
+    mod = lax.rem(a, b)
+    div = lax.div(lax.sub(a, mod), b)
+    div = jnp.where((mod != zero) & ((b < zero) != (mod < zero)), div - one, div)
+    floordiv = lax.floor(div)
+    floordiv = jnp.where(div - floordiv > jnp.asarray(0.5, a.dtype), floordiv + one, floordiv)
+    true_div = lax.div(a, b)
+    # A zero quotient keeps the sign of a / b; division by zero gives the IEEE a / b.
+    floordiv = jnp.where(div == zero, jnp.copysign(zero, true_div), floordiv)
+    return jnp.where(b == zero, true_div, floordiv)
+
+
+def _floor_div_int(a, b):
+    """C truncating division corrected toward -inf when the signs differ (Python's //)."""
+    q, r = lax.div(a, b), lax.rem(a, b)
+    zero = jnp.zeros((), a.dtype)
+    fix = (r != zero) & ((r < zero) != (b < zero))
+    return jnp.where(fix, q - jnp.ones((), a.dtype), q)
+
+
+@register_lowering(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode)
+def _div(ctx, a, b, rounding_mode=None):
+    a, b = _arith_operands(ctx, a, b, exact_scalar=True)
+    floating = _is_float(a.dtype)
+    if rounding_mode is None:
+        return lax.div(a, b)
+    if rounding_mode == "trunc":
+        return jnp.trunc(lax.div(a, b)) if floating else lax.div(a, b)
+    if rounding_mode == "floor":
+        return _floor_div_float(a, b) if floating else _floor_div_int(a, b)
+    raise ValueError(f"div: unknown rounding_mode {rounding_mode!r}")
+
+
+# Binary math ops torch computes in the promoted dtype (scalars rounded to it first).
+@register_lowering(aten.fmod.Tensor, aten.fmod.Scalar, promote="out", broadcast=True)
+def _fmod(ctx, a, b):
+    return lax.rem(_opmath(a), _opmath(b))  # C fmod / %: sign of the dividend
+
+
+@register_lowering(aten.remainder.Tensor, aten.remainder.Scalar, promote="out", broadcast=True)
+def _remainder(ctx, a, b):
+    a, b = _opmath(a), _opmath(b)
+    mod = lax.rem(a, b)
+    zero = jnp.zeros((), mod.dtype)
+    # Python-style: the result takes the sign of the divisor.
+    return jnp.where((mod != zero) & ((b < zero) != (mod < zero)), lax.add(mod, b), mod)
+
+
+@register_lowering(aten.atan2.default, promote="out", broadcast=True)
+def _atan2(ctx, a, b):
+    return lax.atan2(_opmath(a), _opmath(b))
+
+
+@register_lowering(aten.maximum.default, promote="out", broadcast=True)
+def _maximum(ctx, a, b):
+    return lax.max(a, b)  # XLA's max propagates NaN, like torch.maximum
+
+
+@register_lowering(aten.minimum.default, promote="out", broadcast=True)
+def _minimum(ctx, a, b):
+    return lax.min(a, b)
+
+
+def _int_pow(base, exp):
+    """torch's integer pow (c10 powi): square-and-multiply; negative exponents give 0
+    except for bases 1 and -1."""
+    one = jnp.ones((), base.dtype)
+    e = jnp.where(exp < jnp.zeros((), exp.dtype), jnp.zeros((), exp.dtype), exp)
+
+    def step(_, carry):
+        r, b, e = carry
+        r = jnp.where((e & jnp.ones((), e.dtype)) != 0, r * b, r)
+        return r, b * b, lax.shift_right_logical(e, jnp.ones((), e.dtype))
+
+    r, _, _ = lax.fori_loop(0, jnp.iinfo(exp.dtype).bits, step, (jnp.broadcast_to(one, base.shape), base, e))
+    odd = (exp & jnp.ones((), exp.dtype)) != 0
+    neg = jnp.where(base == one, one, jnp.where(base == -one, jnp.where(odd, -one, one), jnp.zeros((), base.dtype)))
+    return jnp.where(exp < jnp.zeros((), exp.dtype), neg, r)
+
+
+# torch's pow_tensor_scalar fast paths for float tensors (exact rewrites of pow).
+_POW_SPECIAL = {
+    2: lambda x: x * x,
+    3: lambda x: x * x * x,
+    0.5: lax.sqrt,
+    -0.5: lax.rsqrt,
+    -1: lambda x: lax.div(jnp.ones((), x.dtype), x),
+    -2: lambda x: lax.div(jnp.ones((), x.dtype), x * x),
+}
+
+
+@register_lowering(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar, promote="out", broadcast=True)
+def _pow(ctx, a, b):
+    if _is_float(ctx.out_dtype):
+        exp = ctx.node.args[1] if ctx.node.target == aten.pow.Tensor_Scalar else None
+        if isinstance(exp, (int, float)) and not isinstance(exp, bool) and exp in _POW_SPECIAL:
+            return _POW_SPECIAL[exp](_opmath(a))
+        return lax.pow(_opmath(a), _opmath(b))
+    return _int_pow(a, b)
+
+
+# Unary math functions (int/bool inputs promote to float; computed in float32 for bf16/f16).
+_FLOAT_UNARY = {
+    aten.exp.default: lax.exp,
+    aten.exp2.default: lax.exp2,
+    aten.expm1.default: lax.expm1,
+    aten.log.default: lax.log,
+    aten.log1p.default: lax.log1p,
+    aten.log2.default: jnp.log2,
+    aten.log10.default: jnp.log10,
+    aten.sqrt.default: lax.sqrt,
+    aten.rsqrt.default: lax.rsqrt,
+    aten.reciprocal.default: lambda x: lax.div(jnp.ones((), x.dtype), x),
+    aten.sin.default: lax.sin,
+    aten.cos.default: lax.cos,
+    aten.tan.default: lax.tan,
+    aten.tanh.default: lax.tanh,
+    aten.sinh.default: lax.sinh,
+    aten.cosh.default: lax.cosh,
+    aten.asin.default: lax.asin,
+    aten.acos.default: lax.acos,
+    aten.atan.default: lax.atan,
+    aten.asinh.default: lax.asinh,
+    aten.acosh.default: lax.acosh,
+    aten.atanh.default: lax.atanh,
+    aten.erf.default: lax.erf,
+    aten.erfc.default: lax.erfc,
+    aten.erfinv.default: lax.erf_inv,
+    aten.lgamma.default: lax.lgamma,
+    aten.digamma.default: lax.digamma,
+    aten.sigmoid.default: lax.logistic,
+}
+
+
+def _float_unary_rule(fn):
+    def rule(ctx, x):
+        return fn(_opmath(x))
+
+    return rule
+
+
+for _op, _fn in _FLOAT_UNARY.items():
+    register_lowering(_op, promote="out")(_float_unary_rule(_fn))
+
+
+@register_lowering(aten.neg.default)
+def _neg(ctx, x):
+    return lax.neg(x)
+
+
+@register_lowering(aten.abs.default)
+def _abs(ctx, x):
+    return x if _is_bool(x.dtype) else lax.abs(x)
+
+
+@register_lowering(aten.sign.default)
+def _sign(ctx, x):
+    if _is_bool(x.dtype):
+        return x
+    if _is_float(x.dtype):
+        # torch: (0 < x) - (x < 0), so sign(NaN) = 0 and sign(-0.0) = +0.0.
+        zero = jnp.zeros((), x.dtype)
+        return lax.sub(lax.convert_element_type(x > zero, x.dtype), lax.convert_element_type(x < zero, x.dtype))
+    return lax.sign(x)
+
+
+def _rounding_rule(fn):
+    def rule(ctx, x):
+        return fn(x) if _is_float(x.dtype) else x  # integers are already integral
+
+    return rule
+
+
+register_lowering(aten.floor.default)(_rounding_rule(lax.floor))
+register_lowering(aten.ceil.default)(_rounding_rule(lax.ceil))
+register_lowering(aten.trunc.default)(_rounding_rule(jnp.trunc))
+register_lowering(aten.round.default)(
+    _rounding_rule(lambda x: lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)))
+
+
+@register_lowering(aten.isnan.default)
+def _isnan(ctx, x):
+    return lax.ne(x, x) if _is_float(x.dtype) else jnp.zeros(x.shape, jnp.bool_)
+
+
+@register_lowering(aten.isinf.default)
+def _isinf(ctx, x):
+    if not _is_float(x.dtype):
+        return jnp.zeros(x.shape, jnp.bool_)
+    return lax.eq(lax.abs(x), jnp.asarray(math.inf, x.dtype))
+
+
+@register_lowering(aten.isfinite.default)
+def _isfinite(ctx, x):
+    return lax.is_finite(x) if _is_float(x.dtype) else jnp.ones(x.shape, jnp.bool_)
+
+
+# Comparisons: both sides cast to torch.result_type of the operands; output is bool.
+def _binary_rule(fn):
+    def rule(ctx, a, b):
+        return fn(a, b)
+
+    return rule
+
+
+for _name, _fn in (("eq", lax.eq), ("ne", lax.ne), ("lt", lax.lt), ("le", lax.le), ("gt", lax.gt), ("ge", lax.ge)):
+    _packet = getattr(aten, _name)
+    register_lowering(_packet.Tensor, _packet.Scalar, promote="common", broadcast=True)(_binary_rule(_fn))
+
+
+# Logical ops: any dtype, nonzero (NaN included) is true; output is bool.
+def _truthy(x):
+    return x if _is_bool(x.dtype) else lax.ne(x, jnp.zeros((), x.dtype))
+
+
+for _op, _fn in ((aten.logical_and.default, lax.bitwise_and), (aten.logical_or.default, lax.bitwise_or),
+                 (aten.logical_xor.default, lax.bitwise_xor)):
+    register_lowering(_op, broadcast=True)(
+        (lambda fn: lambda ctx, a, b: fn(_truthy(a), _truthy(b)))(_fn))
+
+
+@register_lowering(aten.logical_not.default)
+def _logical_not(ctx, x):
+    return lax.bitwise_not(_truthy(x))
+
+
+# Bitwise ops on integers and bools (lax's bitwise ops on bool are the logical ones).
+for _name, _fn in (("bitwise_and", lax.bitwise_and), ("bitwise_or", lax.bitwise_or), ("bitwise_xor", lax.bitwise_xor)):
+    _packet = getattr(aten, _name)
+    register_lowering(_packet.Tensor, _packet.Scalar, promote="out", broadcast=True)(_binary_rule(_fn))
+
+
+@register_lowering(aten.bitwise_not.default)
+def _bitwise_not(ctx, x):
+    return lax.bitwise_not(x)
+
+
+@register_lowering(aten.where.self, broadcast=True)
+def _where(ctx, cond, a, b):
+    dtype = ctx.out_dtype
+    return lax.select(_truthy(cond), lax.convert_element_type(a, dtype), lax.convert_element_type(b, dtype))
+
+
+@register_lowering(aten.clamp.default, aten.clamp.Tensor, promote="out", broadcast=True)
+def _clamp(ctx, x, min=None, max=None):  # noqa: A002 (aten's argument names)
+    # max(x, lo) then min(., hi): NaN propagates and hi wins when lo > hi, as in torch.
+    if min is not None:
+        x = jnp.maximum(x, min)
+    if max is not None:
+        x = jnp.minimum(x, max)
+    return x
+
+
+def _convert(x, dtype):
+    """Cast like torch: float -> narrow integer goes through int64 (wrapping, not saturating)."""
+    dtype = np.dtype(dtype)
+    if _is_float(x.dtype) and jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize < 8:
+        x = lax.convert_element_type(x, jnp.int64)
+    return lax.convert_element_type(x, dtype)  # float -> int truncates; -> bool is x != 0
+
+
+@register_lowering(aten._to_copy.default)
+def _to_copy(ctx, x, **kwargs):  # layout/device/pin_memory/memory_format do not apply here
+    return _convert(x, ctx.out_dtype)
+
+
+@register_lowering(aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default)
+def _identity(ctx, x, **kwargs):  # memory_format: the executable's outputs are dense anyway
+    return x
+
+
+@register_lowering(aten.copy.default)
+def _copy(ctx, dst, src, non_blocking=False):
+    return jnp.broadcast_to(_convert(src, ctx.out_dtype), ctx.out_shape)
+
+
+@register_lowering(aten.fill.Scalar)
+def _fill(ctx, x, value):
+    dtype = ctx.out_dtype
+    # The scalar converts like a C cast: float -> int truncates, out-of-range ints wrap.
+    if _is_float(dtype):
+        v = jnp.asarray(float(value), jnp.float64)
+    elif _is_bool(dtype):
+        v = jnp.asarray(bool(value), jnp.bool_)
+    else:
+        v = jnp.asarray(int(value), jnp.int64)
+    return jnp.broadcast_to(lax.convert_element_type(v, dtype), ctx.out_shape)

@@ -1,1 +1,213 @@
-"""Lowering rules: indexing."""
+"""Lowering rules: indexing — advanced indexing, gathers, scatters, embeddings.
+
+Negative indices wrap like torch's (jnp's indexing normalises them). Out-of-range indices,
+which torch rejects at run time, are clamped by XLA's gather/scatter instead of raising.
+Boolean-mask indexing that selects elements has a data-dependent shape and is rejected;
+`nonzero` is not registered for the same reason.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from torch.ops import aten
+
+from .registry import register_lowering
+from .shape import canonical_dim
+
+
+def _is_mask(index) -> bool:
+    return index is not None and index.dtype in (jnp.bool_, jnp.uint8)
+
+
+def _mask_error(op: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{op} with a boolean mask selects a data-dependent number of elements, which XLA's "
+        "static shapes cannot express; use torch.where(mask, x, other) instead, or run the "
+        "indexing eagerly (torch.compiler.disable)"
+    )
+
+
+def _index_tuple(indices) -> tuple:
+    """torch's `indices` list (None = whole dim) as a numpy-style index: numpy places the
+    broadcast advanced dims exactly where torch does (in place if adjacent, else first)."""
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+@register_lowering(
+    aten.index.Tensor, aten.index.Tensor_hacked_twin,
+    aten._unsafe_index.Tensor, aten._unsafe_index.Tensor_hacked_twin,
+)
+def _index(ctx, x, indices):
+    if any(_is_mask(i) for i in indices):
+        raise _mask_error("indexing")
+    return x[_index_tuple(indices)]
+
+
+@register_lowering(
+    aten.index_put.default, aten.index_put.hacked_twin,
+    aten._unsafe_index_put.default, aten._unsafe_index_put.hacked_twin,
+)
+def _index_put(ctx, x, indices, values, accumulate=False):
+    values = values.astype(x.dtype)
+    if any(_is_mask(i) for i in indices):
+        return _masked_put(x, indices, values, accumulate)
+    ref = x.at[_index_tuple(indices)]
+    if not accumulate:
+        return ref.set(values)  # duplicate indices: unspecified winner, as in torch
+    return ref.max(values) if x.dtype == jnp.bool_ else ref.add(values)
+
+
+def _masked_put(x, indices, values, accumulate):
+    """`x[..., mask, ...] = values` for values that do not depend on how many elements the
+    mask selects (broadcast to every selected element): a select, no scatter."""
+    positions = [p for p, i in enumerate(indices) if i is not None]
+    if len(positions) != 1:
+        raise _mask_error("index_put mixing a mask with other indices")
+    p = positions[0]
+    mask = indices[p].astype(jnp.bool_)
+    tail = x.shape[p + mask.ndim:]
+    vshape = values.shape
+    if len(vshape) > len(tail):
+        # The selected-elements dim of values must be 1: swap it for the mask's dims.
+        n_dim = len(vshape) - len(tail) - 1
+        if vshape[n_dim] != 1:
+            raise _mask_error("index_put with one value per selected element")
+        vshape = vshape[:n_dim] + (1,) * mask.ndim + vshape[n_dim + 1:]
+    values = jnp.broadcast_to(lax.reshape(values, vshape), x.shape)
+    mask = jnp.broadcast_to(lax.reshape(mask, (1,) * p + mask.shape + (1,) * len(tail)), x.shape)
+    if not accumulate:
+        return lax.select(mask, values, x)
+    if x.dtype == jnp.bool_:
+        return x | (mask & values)
+    return x + lax.select(mask, values, jnp.zeros_like(x))
+
+
+@register_lowering(aten.index_select.default)
+def _index_select(ctx, x, dim, index):
+    dim = canonical_dim(dim, x.ndim)
+    if x.ndim == 0:
+        return x[jnp.reshape(index, ())]
+    return x[(slice(None),) * dim + (jnp.reshape(index, (-1,)),)]
+
+
+def _coordinates(index, dim: int) -> tuple:
+    """Full coordinates for torch's gather/scatter: `index` along `dim`, the element's own
+    position along every other dim."""
+    return tuple(
+        index if d == dim else lax.broadcasted_iota(index.dtype, index.shape, d)
+        for d in range(index.ndim)
+    )
+
+
+def _leading_block(src, shape):
+    """src[:shape[0], :shape[1], ...]: torch reads only the index-shaped corner of src."""
+    return src if src.shape == tuple(shape) else lax.slice(src, (0,) * src.ndim, tuple(shape))
+
+
+@register_lowering(aten.gather.default)
+def _gather(ctx, x, dim, index, sparse_grad=False):
+    if x.ndim == 0:
+        return lax.reshape(x, index.shape)  # the only valid index of a 0-d tensor is 0
+    return x[_coordinates(index, canonical_dim(dim, x.ndim))]
+
+
+def _scatter_target(x, dim, index):
+    if x.ndim == 0:
+        return x.at[()]
+    return x.at[_coordinates(index, canonical_dim(dim, x.ndim))]
+
+
+@register_lowering(aten.scatter.src)
+def _scatter_src(ctx, x, dim, index, src):
+    return _scatter_target(x, dim, index).set(_leading_block(src, index.shape).astype(x.dtype))
+
+
+@register_lowering(aten.scatter.value)
+def _scatter_value(ctx, x, dim, index, value):
+    return _scatter_target(x, dim, index).set(jnp.asarray(value, x.dtype))
+
+
+@register_lowering(aten.scatter_add.default)
+def _scatter_add(ctx, x, dim, index, src):
+    return _scatter_reduce(ctx, x, dim, index, src, "sum")
+
+
+def _reduction_identity(reduce: str, dtype):
+    """The value torch writes into scatter targets before reducing when include_self=False."""
+    if reduce in ("sum", "mean"):
+        value = 0
+    elif reduce == "prod":
+        value = 1
+    elif dtype == jnp.bool_:
+        value = reduce == "amin"
+    elif jnp.issubdtype(dtype, jnp.floating):
+        value = -jnp.inf if reduce == "amax" else jnp.inf
+    else:
+        value = jnp.iinfo(dtype).min if reduce == "amax" else jnp.iinfo(dtype).max
+    return jnp.asarray(value, dtype)
+
+
+@register_lowering(aten.scatter_reduce.two)
+def _scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
+    if reduce not in ("sum", "prod", "mean", "amax", "amin"):
+        raise ValueError(f"unknown scatter_reduce reduction {reduce!r}")
+    src = _leading_block(src, index.shape).astype(x.dtype)
+    if not include_self:
+        # torch first overwrites every target with the reduction's identity.
+        x = _scatter_target(x, dim, index).set(_reduction_identity(reduce, x.dtype))
+    target = _scatter_target(x, dim, index)
+    if reduce in ("sum", "mean"):
+        out = target.max(src) if x.dtype == jnp.bool_ else target.add(src)
+    elif reduce == "prod":
+        out = target.min(src) if x.dtype == jnp.bool_ else target.multiply(src)
+    elif reduce == "amax":
+        out = target.max(src)
+    else:
+        out = target.min(src)
+    if reduce != "mean":
+        return out
+    count = jnp.full(x.shape, 1 if include_self else 0, x.dtype)
+    count = _scatter_target(count, dim, index).add(jnp.ones(index.shape, x.dtype))
+    count = jnp.where(count == 0, jnp.ones_like(count), count)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return out / count
+    return jnp.floor_divide(out, count)  # torch divides integer means with rounding mode floor
+
+
+@register_lowering(aten.embedding.default)
+def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return weight[indices]
+
+
+@register_lowering(aten.embedding_dense_backward.default)
+def _embedding_dense_backward(ctx, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    """Row sums of `grad` per index (as torch's decomposition: accumulated in float32 for
+    16-bit floats; rows of padding_idx get no gradient; optional 1/frequency scaling)."""
+    dtype = ctx.out_dtype
+    acc = jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
+    grad = grad.astype(acc)
+    flat = jnp.reshape(indices, (-1,))
+    rows = jnp.reshape(grad, (flat.shape[0],) + grad.shape[indices.ndim:])
+    if scale_grad_by_freq:
+        counts = jnp.zeros((int(num_weights),), acc).at[flat].add(jnp.ones(flat.shape, acc))
+        rows = rows / jnp.expand_dims(counts[flat], tuple(range(1, rows.ndim)))
+    keep = jnp.expand_dims(flat != padding_idx, tuple(range(1, rows.ndim)))
+    rows = jnp.where(keep, rows, jnp.zeros((), acc))
+    out = jnp.zeros((int(num_weights),) + rows.shape[1:], acc).at[flat].add(rows)
+    return out.astype(dtype)
+
+
+@register_lowering(aten.masked_scatter.default)
+def _masked_scatter(ctx, x, mask, source):
+    """Selected positions take source's elements in order: the k-th True (row-major) reads
+    source.flatten()[k], found with a running count of the mask."""
+    shape = ctx.out_shape
+    flat_x = jnp.reshape(jnp.broadcast_to(x, shape), (-1,))
+    flat_mask = jnp.reshape(jnp.broadcast_to(mask.astype(jnp.bool_), shape), (-1,))
+    flat_src = jnp.reshape(source, (-1,)).astype(x.dtype)
+    if flat_src.shape[0] == 0 or flat_x.shape[0] == 0:
+        return jnp.reshape(flat_x, shape)  # torch requires an all-False mask here
+    position = jnp.cumsum(flat_mask.astype(jnp.int64)) - 1
+    taken = flat_src[jnp.clip(position, 0, flat_src.shape[0] - 1)]
+    return jnp.reshape(lax.select(flat_mask, taken, flat_x), shape)
+

@@ -1,1 +1,198 @@
-"""Lowering rules: reductions."""
+"""Lowering rules: reductions, scans, sort and topk.
+
+Like torch, bfloat16/float16 inputs accumulate in float32 (sum, mean, prod, var, cumsum) and
+the registry rounds the result to torch's output dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from torch.ops import aten
+
+from .registry import register_lowering
+
+_F32 = np.dtype(jnp.float32)
+_REDUCED = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_INDEX = np.dtype(jnp.int64)
+
+
+def _axes(x, dim, empty_means_all: bool = True) -> tuple[int, ...]:
+    """Normalized reduction axes. None means all; so does [] unless empty_means_all is
+    False (any.dims). A 0-d tensor accepts dim 0 / -1 and has nothing to reduce."""
+    if isinstance(dim, int):
+        dim = [dim]
+    if dim is None or (len(dim) == 0 and empty_means_all):
+        return tuple(range(x.ndim))
+    if x.ndim == 0:
+        return ()
+    return tuple(sorted({d % x.ndim for d in dim}))
+
+
+def _accumulate(ctx, x):
+    """`x` cast to the output dtype (torch applies `dtype=` before reducing), then to float32
+    if that is bf16/f16."""
+    dtype = ctx.out_dtype
+    x = lax.convert_element_type(x, dtype)
+    return lax.convert_element_type(x, _F32) if dtype in _REDUCED else x
+
+
+def _count(x, axes) -> int:
+    return math.prod(x.shape[a] for a in axes)
+
+
+@register_lowering(aten.sum.dim_IntList, aten.sum.default)
+def _sum(ctx, x, dim=None, keepdim=False, dtype=None):
+    return jnp.sum(_accumulate(ctx, x), axis=_axes(x, dim), keepdims=keepdim)
+
+
+@register_lowering(aten.prod.default, aten.prod.dim_int)
+def _prod(ctx, x, dim=None, keepdim=False, dtype=None):
+    return jnp.prod(_accumulate(ctx, x), axis=_axes(x, dim), keepdims=keepdim)
+
+
+@register_lowering(aten.mean.default, aten.mean.dim)
+def _mean(ctx, x, dim=None, keepdim=False, dtype=None):
+    axes = _axes(x, dim)
+    total = jnp.sum(_accumulate(ctx, x), axis=axes, keepdims=keepdim)
+    return lax.div(total, jnp.asarray(_count(x, axes), total.dtype))  # empty: 0 / 0 = NaN
+
+
+def _variance(ctx, x, dim, correction, keepdim):
+    axes = _axes(x, dim)
+    xa = _accumulate(ctx, x)
+    n = _count(x, axes)
+    mean = lax.div(jnp.sum(xa, axis=axes, keepdims=True), jnp.asarray(n, xa.dtype))
+    d = lax.sub(xa, mean)
+    ss = jnp.sum(lax.mul(d, d), axis=axes, keepdims=keepdim)
+    # torch divides by max(N - correction, 0): inf or NaN when there are too few elements.
+    denom = max(n - (1 if correction is None else correction), 0)
+    return lax.div(ss, jnp.asarray(denom, ss.dtype))
+
+
+@register_lowering(aten.var.correction)
+def _var_correction(ctx, x, dim=None, correction=None, keepdim=False):
+    return _variance(ctx, x, dim, correction, keepdim)
+
+
+@register_lowering(aten.var.dim)
+def _var_dim(ctx, x, dim=None, unbiased=True, keepdim=False):
+    return _variance(ctx, x, dim, 1 if unbiased else 0, keepdim)
+
+
+def _extreme(x, axes, keepdim, largest):
+    # XLA's max/min propagate NaN, as torch's amax/amin/max do.
+    return (jnp.max if largest else jnp.min)(x, axis=axes, keepdims=keepdim)
+
+
+@register_lowering(aten.amax.default)
+def _amax(ctx, x, dim=(), keepdim=False):
+    return _extreme(x, _axes(x, dim), keepdim, largest=True)
+
+
+@register_lowering(aten.amin.default)
+def _amin(ctx, x, dim=(), keepdim=False):
+    return _extreme(x, _axes(x, dim), keepdim, largest=False)
+
+
+@register_lowering(aten.max.default)
+def _max_all(ctx, x):
+    return _extreme(x, _axes(x, None), False, largest=True)
+
+
+@register_lowering(aten.min.default)
+def _min_all(ctx, x):
+    return _extreme(x, _axes(x, None), False, largest=False)
+
+
+@register_lowering(aten.any.default, aten.any.dim, aten.any.dims)
+def _any(ctx, x, dim=None, keepdim=False):
+    truthy = x if x.dtype == jnp.bool_ else lax.ne(x, jnp.zeros((), x.dtype))
+    return jnp.any(truthy, axis=_axes(x, dim, empty_means_all=False), keepdims=keepdim)
+
+
+def _arg_extreme(ctx, x, dim, largest):
+    """Index of the first max/min along `dim` (NaN counts as the extreme, as in torch);
+    dim None means over the flattened tensor. Reshaped to torch's output shape."""
+    if dim is None or x.ndim == 0:
+        x, axis = x.reshape(-1), 0
+    else:
+        axis = dim % x.ndim
+    if x.dtype == jnp.bool_:
+        x = lax.convert_element_type(x, jnp.uint8)
+    idx = (lax.argmax if largest else lax.argmin)(x, axis, _INDEX)
+    return idx.reshape(ctx.out_shape)
+
+
+@register_lowering(aten.argmax.default)
+def _argmax(ctx, x, dim=None, keepdim=False):
+    return _arg_extreme(ctx, x, dim, largest=True)
+
+
+@register_lowering(aten.argmin.default)
+def _argmin(ctx, x, dim=None, keepdim=False):
+    return _arg_extreme(ctx, x, dim, largest=False)
+
+
+def _extreme_with_index(ctx, x, dim, keepdim, largest):
+    values = _extreme(x, _axes(x, dim), keepdim, largest)
+    return values, _arg_extreme(ctx, x, dim, largest).reshape(values.shape)
+
+
+@register_lowering(aten.max.dim)
+def _max_dim(ctx, x, dim, keepdim=False):
+    return _extreme_with_index(ctx, x, dim, keepdim, largest=True)
+
+
+@register_lowering(aten.min.dim)
+def _min_dim(ctx, x, dim, keepdim=False):
+    return _extreme_with_index(ctx, x, dim, keepdim, largest=False)
+
+
+@register_lowering(aten.cumsum.default)
+def _cumsum(ctx, x, dim, dtype=None):
+    xa = _accumulate(ctx, x)
+    if xa.ndim == 0:
+        return xa
+    return lax.cumsum(xa, axis=dim % xa.ndim)
+
+
+def _stable_sort(x, axis, descending):
+    """(values, int64 indices) of a stable sort along `axis`; NaN sorts as the largest value.
+
+    Descending: a stable ascending sort of the reversed input, reversed back, keeps equal
+    elements in their original order (torch's stable descending order).
+    """
+    iota = lax.broadcasted_iota(_INDEX, x.shape, axis)
+    if descending:
+        x = lax.rev(x, (axis,))
+        iota = lax.rev(iota, (axis,))
+    values, indices = lax.sort((x, iota), dimension=axis, is_stable=True, num_keys=1)
+    if descending:
+        values, indices = lax.rev(values, (axis,)), lax.rev(indices, (axis,))
+    return values, indices
+
+
+@register_lowering(aten.sort.default)
+def _sort(ctx, x, dim=-1, descending=False):
+    if x.ndim == 0:
+        return x, jnp.zeros((), _INDEX)
+    return _stable_sort(x, dim % x.ndim, descending)
+
+
+@register_lowering(aten.sort.stable)
+def _sort_stable(ctx, x, stable=None, dim=-1, descending=False):
+    return _sort(ctx, x, dim, descending)  # the sort above is always stable
+
+
+@register_lowering(aten.topk.default)
+def _topk(ctx, x, k, dim=-1, largest=True, sorted=True):  # noqa: A002 (aten's name)
+    # Always sorted (torch leaves the order unspecified when sorted=False); ties: lowest index.
+    if x.ndim == 0:
+        return x, jnp.zeros((), _INDEX)
+    axis = dim % x.ndim
+    values, indices = _stable_sort(x, axis, descending=largest)
+    return lax.slice_in_dim(values, 0, k, axis=axis), lax.slice_in_dim(indices, 0, k, axis=axis)

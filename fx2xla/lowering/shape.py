@@ -1,1 +1,256 @@
-"""Lowering rules: shape."""
+"""Lowering rules: shape — views, concatenation, slicing, padding, scatters into slices, sizes.
+
+Views lower to value-producing ops (reshape, transpose, slice): the lowered program is
+functional, and torch's meta already says which shape each result has, so rules that only
+rearrange dimensions reshape to `ctx.out_shape` instead of re-deriving it (this covers -1
+entries and torch's "squeeze only size-1 dims" rule at once).
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from torch.ops import aten
+
+from .graph import dense_permutation
+from .registry import concrete_shape, register_lowering
+
+
+def canonical_dim(dim: int, ndim: int) -> int:
+    """torch's dim wrapping: a 0-d tensor accepts dims -1 and 0."""
+    n = max(ndim, 1)
+    if not -n <= dim < n:
+        raise IndexError(f"dimension {dim} out of range for a {ndim}-d tensor")
+    return dim % n
+
+
+def slice_bounds(size: int, start, end, step: int) -> tuple[int, int, int]:
+    """torch's slice normalisation: None means the whole range, negatives count from the
+    end, out-of-range bounds clamp to [0, size], and an empty range is (start, start)."""
+    if step <= 0:
+        raise ValueError(f"slice step must be positive, got {step}")
+    start = 0 if start is None else int(start)
+    end = size if end is None else int(end)
+    if start < 0:
+        start += size
+    if end < 0:
+        end += size
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return start, end, int(step)
+
+
+# Views whose result is the input's elements in row-major order under a new shape.
+@register_lowering(
+    aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
+    aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+)
+def _reshape(ctx, x, *args):
+    return lax.reshape(x, ctx.out_shape)
+
+
+@register_lowering(aten.permute.default)
+def _permute(ctx, x, dims):
+    return lax.transpose(x, tuple(canonical_dim(d, x.ndim) for d in dims))
+
+
+@register_lowering(aten.expand.default)
+def _expand(ctx, x, size, implicit=False):
+    shape = ctx.out_shape  # torch resolved the -1 entries
+    return lax.broadcast_in_dim(x, shape, tuple(range(len(shape) - x.ndim, len(shape))))
+
+
+@register_lowering(aten.cat.default)
+def _cat(ctx, tensors, dim=0):
+    # torch skips legacy empty 1-d tensors of shape (0,) when concatenating other ranks.
+    kept = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]
+    if not kept:
+        return jnp.zeros(ctx.out_shape, ctx.out_dtype)
+    dim = canonical_dim(dim, kept[0].ndim)
+    dtype = ctx.out_dtype
+    kept = [t if t.dtype == dtype else lax.convert_element_type(t, dtype) for t in kept]
+    return lax.concatenate(kept, dim)
+
+
+@register_lowering(aten.slice.Tensor)
+def _slice(ctx, x, dim=0, start=None, end=None, step=1):
+    dim = canonical_dim(dim, x.ndim)
+    start, end, step = slice_bounds(x.shape[dim], start, end, step)
+    return lax.slice_in_dim(x, start, end, step, axis=dim)
+
+
+def _index_in_dim(index: int, size: int) -> int:
+    if not -size <= index < size:
+        raise IndexError(f"index {index} out of range for a dimension of size {size}")
+    return index % size
+
+
+@register_lowering(aten.select.int)
+def _select(ctx, x, dim, index):
+    dim = canonical_dim(dim, x.ndim)
+    return lax.index_in_dim(x, _index_in_dim(int(index), x.shape[dim]), axis=dim, keepdims=False)
+
+
+@register_lowering(aten.split_with_sizes.default)
+def _split_with_sizes(ctx, x, split_sizes, dim=0):
+    dim = canonical_dim(dim, x.ndim)
+    parts, start = [], 0
+    for size in split_sizes:
+        parts.append(lax.slice_in_dim(x, start, start + int(size), axis=dim))
+        start += int(size)
+    return parts
+
+
+@register_lowering(aten.diagonal.default)
+def _diagonal(ctx, x, offset=0, dim1=0, dim2=1):
+    return jnp.diagonal(x, offset, canonical_dim(dim1, x.ndim), canonical_dim(dim2, x.ndim))
+
+
+@register_lowering(aten.as_strided.default)
+def _as_strided(ctx, x, size, stride, storage_offset=None):
+    """Gathers from the input's storage at offset + sum(i_d * stride_d).
+
+    The storage is reconstructed from the input's meta strides when the input is dense
+    (row-major or a permutation of it, counted from its own storage offset); a non-dense
+    input (a strided slice) is read as if it were contiguous in its logical order.
+    """
+    meta = ctx.arg_meta(0)
+    size = [int(s) for s in size]
+    stride = [int(s) for s in stride]
+    base_offset = concrete_shape([meta.storage_offset()], ctx.sizes)[0]
+    offset = (base_offset if storage_offset is None else int(storage_offset)) - base_offset
+    perm = dense_permutation(x.shape, concrete_shape(meta.stride(), ctx.sizes)) if x.ndim else None
+    storage = lax.reshape(lax.transpose(x, perm) if perm else x, (math.prod(x.shape),))
+    if offset == 0 and stride == list(_contiguous_strides(size)) and math.prod(size) == storage.shape[0]:
+        return lax.reshape(storage, tuple(size))  # a plain reshape of the storage
+    index = np.full(size, offset, dtype=np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        index = index + (np.arange(n, dtype=np.int64) * s).reshape([-1 if i == d else 1 for i in range(len(size))])
+    if index.size and (index.min() < 0 or index.max() >= storage.shape[0]):
+        raise IndexError(f"as_strided{tuple(size), tuple(stride), storage_offset} reads outside the input's {storage.shape[0]} elements")
+    return storage[jnp.asarray(index)]
+
+
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@register_lowering(aten.flip.default)
+def _flip(ctx, x, dims):
+    return lax.rev(x, tuple(sorted({canonical_dim(d, x.ndim) for d in dims})))
+
+
+@register_lowering(aten.repeat.default)
+def _repeat(ctx, x, repeats):
+    repeats = [int(r) for r in repeats]
+    shape = (1,) * (len(repeats) - x.ndim) + tuple(x.shape)
+    # Broadcast to (r0, s0, r1, s1, ...) and merge each pair: tile without copies per repeat.
+    tiled = lax.broadcast_in_dim(
+        lax.reshape(x, shape), tuple(v for pair in zip(repeats, shape) for v in pair),
+        tuple(range(1, 2 * len(shape), 2)),
+    )
+    return lax.reshape(tiled, ctx.out_shape)
+
+
+def _pad_config(ndim: int, pad) -> list[tuple[int, int, int]]:
+    """torch's pad list (last dim first, (before, after) pairs) as lax.pad's per-dim config."""
+    pad = [int(p) for p in pad]
+    if len(pad) % 2 or len(pad) // 2 > ndim:
+        raise ValueError(f"padding {pad} does not fit a {ndim}-d tensor")
+    config = [(0, 0, 0)] * ndim
+    for i in range(len(pad) // 2):
+        config[ndim - 1 - i] = (pad[2 * i], pad[2 * i + 1], 0)
+    return config
+
+
+@register_lowering(aten.constant_pad_nd.default)
+def _constant_pad_nd(ctx, x, pad, value=0):
+    # lax.pad crops on negative padding, as torch does.
+    return lax.pad(x, jnp.asarray(value, x.dtype), _pad_config(x.ndim, pad))
+
+
+def _pad_by_index(x, pad, edge_index):
+    """Pad the trailing dims by gathering along each with `edge_index(positions, size)`,
+    positions running from -before to size + after."""
+    for d, (lo, hi, _) in enumerate(_pad_config(x.ndim, pad)):
+        if lo == 0 and hi == 0:
+            continue
+        n = x.shape[d]
+        index = edge_index(np.arange(-lo, n + hi, dtype=np.int64), n)
+        x = jnp.take(x, jnp.asarray(index), axis=d)
+    return x
+
+
+def _reflect(i, n):
+    if n == 1:
+        return np.zeros_like(i)
+    period = 2 * (n - 1)
+    i = np.abs(i) % period
+    return np.where(i >= n, period - i, i)
+
+
+@register_lowering(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)
+def _reflection_pad(ctx, x, padding):
+    return _pad_by_index(x, padding, _reflect)
+
+
+@register_lowering(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
+def _replication_pad(ctx, x, padding):
+    return _pad_by_index(x, padding, lambda i, n: np.clip(i, 0, n - 1))
+
+
+@register_lowering(aten.slice_scatter.default)
+def _slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
+    dim = canonical_dim(dim, x.ndim)
+    n = x.shape[dim]
+    start, end, step = slice_bounds(n, start, end, step)
+    src = src.astype(x.dtype)
+    if src.shape[dim] == 0:
+        return x
+    if step == 1:
+        starts = [0] * x.ndim
+        starts[dim] = start
+        return lax.dynamic_update_slice(x, src, starts)
+    # Strided: spread src with interior padding and select it where a mask (padded alike) is set.
+    last = start + (src.shape[dim] - 1) * step
+    config = [(0, 0, 0)] * x.ndim
+    config[dim] = (start, n - 1 - last, step - 1)
+    spread = lax.pad(src, jnp.zeros((), x.dtype), config)
+    mask = lax.pad(jnp.ones(src.shape, jnp.bool_), jnp.asarray(False), config)
+    return lax.select(mask, spread, x)
+
+
+@register_lowering(aten.select_scatter.default)
+def _select_scatter(ctx, x, src, dim, index):
+    dim = canonical_dim(dim, x.ndim)
+    starts = [0] * x.ndim
+    starts[dim] = _index_in_dim(int(index), x.shape[dim])
+    return lax.dynamic_update_slice(x, lax.expand_dims(src.astype(x.dtype), (dim,)), starts)
+
+
+# Sizes: Python ints, fixed for the executable being traced.
+@register_lowering(aten.sym_size.int)
+def _sym_size(ctx, x, dim):
+    return int(x.shape[canonical_dim(dim, x.ndim)])
+
+
+@register_lowering(aten.sym_numel.default)
+def _sym_numel(ctx, x):
+    return math.prod(x.shape)
+
+
+@register_lowering(aten.sym_stride.int)
+def _sym_stride(ctx, x, dim):
+    # Strides are a property of torch's layout, which the traced values do not carry.
+    return concrete_shape([ctx.arg_meta(0).stride(canonical_dim(dim, x.ndim))], ctx.sizes)[0]
+
+
+@register_lowering(aten.sym_storage_offset.default)
+def _sym_storage_offset(ctx, x):
+    return concrete_shape([ctx.arg_meta(0).storage_offset()], ctx.sizes)[0]

@@ -1,0 +1,82 @@
+"""The backend is registered by entry point, dumps its graphs, and caches executables."""
+import os
+import subprocess
+import sys
+
+import torch
+
+import fx2xla
+
+
+def test_registered_without_import():
+    code = (
+        "import torch\n"
+        "f = torch.compile(lambda x: x * 2 + 1, backend='fx2xla', fullgraph=True)\n"
+        "x = torch.arange(4.)\n"
+        "torch.testing.assert_close(f(x), x * 2 + 1)\n"
+        "import sys; assert 'fx2xla.backend' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert "fx2xla" in torch._dynamo.list_backends()
+
+
+def test_dump_dir_writes_fx_stablehlo_and_hlo(tmp_path, monkeypatch):
+    monkeypatch.setenv("FX2XLA_DUMP_DIR", str(tmp_path))
+
+    def train_step_like(x, w):
+        return (x * w + 1).sum() if False else x * w + 1
+
+    torch.compile(train_step_like, backend="fx2xla")(torch.randn(3), torch.randn(3))
+    names = sorted(os.listdir(tmp_path))
+    stems = {n.rsplit(".", 2)[0] for n in names}
+    assert len(stems) == 1, names
+    stem = stems.pop()
+    assert "inference" in stem and stem.startswith("000_") or "inference" in stem
+    assert {f"{stem}.fx.txt", f"{stem}.stablehlo.mlir", f"{stem}.hlo.txt"} <= set(names)
+    assert "aten.mul" in (tmp_path / f"{stem}.fx.txt").read_text()
+    assert "stablehlo.multiply" in (tmp_path / f"{stem}.stablehlo.mlir").read_text()
+    assert "HloModule" in (tmp_path / f"{stem}.hlo.txt").read_text()
+
+
+def test_training_graphs_are_named_forward_and_backward(tmp_path, monkeypatch):
+    monkeypatch.setenv("FX2XLA_DUMP_DIR", str(tmp_path))
+    w = torch.randn(3, requires_grad=True)
+    out = torch.compile(lambda x: x * w * w, backend="fx2xla")(torch.randn(3))
+    out.sum().backward()
+    names = " ".join(sorted(os.listdir(tmp_path)))
+    assert "forward" in names and "backward" in names
+
+
+def test_executable_cache_hit_and_recompile_on_new_shape():
+    def f(x):
+        return x * 2 + 1
+
+    x = torch.randn(4, 3)
+    before = fx2xla.metrics()
+    torch.compile(f, backend="fx2xla", dynamic=False)(x)
+    mid = fx2xla.metrics()
+    assert mid["compiles"] - before["compiles"] == 1 or mid["cache_hits"] > before["cache_hits"]
+
+    # The same graph and shapes compiled again (a fresh Dynamo cache): the executable is reused.
+    torch._dynamo.reset()
+    torch.compile(f, backend="fx2xla", dynamic=False)(x)
+    after = fx2xla.metrics()
+    assert after["cache_hits"] == mid["cache_hits"] + 1
+    assert after["compiles"] == mid["compiles"]
+
+    # New shapes: a new executable.
+    out = torch.compile(f, backend="fx2xla", dynamic=False)(torch.randn(5, 3))
+    assert fx2xla.metrics()["compiles"] == after["compiles"] + 1
+    assert out.shape == (5, 3)
+
+
+def test_dynamic_graph_specialises_per_shape():
+    """A graph with symbolic sizes (Dynamo's automatic dynamic shapes) runs every size."""
+
+    def f(x):
+        return x * 2 + x.shape[0]
+
+    c = torch.compile(f, backend="fx2xla")
+    for n in (3, 5, 7, 5):
+        x = torch.randn(n, 2)
+        torch.testing.assert_close(c(x), f(x))

@@ -1,0 +1,61 @@
+"""Bad input gets a clear error naming the op, its inputs and the user's source line."""
+import pytest
+import torch
+
+from fx2xla.lowering.registry import LOWERINGS, register_lowering
+
+
+@torch.library.custom_op("fx2xla_test::mystery", mutates_args=())
+def mystery(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@mystery.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def model_with_unsupported_op(x):
+    y = x * 2
+    return mystery(y)  # the line the error must point at
+
+
+def test_missing_rule_names_op_inputs_and_source_line():
+    compiled = torch.compile(model_with_unsupported_op, backend="fx2xla", fullgraph=True)
+    with pytest.raises(Exception) as info:
+        compiled(torch.randn(3, 5))
+    msg = str(info.value)
+    assert "no lowering rule for fx2xla_test.mystery.default" in msg
+    assert "f32[3, 5]" in msg
+    assert "test_errors.py" in msg and "return mystery(y)" in msg
+
+
+def test_failing_rule_names_op_and_source_line():
+    op = torch.ops.fx2xla_test.mystery.default
+
+    @register_lowering(op)
+    def _broken(ctx, x):
+        raise NotImplementedError("padding mode 'circular' is not supported")
+
+    try:
+        compiled = torch.compile(model_with_unsupported_op, backend="fx2xla", fullgraph=True)
+        with pytest.raises(Exception) as info:
+            compiled(torch.randn(2, dtype=torch.bfloat16))
+        msg = str(info.value)
+        assert "lowering fx2xla_test.mystery.default failed" in msg
+        assert "circular" in msg and "bf16[2]" in msg and "return mystery(y)" in msg
+    finally:
+        del LOWERINGS[op]
+
+
+def test_unknown_option_is_rejected():
+    compiled = torch.compile(lambda x: x + 1, backend="fx2xla", options={"no_such_option": 1})
+    with pytest.raises(Exception, match="unknown option.*no_such_option"):
+        compiled(torch.randn(2))
+
+
+def test_bad_pjrt_device_is_rejected(monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "QPU")
+    compiled = torch.compile(lambda x: x + 1, backend="fx2xla")
+    with pytest.raises(Exception, match="PJRT_DEVICE='QPU'"):
+        compiled(torch.randn(2))

@@ -1,0 +1,105 @@
+"""Inputs of every kind reach the executable unchanged and outputs come back as eager's."""
+import pytest
+import torch
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8]
+
+
+def _affine(x, y):
+    return x * 3 + y
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dtypes_round_trip(check, dtype):
+    x = (torch.arange(12) % 7).to(dtype).reshape(3, 4)
+    y = (torch.arange(12) % 5).to(dtype).reshape(3, 4)
+    out = check(_affine, x, y)
+    assert out.dtype == dtype
+
+
+def test_int64_stays_int64_beyond_int32_range(check):
+    x = torch.tensor([2**40, -(2**35), 7], dtype=torch.int64)
+    check(_affine, x, x)
+
+
+def test_int64_does_not_flip_jax_x64():
+    import jax
+
+    before = jax.config.jax_enable_x64
+    torch.compile(_affine, backend="fx2xla")(torch.arange(3), torch.arange(3))
+    assert jax.config.jax_enable_x64 == before
+
+
+def test_bool_inputs(check):
+    x = torch.tensor([True, False, True])
+    check(lambda a, b: a * b + a, x, torch.tensor([False, False, True]))
+
+
+def test_zero_dim(check):
+    check(_affine, torch.tensor(2.5), torch.tensor(-1.0))
+
+
+def test_zero_dim_with_tensor(check):
+    check(_affine, torch.tensor(2.5), torch.randn(3, 2))
+
+
+def test_empty(check):
+    check(_affine, torch.randn(0, 4), torch.randn(0, 4))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(5, 3).t(),  # transposed: passed as a permuted dense view
+        lambda: torch.randn(4, 6, 5).permute(2, 0, 1),
+        lambda: torch.randn(8, 6)[::2, 1:5],  # sliced strides: copied dense first
+        lambda: torch.randn(3, 1).expand(3, 4),  # stride 0
+        lambda: torch.randn(33)[1:].view(4, 8),  # not 64-byte aligned
+    ],
+    ids=["transposed", "permuted3d", "sliced", "expanded", "unaligned"],
+)
+def test_non_contiguous_and_unaligned(check, make):
+    x = make()
+    y = torch.randn(x.shape)
+    check(_affine, x, y)
+
+
+def test_output_strides_follow_eager():
+    def f(x):
+        return (x * 2).t()  # eager returns a transposed (column-major) result
+
+    x = torch.randn(3, 5)
+    out = torch.compile(f, backend="fx2xla")(x)
+    ref = f(x)
+    torch.testing.assert_close(out, ref)
+    assert out.stride() == ref.stride()
+
+
+def test_inplace_on_input_takes_effect():
+    def f(x, y):
+        x.mul_(2)
+        return x + y
+
+    x, y = torch.randn(4), torch.randn(4)
+    xe = x.clone()
+    ref = f(xe, y)
+    out = torch.compile(f, backend="fx2xla")(x, y)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x, xe)  # the mutation reached the caller's tensor
+
+
+def test_parameters_updated_between_calls_are_seen():
+    """Resident parameter buffers must not go stale after an in-place update."""
+    lin = torch.nn.Parameter(torch.randn(4))
+
+    def f(x):
+        return x * lin
+
+    c = torch.compile(f, backend="fx2xla")
+    x = torch.randn(4)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), x * lin)
+        lin.mul_(3)
+        torch.testing.assert_close(c(x), x * lin)
+        lin.data = torch.randn(4)  # a new storage behind the same Parameter
+        torch.testing.assert_close(c(x), x * lin)

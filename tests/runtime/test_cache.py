@@ -1,0 +1,34 @@
+"""The in-memory executable cache: hits, misses, and LRU eviction that only costs a recompile."""
+import jax
+import jax.numpy as jnp
+import torch
+
+from fx2xla.runtime import ExecutableCache, compile_module, default_device
+from fx2xla.runtime.handoff import export_array, import_tensor
+
+
+def _module(scale: float) -> str:
+    return jax.jit(lambda x: x * scale).lower(jax.ShapeDtypeStruct((3,), jnp.float32)).as_text()
+
+
+def test_hit_miss_and_eviction():
+    cache = ExecutableCache(max_entries=2)
+    dev = default_device()
+    mods = [_module(s) for s in (2.0, 3.0, 4.0)]
+    e0 = compile_module(mods[0], dev, cache)
+    assert compile_module(mods[0], dev, cache) is e0
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.compiles) == (1, 1, 1)
+    compile_module(mods[1], dev, cache)
+    compile_module(mods[2], dev, cache)  # evicts mods[0], the least recently used
+    assert cache.stats.evictions == 1 and len(cache) == 2
+    again = compile_module(mods[0], dev, cache)  # a recompile, not a failure
+    assert cache.stats.compiles == 4
+    x = torch.tensor([1.0, 2.0, 3.0])
+    out = export_array(again.execute([import_tensor(x, dev.jax_device)])[0])
+    torch.testing.assert_close(out, x * 2)
+
+
+def test_pjrt_device_selection(monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "cpu")
+    d = default_device()
+    assert d.platform == "cpu" and d.index == 0 and d.kind
