@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) -m fx2xla.demo
+	$(PY) bench/demo.py
 
 test: setup
 	$(PY) -m pytest -q

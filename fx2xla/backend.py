@@ -29,14 +29,50 @@ def _graph_name(kind: str) -> str:
     return f"g{cid}_{kind}".replace("/", "_") if cid is not None else kind
 
 
-def _compile(gm, example_inputs, *, kind: str, options: dict):
+def _fw_metadata():
+    """AOTAutograd's view/mutation metadata of the graph being compiled (private; or None)."""
+    try:
+        ctx = torch._guards.TracingContext.try_get()
+        return ctx.fw_metadata if ctx is not None else None
+    except AttributeError:
+        return None
+
+
+def aot_wrappers_needed(meta, graph_inputs: int, dynamo_inputs: int) -> bool:
+    """Whether AOTAutograd's runtime wrappers do any work for an inference graph.
+
+    They write input mutations back, regenerate outputs that alias inputs or intermediates,
+    and unwrap subclasses / dedupe inputs; when there is none of that they only add ~5 µs per
+    call, and the compiled graph is called directly. Anything unrecognised keeps them.
+    """
+    try:
+        from torch._functorch._aot_autograd.schemas import OutputType, SubclassCreationMeta
+
+        if meta is None or graph_inputs != dynamo_inputs:
+            return True
+        if any(i.mutates_data or i.mutates_metadata or i.mutates_storage_metadata for i in meta.input_info):
+            return True
+        if any(o.output_type != OutputType.non_alias for o in meta.output_info):
+            return True
+        if meta.num_intermediate_bases or meta.tokens or getattr(meta, "is_rng_op_functionalized", True):
+            return True
+        metas = list(meta.subclass_inp_meta) + list(meta.subclass_fw_graph_out_meta)
+        return any(isinstance(m, SubclassCreationMeta) for m in metas)
+    except (ImportError, AttributeError):
+        return True
+
+
+def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None = None):
     from .compiled_graph import CompiledGraph
     from .runtime import Device, default_device
 
     device = default_device()
     if options["device_index"] is not None:
         device = Device(device.platform, int(options["device_index"]))
-    return CompiledGraph(gm, example_inputs, device, _graph_name(kind))
+    compiled = CompiledGraph(gm, example_inputs, device, _graph_name(kind))
+    if made is not None:
+        made.append((compiled, _fw_metadata()))
+    return compiled
 
 
 def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None):
@@ -47,9 +83,15 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     from .decompositions import decomposition_table
 
     opts = _check_options(options)
-    return aot_autograd(
+    inference_graphs: list = []
+    compiled = aot_autograd(
         fw_compiler=functools.partial(_compile, kind="forward", options=opts),
         bw_compiler=functools.partial(_compile, kind="backward", options=opts),
-        inference_compiler=functools.partial(_compile, kind="inference", options=opts),
+        inference_compiler=functools.partial(_compile, kind="inference", options=opts, made=inference_graphs),
         decompositions=decomposition_table(),
     )(gm, example_inputs)
+    if len(inference_graphs) == 1:
+        graph, meta = inference_graphs[0]
+        if not aot_wrappers_needed(meta, len(graph.example_inputs), len(example_inputs)):
+            return graph.call_unboxed
+    return compiled

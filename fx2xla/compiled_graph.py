@@ -105,6 +105,10 @@ class CompiledGraph:
             return [export_array(o) for o in outs]
         return self._wrap_outputs(spec, outs)
 
+    def call_unboxed(self, *args):
+        """Dynamo's calling convention, for graphs that bypass AOTAutograd's wrappers."""
+        return self(list(args))
+
     def _import(self, args):
         dev = self._jax_device
         plans = self.plans

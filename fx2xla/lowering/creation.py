@@ -1,11 +1,14 @@
 """Lowering rules: tensor creation (full, arange, scalar_tensor, empty).
 
-Shapes and dtypes come from torch's meta (`ctx.out_shape`, `ctx.out_dtype`), which already
-applied torch's defaults (e.g. `full((2,), 1)` is int64, `arange(0, 1, 0.1)` is float32).
+Only ops that survive the core-ATen decomposition table have rules: zeros, ones, new_* and
+*_like arrive as full, full_like or empty_permuted. Shapes and dtypes come from torch's meta
+(`ctx.out_shape`, `ctx.out_dtype`), which already applied torch's defaults (e.g.
+`full((2,), 1)` is int64, `arange(0, 1, 0.1)` is float32).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from torch.ops import aten
 
@@ -13,7 +16,8 @@ from .registry import register_lowering
 
 
 def _filled(ctx, value):
-    return lax.full(ctx.out_shape, jnp.asarray(value, ctx.out_dtype), ctx.out_dtype)
+    # numpy's cast matches torch's for out-of-range scalars (-1 as uint8 is 255, 2.7 as int is 2).
+    return lax.full(ctx.out_shape, np.asarray(value).astype(ctx.out_dtype), ctx.out_dtype)
 
 
 @register_lowering(aten.full.default)
@@ -26,23 +30,11 @@ def _full_like(ctx, x, fill_value, **kwargs):
     return _filled(ctx, fill_value)
 
 
-@register_lowering(aten.new_full.default)
-def _new_full(ctx, x, size, fill_value, **kwargs):
-    return _filled(ctx, fill_value)
-
-
-# Uninitialised memory in torch: any value is correct, zeros are deterministic.
-@register_lowering(
-    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
-    aten.new_empty.default, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default,
-)
-def _zeros(ctx, *args, **kwargs):
+# Uninitialised memory in torch: any value is correct, zeros are deterministic. (The layout
+# an empty_strided/empty_permuted asks for is the graph's output plan, from torch's meta.)
+@register_lowering(aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default)
+def _empty(ctx, *args, **kwargs):
     return _filled(ctx, 0)
-
-
-@register_lowering(aten.ones.default, aten.ones_like.default, aten.new_ones.default)
-def _ones(ctx, *args, **kwargs):
-    return _filled(ctx, 1)
 
 
 @register_lowering(aten.scalar_tensor.default)

@@ -32,19 +32,25 @@ def _opmath(x):
     return lax.convert_element_type(x, _F32) if x.dtype in _REDUCED else x
 
 
-def _arith_operands(ctx, a, b, exact_scalar: bool):
-    """Operands of add/sub/mul/div cast to their compute dtype and broadcast.
+def _arith_operands(ctx, a, b, exact_scalar: bool, opmath: bool = True):
+    """Operands of add/sub/mul/div cast to the dtype torch's CPU kernel computes in, broadcast.
 
     exact_scalar: torch's mul/div kernels read a one-element second operand of a bf16/f16
-    op at its original precision (a Python scalar or e.g. a 0-d float32 tensor) instead of
-    rounding it to the output dtype first.
+    op at its original precision (a Python scalar or e.g. a 0-d float32 tensor) and compute
+    in float32. opmath=False: otherwise bf16/f16 stay in their dtype, every op rounding
+    (torch's vectorized bf16/f16 kernels for div with a rounding mode).
     """
     dtype, shape = ctx.out_dtype, ctx.out_shape
+
+    def cast(x, dt):
+        return lax.convert_element_type(x, dt) if hasattr(x, "dtype") else jnp.asarray(x, dtype=dt)
+
     if exact_scalar and dtype in _REDUCED and (not hasattr(b, "dtype") or b.size == 1):
-        b = jnp.asarray(b, dtype=_F32) if not hasattr(b, "dtype") else lax.convert_element_type(b, _F32)
+        a, b = _opmath(cast(a, dtype)), cast(b, _F32)
+    elif opmath:
+        a, b = _opmath(cast(a, dtype)), _opmath(cast(b, dtype))
     else:
-        b = _opmath(jnp.asarray(b, dtype=dtype) if not hasattr(b, "dtype") else lax.convert_element_type(b, dtype))
-    a = _opmath(jnp.asarray(a, dtype=dtype) if not hasattr(a, "dtype") else lax.convert_element_type(a, dtype))
+        a, b = cast(a, dtype), cast(b, dtype)
     return jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
 
 
@@ -99,7 +105,7 @@ def _floor_div_int(a, b):
 
 @register_lowering(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode)
 def _div(ctx, a, b, rounding_mode=None):
-    a, b = _arith_operands(ctx, a, b, exact_scalar=True)
+    a, b = _arith_operands(ctx, a, b, exact_scalar=True, opmath=rounding_mode is None)
     floating = _is_float(a.dtype)
     if rounding_mode is None:
         return lax.div(a, b)
@@ -138,6 +144,55 @@ def _maximum(ctx, a, b):
 @register_lowering(aten.minimum.default, promote="out", broadcast=True)
 def _minimum(ctx, a, b):
     return lax.min(a, b)
+
+
+@register_lowering(aten.fmax.default, promote="out", broadcast=True)
+def _fmax(ctx, a, b):
+    return jnp.fmax(a, b)  # NaN only when both are NaN
+
+
+@register_lowering(aten.fmin.default, promote="out", broadcast=True)
+def _fmin(ctx, a, b):
+    return jnp.fmin(a, b)
+
+
+@register_lowering(aten.hypot.default, promote="out", broadcast=True)
+def _hypot(ctx, a, b):
+    return jnp.hypot(_opmath(a), _opmath(b))
+
+
+@register_lowering(aten.copysign.Tensor, aten.copysign.Scalar, promote="out", broadcast=True)
+def _copysign(ctx, a, b):
+    return jnp.copysign(a, b)
+
+
+@register_lowering(aten.nextafter.default, promote="out", broadcast=True)
+def _nextafter(ctx, a, b):
+    return lax.nextafter(a, b)
+
+
+def _shift_rule(left: bool):
+    def rule(ctx, a, b):
+        # torch: a shift by a negative amount or by >= the bit width gives 0 (-1 for a
+        # right shift of a negative signed value); lax leaves those undefined.
+        bits = jnp.iinfo(a.dtype).bits
+        zero = jnp.zeros((), a.dtype)
+        out_of_range = (b < zero) | (b >= jnp.asarray(bits, a.dtype))
+        safe_b = jnp.where(out_of_range, zero, b)
+        if left:
+            return jnp.where(out_of_range, zero, lax.shift_left(a, safe_b))
+        fill = jnp.where(a < zero, -jnp.ones((), a.dtype), zero) if jnp.issubdtype(a.dtype, jnp.signedinteger) else zero
+        return jnp.where(out_of_range, fill, lax.shift_right_arithmetic(a, safe_b))
+
+    return rule
+
+
+for _packet, _left in ((aten.bitwise_left_shift, True), (aten.bitwise_right_shift, False)):
+    register_lowering(_packet.Tensor, _packet.Tensor_Scalar, _packet.Scalar_Tensor, promote="out",
+                      broadcast=True)(_shift_rule(_left))
+# `a << b` / `a >> b` (same kernels in torch).
+register_lowering(aten.__lshift__.Tensor, aten.__lshift__.Scalar, promote="out", broadcast=True)(_shift_rule(True))
+register_lowering(aten.__rshift__.Tensor, aten.__rshift__.Scalar, promote="out", broadcast=True)(_shift_rule(False))
 
 
 def _int_pow(base, exp):
@@ -208,6 +263,7 @@ _FLOAT_UNARY = {
     aten.lgamma.default: lax.lgamma,
     aten.digamma.default: lax.digamma,
     aten.sigmoid.default: lax.logistic,
+    aten.i0.default: lambda x: lax.mul(lax.bessel_i0e(x), lax.exp(lax.abs(x))),
 }
 
 
@@ -269,12 +325,18 @@ def _isinf(ctx, x):
     return lax.eq(lax.abs(x), jnp.asarray(math.inf, x.dtype))
 
 
+@register_lowering(aten.signbit.default)
+def _signbit(ctx, x):
+    if _is_float(x.dtype):
+        return jnp.signbit(x)  # true for -0.0 and negative NaN payloads
+    return x < jnp.zeros((), x.dtype) if jnp.issubdtype(x.dtype, jnp.signedinteger) else jnp.zeros(x.shape, jnp.bool_)
+
+
 @register_lowering(aten.isfinite.default)
 def _isfinite(ctx, x):
     return lax.is_finite(x) if _is_float(x.dtype) else jnp.ones(x.shape, jnp.bool_)
 
 
-# Comparisons: both sides cast to torch.result_type of the operands; output is bool.
 def _binary_rule(fn):
     def rule(ctx, a, b):
         return fn(a, b)
@@ -282,6 +344,7 @@ def _binary_rule(fn):
     return rule
 
 
+# Comparisons: both sides cast to torch.result_type of the operands; output is bool.
 for _name, _fn in (("eq", lax.eq), ("ne", lax.ne), ("lt", lax.lt), ("le", lax.le), ("gt", lax.gt), ("ge", lax.ge)):
     _packet = getattr(aten, _name)
     register_lowering(_packet.Tensor, _packet.Scalar, promote="common", broadcast=True)(_binary_rule(_fn))
@@ -292,10 +355,16 @@ def _truthy(x):
     return x if _is_bool(x.dtype) else lax.ne(x, jnp.zeros((), x.dtype))
 
 
+def _logical_rule(fn):
+    def rule(ctx, a, b):
+        return fn(_truthy(a), _truthy(b))
+
+    return rule
+
+
 for _op, _fn in ((aten.logical_and.default, lax.bitwise_and), (aten.logical_or.default, lax.bitwise_or),
                  (aten.logical_xor.default, lax.bitwise_xor)):
-    register_lowering(_op, broadcast=True)(
-        (lambda fn: lambda ctx, a, b: fn(_truthy(a), _truthy(b)))(_fn))
+    register_lowering(_op, broadcast=True)(_logical_rule(_fn))
 
 
 @register_lowering(aten.logical_not.default)

@@ -190,7 +190,7 @@ def _embedding_dense_backward(ctx, grad, indices, num_weights, padding_idx, scal
     rows = jnp.reshape(grad, (flat.shape[0],) + grad.shape[indices.ndim:])
     if scale_grad_by_freq:
         counts = jnp.zeros((int(num_weights),), acc).at[flat].add(jnp.ones(flat.shape, acc))
-        rows = rows / jnp.expand_dims(counts[flat], tuple(range(1, rows.ndim)))
+        rows = rows * jnp.expand_dims(counts[flat], tuple(range(1, rows.ndim)))
     keep = jnp.expand_dims(flat != padding_idx, tuple(range(1, rows.ndim)))
     rows = jnp.where(keep, rows, jnp.zeros((), acc))
     out = jnp.zeros((int(num_weights),) + rows.shape[1:], acc).at[flat].add(rows)

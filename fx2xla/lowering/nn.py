@@ -420,7 +420,7 @@ def _avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, d
     y = _opmath(x)
     pads = [_window_pad(o, n, kk, ss, pp) for o, n, kk, ss, pp in zip(out_hw, hw, k, s, p)]
     lead = x.ndim - 2
-    total = lax.reduce_window(y, jnp.zeros((), y.dtype), lax.add, (1,) * lead + tuple(k),
+    total = lax.reduce_window(y, np.zeros((), y.dtype), lax.add, (1,) * lead + tuple(k),
                               (1,) * lead + tuple(s), [(0, 0)] * lead + pads)
     total = total[..., :out_hw[0], :out_hw[1]]
     if divisor_override:
@@ -504,15 +504,20 @@ def _nearest_index(out_size, in_size, scale):
     return np.minimum(src, in_size - 1)
 
 
-@register_lowering(aten.upsample_nearest2d.vec, aten.upsample_nearest2d.default)
-def _upsample_nearest2d(ctx, x, output_size, scale_factors=None, scales_w=None):
-    if isinstance(scale_factors, (list, tuple)) or scale_factors is None and scales_w is None:
-        sh, sw = _scales(scale_factors)
-    else:  # .default overload: (input, output_size, scales_h, scales_w)
-        sh, sw = scale_factors, scales_w
+def _upsample_nearest2d(ctx, x, sh, sw):
     (h, w), (oh, ow) = x.shape[-2:], ctx.out_shape[-2:]
     x = jnp.take(x, jnp.asarray(_nearest_index(oh, h, sh)), axis=-2, mode="clip")
     return jnp.take(x, jnp.asarray(_nearest_index(ow, w, sw)), axis=-1, mode="clip")
+
+
+@register_lowering(aten.upsample_nearest2d.vec)
+def _upsample_nearest2d_vec(ctx, x, output_size, scale_factors):
+    return _upsample_nearest2d(ctx, x, *_scales(scale_factors))
+
+
+@register_lowering(aten.upsample_nearest2d.default)
+def _upsample_nearest2d_default(ctx, x, output_size, scales_h=None, scales_w=None):
+    return _upsample_nearest2d(ctx, x, scales_h, scales_w)
 
 
 def _linear_taps(out_size, in_size, align_corners, scale, ftype):
@@ -530,12 +535,10 @@ def _linear_taps(out_size, in_size, align_corners, scale, ftype):
     return i0, i1, f(1) - l1, l1
 
 
-@register_lowering(aten.upsample_bilinear2d.vec)
-def _upsample_bilinear2d(ctx, x, output_size, align_corners, scale_factors=None):
+def _upsample_bilinear2d(ctx, x, align_corners, sh, sw):
     y = _opmath(x)
     ftype = np.dtype(np.float64 if y.dtype == np.float64 else np.float32)
     (h, w), (oh, ow) = x.shape[-2:], ctx.out_shape[-2:]
-    sh, sw = _scales(scale_factors)
     h0, h1, hl0, hl1 = _linear_taps(oh, h, align_corners, sh, ftype)
     w0, w1, wl0, wl1 = _linear_taps(ow, w, align_corners, sw, ftype)
 
@@ -548,6 +551,16 @@ def _upsample_bilinear2d(ctx, x, output_size, align_corners, scale_factors=None)
 
     return (cols(take(y, h0, -2)) * jnp.asarray(hl0, y.dtype)[:, None]
             + cols(take(y, h1, -2)) * jnp.asarray(hl1, y.dtype)[:, None])
+
+
+@register_lowering(aten.upsample_bilinear2d.vec)
+def _upsample_bilinear2d_vec(ctx, x, output_size, align_corners, scale_factors):
+    return _upsample_bilinear2d(ctx, x, align_corners, *_scales(scale_factors))
+
+
+@register_lowering(aten.upsample_bilinear2d.default)
+def _upsample_bilinear2d_default(ctx, x, output_size, align_corners, scales_h=None, scales_w=None):
+    return _upsample_bilinear2d(ctx, x, align_corners, scales_h, scales_w)
 
 
 # ---------------------------------------------------------------------------------------------

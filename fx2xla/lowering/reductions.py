@@ -78,9 +78,32 @@ def _var_correction(ctx, x, dim=None, correction=None, keepdim=False):
     return _variance(ctx, x, dim, correction, keepdim)
 
 
+@register_lowering(aten.var_mean.correction)
+def _var_mean(ctx, x, dim=None, correction=None, keepdim=False):
+    return _variance(ctx, x, dim, correction, keepdim), _mean(ctx, x, dim, keepdim)
+
+
 @register_lowering(aten.var.dim)
 def _var_dim(ctx, x, dim=None, unbiased=True, keepdim=False):
     return _variance(ctx, x, dim, 1 if unbiased else 0, keepdim)
+
+
+@register_lowering(aten.linalg_vector_norm.default)
+def _vector_norm(ctx, x, ord=2, dim=None, keepdim=False, dtype=None):  # noqa: A002 (aten's name)
+    axes = _axes(x, dim)
+    a = lax.abs(_accumulate(ctx, x))
+    if ord == math.inf:
+        return jnp.max(a, axis=axes, keepdims=keepdim)
+    if ord == -math.inf:
+        return jnp.min(a, axis=axes, keepdims=keepdim)
+    if ord == 0:
+        return jnp.sum(lax.convert_element_type(a != 0, a.dtype), axis=axes, keepdims=keepdim)
+    if ord == 1:
+        return jnp.sum(a, axis=axes, keepdims=keepdim)
+    if ord == 2:
+        return lax.sqrt(jnp.sum(lax.mul(a, a), axis=axes, keepdims=keepdim))
+    p = jnp.asarray(ord, a.dtype)
+    return lax.pow(jnp.sum(lax.pow(a, p), axis=axes, keepdims=keepdim), lax.div(jnp.ones((), a.dtype), p))
 
 
 def _extreme(x, axes, keepdim, largest):
@@ -152,12 +175,57 @@ def _min_dim(ctx, x, dim, keepdim=False):
     return _extreme_with_index(ctx, x, dim, keepdim, largest=False)
 
 
+def _scan_axis(x, dim):
+    return dim % x.ndim if x.ndim else None
+
+
 @register_lowering(aten.cumsum.default)
 def _cumsum(ctx, x, dim, dtype=None):
     xa = _accumulate(ctx, x)
-    if xa.ndim == 0:
-        return xa
-    return lax.cumsum(xa, axis=dim % xa.ndim)
+    axis = _scan_axis(xa, dim)
+    return xa if axis is None else lax.cumsum(xa, axis=axis)
+
+
+@register_lowering(aten.cumprod.default)
+def _cumprod(ctx, x, dim, dtype=None):
+    xa = _accumulate(ctx, x)
+    axis = _scan_axis(xa, dim)
+    return xa if axis is None else lax.cumprod(xa, axis=axis)
+
+
+@register_lowering(aten.logcumsumexp.default)
+def _logcumsumexp(ctx, x, dim):
+    xa = _accumulate(ctx, x)
+    axis = _scan_axis(xa, dim)
+    return xa if axis is None else lax.cumlogsumexp(xa, axis=axis)
+
+
+def _cum_extreme(x, dim, largest):
+    """torch's cummax/cummin: running extreme and the index of its latest occurrence; a NaN
+    is the extreme from where it appears (the latest NaN's index)."""
+    axis = _scan_axis(x, dim)
+    if axis is None:
+        return x, jnp.zeros((), _INDEX)
+    idx = lax.broadcasted_iota(_INDEX, x.shape, axis)
+
+    def combine(left, right):
+        (v1, i1), (v2, i2) = left, right
+        better = (v2 >= v1) if largest else (v2 <= v1)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            better = (v2 != v2) | ((v1 == v1) & better)
+        return jnp.where(better, v2, v1), jnp.where(better, i2, i1)
+
+    return lax.associative_scan(combine, (x, idx), axis=axis)
+
+
+@register_lowering(aten.cummax.default)
+def _cummax(ctx, x, dim):
+    return _cum_extreme(x, dim, largest=True)
+
+
+@register_lowering(aten.cummin.default)
+def _cummin(ctx, x, dim):
+    return _cum_extreme(x, dim, largest=False)
 
 
 def _stable_sort(x, axis, descending):

@@ -80,3 +80,38 @@ def test_dynamic_graph_specialises_per_shape():
     for n in (3, 5, 7, 5):
         x = torch.randn(n, 2)
         torch.testing.assert_close(c(x), f(x))
+
+
+def test_aot_wrappers_bypassed_only_when_they_do_nothing(monkeypatch):
+    import fx2xla.backend as backend
+
+    seen = []
+    real = backend.aot_wrappers_needed
+
+    def spy(meta, graph_inputs, dynamo_inputs):
+        seen.append(real(meta, graph_inputs, dynamo_inputs))
+        return seen[-1]
+
+    monkeypatch.setattr(backend, "aot_wrappers_needed", spy)
+
+    def plain(x):
+        return x * 2
+
+    def mutates(x):
+        x.add_(1)
+        return x * 2
+
+    def aliases(x):
+        return x * 2, x.view(-1)  # second output is a view of the input
+
+    for fn, expect in [(plain, False), (mutates, True), (aliases, True)]:
+        torch._dynamo.reset()
+        seen.clear()
+        x = torch.randn(2, 3)
+        ref = fn(x.clone())
+        out = torch.compile(fn, backend="fx2xla")(x.clone())
+        torch.testing.assert_close(out, ref)
+        assert seen == [expect], (fn.__name__, seen)
+    # The public fallback: unknown metadata keeps AOTAutograd's wrappers.
+    assert real(None, 1, 1) is True
+    assert real(object(), 1, 1) is True

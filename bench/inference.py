@@ -1,0 +1,119 @@
+"""Inference latency of eager, Inductor and fx2xla, measured in one run.
+
+    .venv/bin/python bench/inference.py [--models mlp,cnn,gpt2,bert,llama,tiny] [--rounds 15]
+
+Prints a table of medians and ratios (÷ eager, ÷ Inductor), the first call of each compiler
+(Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR), and fx2xla's per-call overhead over a
+raw PJRT execute of the same executable; writes raw numbers to bench/results/inference.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+# A cold Inductor cache for honest first-call figures; set before torch is imported.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cold-"))
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import fmt_time, interleaved_medians, timed_call, write_json  # noqa: E402
+
+import fx2xla  # noqa: E402
+from fx2xla.testing import model_cases  # noqa: E402
+
+
+def tiny(x):
+    return x * 2 + 1
+
+
+def per_call_overhead(rounds: int) -> dict:
+    """fx2xla's whole call on a 4-element graph vs a raw PJRT execute of its executable."""
+    from fx2xla.runtime import default_device, executable_cache
+    from fx2xla.runtime.handoff import import_tensor
+
+    x = torch.randn(4)
+    torch._dynamo.reset()
+    executable_cache.clear()
+    compiled = torch.compile(tiny, backend="fx2xla", fullgraph=True)
+    inductor = torch.compile(tiny, fullgraph=True)
+    compiled(x), inductor(x)
+    exe = next(iter(executable_cache._entries.values()))
+    buf = import_tensor(x, default_device().jax_device)
+    n = 2000
+    med = interleaved_medians(
+        {"eager": tiny, "inductor": inductor, "fx2xla": compiled, "raw_pjrt_execute": lambda _: exe.execute([buf])},
+        (x,), rounds=rounds, calls_per_round=n,
+    )
+    med["fx2xla_overhead_over_raw"] = med["fx2xla"] - med["raw_pjrt_execute"]
+    return med
+
+
+def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    model = case.build().eval().to(dtype)
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in case.make_inputs())
+    res: dict = {}
+    with torch.no_grad():
+        torch._dynamo.reset()
+        ref = model(*args)
+        compiled = torch.compile(model, backend="fx2xla", fullgraph=True)
+        res["fx2xla_first_call_s"] = timed_call(compiled, args)
+        out = compiled(*args)
+        res["max_abs_err"] = float((out.float() - ref.float()).abs().max())
+        inductor = torch.compile(model, fullgraph=True)
+        res["inductor_first_call_s"] = timed_call(inductor, args)
+        med = interleaved_medians({"eager": model, "inductor": inductor, "fx2xla": compiled}, args,
+                                  rounds=rounds, budget_s=60)
+    res.update({f"{k}_s": v for k, v in med.items()})
+    res["fx2xla_vs_eager"] = med["fx2xla"] / med["eager"]
+    res["fx2xla_vs_inductor"] = med["fx2xla"] / med["inductor"]
+    res["inductor_vs_eager"] = med["inductor"] / med["eager"]
+    res["first_call_vs_inductor"] = res["fx2xla_first_call_s"] / res["inductor_first_call_s"]
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="tiny,mlp,cnn,gpt2,bert,llama")
+    p.add_argument("--dtypes", default="float32", help="comma list: float32,bfloat16")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "inference.json"))
+    a = p.parse_args()
+    wanted = a.models.split(",")
+    results: dict = {"torch_threads": torch.get_num_threads(), "models": {}}
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"Inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']} (cold)")
+    if "tiny" in wanted:
+        o = per_call_overhead(a.rounds)
+        results["tiny"] = o
+        print("\nper-call overhead, 4-element graph x*2+1 (median per call):")
+        for k, v in o.items():
+            print(f"  {k:28s} {fmt_time(v)}")
+    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s}"
+    print(header)
+    for dt_name in a.dtypes.split(","):
+        dtype = getattr(torch, dt_name)
+        for case in model_cases():
+            if case.name not in wanted:
+                continue
+            key = f"{case.name}/{dt_name}"
+            try:
+                r = bench_model(case, a.rounds, dtype)
+            except Exception as e:  # report and go on: one failing model must not hide the rest
+                print(f"{key:12s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
+                results["models"][key] = {"error": str(e)}
+                continue
+            results["models"][key] = r
+            print(f"{key:12s} {fmt_time(r['eager_s'])} {fmt_time(r['inductor_s'])} {fmt_time(r['fx2xla_s'])} "
+                  f"{r['fx2xla_vs_eager']:9.2f} {r['fx2xla_vs_inductor']:7.2f} {r['inductor_vs_eager']:9.2f} "
+                  f"{fmt_time(r['fx2xla_first_call_s'])} {fmt_time(r['inductor_first_call_s'])} {r['max_abs_err']:9.2e}")
+    write_json(a.out, results)
+    print(f"\nraw numbers: {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Reduction, scan, sort and topk lowerings (fx2xla/lowering/reductions.py) against eager."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+# run_op/check_op: one-node graphs for overloads torch.compile never emits.
+from test_elementwise import check_op, make
+
+aten = torch.ops.aten
+nan = math.nan
+
+F32, BF16, I64, BOOL = torch.float32, torch.bfloat16, torch.int64, torch.bool
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64, BOOL])
+def test_sum(check, dtype):
+    def fn(x):
+        return (x.sum(), x.sum(1), x.sum((-1, 0)), x.sum(0, keepdim=True), x.sum(-2, dtype=torch.float64),
+                torch.sum(x, (0, 2), keepdim=True))
+
+    check(fn, make(dtype, 4, 5, 6))
+
+
+def test_sum_bf16_accumulates_in_f32(check):
+    # 4096 ones plus small values: bf16 accumulation would stall at 256.
+    x = (torch.ones(2, 4096) + torch.rand(2, 4096) * 0.01).to(BF16)
+    check(lambda x: (x.sum(1), x.sum(), x.mean(1), x.float().sum(1, dtype=BF16)), x)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_mean(check, dtype):
+    check(lambda x: (x.mean(), x.mean(1), x.mean((0, -1), keepdim=True), x.mean(-1, dtype=torch.float64)),
+          make(dtype, 4, 5, 6))
+
+
+def test_mean_int_with_dtype(check):
+    check(lambda x: (x.mean(1, dtype=F32), torch.mean(x, dtype=BF16)), make(I64, 4, 5))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_var(check, dtype):
+    def fn(x):
+        return (x.var(), x.var(1), x.var((0, 2), unbiased=False), x.var(-1, correction=2, keepdim=True),
+                x.std(1), torch.var(x[:1, :1, :1], 1), torch.var(x[:, :2], 1, correction=3))
+
+    check(fn, make(dtype, 4, 5, 6))
+
+
+def test_var_overloads_directly():
+    x = make(F32, 4, 5)
+    check_op(aten.var.dim, x, [1], False)
+    check_op(aten.var.dim, x, None, True, True)
+    check_op(aten.var.correction, x, [0], correction=0.5)
+    check_op(aten.var.correction, x, [], keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64, BOOL])
+def test_amax_amin_max_min(check, dtype):
+    def fn(x):
+        return (x.amax(1), x.amin(1), x.amax((0, 2), keepdim=True), x.amin(-1), x.max(), x.min(),
+                torch.amax(x, ()))
+
+    x = make(dtype, 4, 5, 6)
+    if dtype.is_floating_point:
+        x[1, 2, 3] = nan  # propagates
+    check(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64])
+def test_argmax_argmin(check, dtype):
+    def fn(x):
+        return (x.argmax(), x.argmin(), x.argmax(1), x.argmin(-1), x.argmax(0, keepdim=True),
+                x.argmin(keepdim=True), x.argmax(1, keepdim=True))
+
+    x = make(dtype, 5, 7, low=-3, high=3)  # small range: ties -> first occurrence
+    check(fn, x)
+
+
+def test_argmax_nan(check):
+    x = torch.tensor([[1.0, nan, 5.0, nan], [nan, 2.0, 3.0, 1.0], [0.0, 0.0, -1.0, -1.0]])
+    check(lambda x: (x.argmax(1), x.argmin(1), x.argmax(), x.argmin(0)), x)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64, BOOL])
+def test_max_min_dim(check, dtype):
+    def fn(x):
+        return x.max(1), x.min(-1), x.max(0, keepdim=True), torch.min(x, 2, keepdim=True)
+
+    x = make(dtype, 4, 5, 6, low=-3, high=3)
+    if dtype.is_floating_point:
+        x[0, 1, 2] = nan
+    check(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [F32, I64, BOOL])
+def test_any(check, dtype):
+    def fn(x):
+        return x.any(), x.any(1), x.any(-1, keepdim=True), torch.any(x, (0, 2)), torch.any(x, ())
+
+    x = make(dtype, 4, 5, 6, low=-1, high=1) if dtype != BOOL else torch.rand(4, 5, 6) > 0.9
+    if dtype.is_floating_point:
+        x = torch.where(x.abs() < 0.8, 0.0, x)
+        x[0] = 0.0
+        x[1, 0, 0] = nan  # NaN is true
+    check(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64, BOOL])
+def test_prod(check, dtype):
+    def fn(x):
+        return x.prod(), x.prod(1), x.prod(-1, keepdim=True), x.prod(0, dtype=torch.float64)
+
+    x = make(dtype, 3, 4, 5, low=0.5, high=1.5) if dtype.is_floating_point else make(dtype, 3, 4, 5, low=-2, high=2)
+    check(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64, BOOL])
+def test_cumsum(check, dtype):
+    check(lambda x: (x.cumsum(1), x.cumsum(-1), x.cumsum(0, dtype=torch.float64)), make(dtype, 4, 64))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64, BOOL])
+def test_sort(check, dtype):
+    def fn(x):
+        return (torch.sort(x), torch.sort(x, 0, descending=True), torch.sort(x, stable=True, descending=True),
+                torch.sort(x, dim=-1, stable=True))
+
+    x = make(dtype, 6, 9, low=-3, high=3)  # many ties: stable order is checked through the indices
+    if dtype.is_floating_point:
+        x[0, 0], x[1, 3], x[2, 2] = nan, nan, -0.0
+    check(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64])
+def test_topk(check, dtype):
+    def fn(x):
+        return x.topk(3), x.topk(2, largest=False), x.topk(1, dim=0), torch.topk(x, 4, 0, largest=False)
+
+    x = torch.randperm(6 * 9).reshape(6, 9).to(dtype)  # distinct values: indices are unambiguous
+    check(fn, x)
+
+
+def test_topk_nan_is_largest(check):
+    x = torch.tensor([[1.0, nan, 3.0, 2.0], [4.0, 0.0, -1.0, nan]])
+    check(lambda x: (x.topk(2), x.topk(2, largest=False)), x)
+
+
+def test_zero_dim_and_empty(check):
+    def fn(s, e):
+        return (s.sum(), s.sum(0), s.mean(), s.argmax(), s.argmax(0), s.amax(), s.cumsum(0), s.max(0),
+                torch.sort(s), s.topk(1), s.any(), s.prod(),
+                e.sum(0), e.sum(), e.prod(0), e.mean(0), e.any(0), e.cumsum(0), e.sort(0), e.amax(1))
+
+    check(fn, torch.tensor(2.5), make(F32, 0, 3))
+
+
+def test_non_contiguous(check):
+    x = make(F32, 6, 8)
+    check(lambda a, b: (a.sum(0), a.argmax(1), a.cumsum(1), a.sort(0), b.var(1), b.max(0)),
+          x.t(), make(F32, 5, 12)[:, ::3])
+
+
+def test_sum_prod_overloads_directly():
+    check_op(aten.sum.default, make(BOOL, 3, 4))
+    check_op(aten.sum.default, make(BF16, 3, 4), dtype=F32)
+    check_op(aten.prod.default, make(I64, 3, 4))
+    check_op(aten.any.dims, make(F32, 3, 4), [])
+
+
+# -- non-core ops that survive the core-ATen decompositions --------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_var_mean_norm(check, dtype):
+    def fn(x):
+        return (torch.var_mean(x, 1), torch.std_mean(x, (0, 2), keepdim=True), torch.var_mean(x, correction=0),
+                x.norm(), x.norm(dim=1), torch.linalg.vector_norm(x, 1, dim=-1),
+                torch.linalg.vector_norm(x, float("inf"), dim=(0, 1)), torch.linalg.vector_norm(x, -float("inf")),
+                torch.linalg.vector_norm(x, 0, dim=0), torch.linalg.vector_norm(x, 3.5, dim=2, keepdim=True))
+
+    x = make(dtype, 4, 5, 6)
+    x[0, 0] = 0.0
+    check(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64])
+def test_cumprod_cummax_logcumsumexp(check, dtype):
+    def fn(x):
+        out = (x.cumprod(1), x.cummax(1), x.cummin(0), x.cumprod(0, dtype=torch.float64))
+        return out + ((torch.logcumsumexp(x, 1),) if x.is_floating_point() else ())
+
+    x = make(dtype, 5, 8, low=-2, high=2)  # ties: latest index wins
+    if dtype.is_floating_point:
+        x = x.round()
+        x[1, 3] = x[2, 5] = nan
+    check(fn, x)
