@@ -99,6 +99,8 @@ class CompiledGraph:
             if spec is None:
                 spec = self._specializations[key] = self._specialize(list(args))
         bufs = self._import(args)
+        if spec.lowered.needs_seed:  # random ops: a fresh seed from torch's default generator
+            bufs.append(import_tensor(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64), self._jax_device))
         args.clear()  # boxed convention: drop our references to the inputs early
         outs = spec.exe.execute(bufs)
         if spec.plain_outputs:

@@ -61,6 +61,7 @@ class LoweredGraph:
     inputs: list[InputPlan]
     outputs: list[OutputPlan]
     arg_shapes: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)
+    needs_seed: bool = False  # the executable takes one more input: an int64 seed
 
 
 def dense_permutation(shape, stride) -> tuple[int, ...] | None:
@@ -162,12 +163,20 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
         avals.append(jax.ShapeDtypeStruct(shape, dtype))
         arg_shapes.append((shape, dtype))
 
+    needs_seed = any(
+        n.op == "call_function" and n.target not in _PYTHON_OPS and lowering_for(n.target).random
+        for n in gm.graph.nodes
+    )
+    if needs_seed:
+        avals.append(jax.ShapeDtypeStruct((), np.int64))
+
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_vals = list(output_node.args[0]) if isinstance(output_node.args[0], (list, tuple)) else [output_node.args[0]]
     out_plans: list[OutputPlan] = []
 
     def trace(*arrays):
         env: dict[torch.fx.Node, Any] = {}
+        seed = arrays[-1] if needs_seed else None
         it = iter(arrays)
         for node, plan, ex, in zip(placeholders, plans, example_inputs):
             if plan.kind == "symint":
@@ -177,7 +186,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
                 if plan.kind == "permuted":
                     a = jnp.transpose(a, _inverse(plan.perm))
                 env[node] = a
-        for node in gm.graph.nodes:
+        for index, node in enumerate(gm.graph.nodes):
             if node.op in ("placeholder", "output"):
                 continue
             if node.op == "get_attr":
@@ -191,7 +200,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
                 env[node] = node.target(*args, **kwargs)
                 continue
             rule = lowering_for(node.target)
-            ctx = LoweringContext(node, sizes)
+            ctx = LoweringContext(node, sizes, seed if rule.random else None, index)
             try:
                 args, kwargs = prepare_args(rule, ctx, list(args), dict(kwargs))
                 out = rule.fn(ctx, *args, **kwargs)
@@ -224,7 +233,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
     with jax.enable_x64(True):
         lowered = jax.jit(trace, keep_unused=True).lower(*avals)
         text = lowered.as_text()
-    return LoweredGraph(text, plans, list(out_plans), arg_shapes)
+    return LoweredGraph(text, plans, list(out_plans), arg_shapes, needs_seed)
 
 
 def _check_result(ctx: LoweringContext, out):

@@ -28,6 +28,7 @@ class LoweringRule:
     fn: Callable
     promote: str | None
     broadcast: bool
+    random: bool = False  # draws random bits: the graph then takes a per-call seed input
 
 
 LOWERINGS: dict[torch._ops.OpOverload, LoweringRule] = {}
@@ -39,16 +40,17 @@ def _overloads(op) -> list:
     return [op]
 
 
-def register_lowering(*ops, promote: str | None = None, broadcast: bool = False):
+def register_lowering(*ops, promote: str | None = None, broadcast: bool = False, random: bool = False):
     """Register `fn` as the lowering of `ops` (overloads, or packets = all their overloads).
 
     promote: see PROMOTIONS. broadcast: tensor and scalar arguments are broadcast to the
-    output shape (after promotion), so rules may use lax ops directly.
+    output shape (after promotion), so rules may use lax ops directly. random: the rule calls
+    `ctx.rng_key()`; graphs containing it take a fresh seed from torch's generator per call.
     """
     assert promote in PROMOTIONS, promote
 
     def deco(fn):
-        rule = LoweringRule(fn, promote, broadcast)
+        rule = LoweringRule(fn, promote, broadcast, random)
         for op in ops:
             for ov in _overloads(op):
                 LOWERINGS[ov] = rule
@@ -94,6 +96,19 @@ class LoweringContext:
 
     # Set by lower_graph: maps a symbolic size expression to its concrete value.
     sizes: Any = None
+    # Set by lower_graph for random rules: the call's seed (traced int64) and the node's index.
+    seed: Any = None
+    index: int = 0
+
+    def rng_key(self):
+        """A PRNG key for this node: the per-call seed (drawn from torch's default generator,
+        so `torch.manual_seed` makes runs repeatable) folded with the node's position, so
+        each random op in the graph draws independent bits."""
+        import jax
+
+        if self.seed is None:
+            raise RuntimeError(f"{self.node.target}: its rule must be registered with random=True")
+        return jax.random.fold_in(jax.random.key(self.seed), self.index)
 
 
 def concrete_shape(shape, sizes=None) -> tuple[int, ...]:
