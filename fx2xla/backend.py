@@ -13,6 +13,7 @@ import torch
 OPTIONS = {
     # name: (default, help)
     "device_index": (None, "local PJRT device index (default: FX2XLA_DEVICE_INDEX or 0)"),
+    "fallback": ("eager", '"eager": ops with no lowering rule run eagerly between XLA subgraphs; "error": raise'),
 }
 
 
@@ -21,7 +22,10 @@ def _check_options(options: dict | None) -> dict:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"fx2xla: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
-    return {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
+    opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
+    if opts["fallback"] not in ("eager", "error"):
+        raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
+    return opts
 
 
 def _graph_name(kind: str) -> str:
@@ -66,10 +70,20 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     from .compiled_graph import CompiledGraph
     from .runtime import Device, default_device
 
+    from .partition import partitioned_graph, unsupported_nodes
+
     device = default_device()
     if options["device_index"] is not None:
         device = Device(device.platform, int(options["device_index"]))
-    compiled = CompiledGraph(gm, example_inputs, device, _graph_name(kind))
+    name = _graph_name(kind)
+    if options["fallback"] == "eager" and unsupported_nodes(gm):
+        return partitioned_graph(
+            gm,
+            lambda sub, examples, sub_name: CompiledGraph(
+                sub, examples, device, f"{name}_{sub_name}", resident_inputs=set(range(len(examples)))
+            ),
+        )
+    compiled = CompiledGraph(gm, example_inputs, device, name)
     if made is not None:
         made.append((compiled, _fw_metadata()))
     return compiled

@@ -45,7 +45,8 @@ def static_input_indices(num_inputs: int) -> set[int]:
 class CompiledGraph:
     """Callable with AOTAutograd's boxed convention: `compiled(args_list) -> list of outputs`."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str):
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str,
+                 resident_inputs: set[int] | None = None):
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -64,7 +65,7 @@ class CompiledGraph:
             or (isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape))
             for v in self.example_inputs
         )
-        resident = static_input_indices(len(self.example_inputs))
+        resident = resident_inputs if resident_inputs is not None else static_input_indices(len(self.example_inputs))
         self._resident_positions = [i in resident for i in self._tensor_positions]
         self._resident: list = [None] * len(self._tensor_positions)
         self._specializations: dict = {}

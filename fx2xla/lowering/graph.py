@@ -18,7 +18,7 @@ from .registry import LoweringContext, concrete_shape, is_array, lowering_for, p
 
 # Python-level callables that appear in graphs on sizes (SymInt arithmetic) or tuples; they
 # run directly on the concrete values the trace sees.
-_PYTHON_OPS = {
+PYTHON_OPS = {
     operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
     operator.truediv, operator.mod, operator.pow, operator.neg, operator.eq, operator.ne,
     operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_,
@@ -118,7 +118,7 @@ def _constant(t: torch.Tensor):
 def check_rules(gm: torch.fx.GraphModule) -> None:
     """Raise UnsupportedOpError for the first op in the graph that has no rule."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target not in _PYTHON_OPS:
+        if node.op == "call_function" and node.target not in PYTHON_OPS:
             if lowering_for(node.target) is None:
                 raise UnsupportedOpError(node)
 
@@ -164,7 +164,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
         arg_shapes.append((shape, dtype))
 
     needs_seed = any(
-        n.op == "call_function" and n.target not in _PYTHON_OPS and lowering_for(n.target).random
+        n.op == "call_function" and n.target not in PYTHON_OPS and lowering_for(n.target).random
         for n in gm.graph.nodes
     )
     if needs_seed:
@@ -196,7 +196,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
                 raise LoweringError(node, TypeError(f"unsupported FX node kind {node.op!r}"))
             args = torch.fx.node.map_arg(node.args, env.__getitem__)
             kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-            if node.target in _PYTHON_OPS:
+            if node.target in PYTHON_OPS:
                 env[node] = node.target(*args, **kwargs)
                 continue
             rule = lowering_for(node.target)

@@ -21,7 +21,9 @@ def model_with_unsupported_op(x):
 
 
 def test_missing_rule_names_op_inputs_and_source_line():
-    compiled = torch.compile(model_with_unsupported_op, backend="fx2xla", fullgraph=True)
+    compiled = torch.compile(
+        model_with_unsupported_op, backend="fx2xla", fullgraph=True, options={"fallback": "error"}
+    )
     with pytest.raises(Exception) as info:
         compiled(torch.randn(3, 5))
     msg = str(info.value)
@@ -51,6 +53,12 @@ def test_failing_rule_names_op_and_source_line():
 def test_unknown_option_is_rejected():
     compiled = torch.compile(lambda x: x + 1, backend="fx2xla", options={"no_such_option": 1})
     with pytest.raises(Exception, match="unknown option.*no_such_option"):
+        compiled(torch.randn(2))
+
+
+def test_bad_fallback_value_is_rejected():
+    compiled = torch.compile(lambda x: x + 1, backend="fx2xla", options={"fallback": "maybe"})
+    with pytest.raises(Exception, match="fallback='maybe'"):
         compiled(torch.randn(2))
 
 

@@ -1,0 +1,102 @@
+"""Eager fallback: split a graph into XLA subgraphs and eager islands for ops with no rule.
+
+Nodes with a lowering rule are grouped into maximal connected subgraphs (torch.fx's
+CapabilityBasedPartitioner), each compiled as its own CompiledGraph; the ops between them run
+eagerly, in the order of the original graph. One warning per op kind names what fell back.
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+
+import torch
+import torch.fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from .errors import user_source_line
+from .lowering.graph import PYTHON_OPS
+from .lowering.registry import lowering_for
+
+_warned: set = set()
+
+
+def _lowerable(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:  # of a multi-output op: goes where its source goes
+        src = node.args[0]
+        return isinstance(src, torch.fx.Node) and _lowerable(src)
+    return node.target in PYTHON_OPS or lowering_for(node.target) is not None
+
+
+def unsupported_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [
+        n for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem and not _lowerable(n)
+    ]
+
+
+class _Lowerable(OperatorSupportBase):
+    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
+        return _lowerable(node)
+
+
+class XlaIsland(torch.nn.Module):
+    """One XLA subgraph inside a partitioned graph, called with Dynamo's unboxed convention."""
+
+    def __init__(self, compiled, single_output: bool):
+        super().__init__()
+        self.compiled = compiled
+        self.single_output = single_output
+
+    def forward(self, *args):
+        outs = self.compiled(list(args))
+        return outs[0] if self.single_output else tuple(outs)
+
+
+def _warn_fallback(nodes) -> None:
+    for n in nodes:
+        key = str(n.target)
+        if key in _warned:
+            continue
+        _warned.add(key)
+        warnings.warn(
+            f"fx2xla: {key} has no lowering rule and runs eagerly between XLA subgraphs "
+            f"(first seen at {user_source_line(n)}). options={{'fallback': 'error'}} makes "
+            "this an error.",
+            stacklevel=2,
+        )
+
+
+def partitioned_graph(gm: torch.fx.GraphModule, compile_subgraph):
+    """A boxed callable running `gm` as XLA subgraphs (built by `compile_subgraph(sub_gm,
+    example_inputs, name)`) with eager islands between them."""
+    _warn_fallback(unsupported_nodes(gm))
+    partitioner = CapabilityBasedPartitioner(gm, _Lowerable(), allows_single_node_partition=True)
+    partitions = [
+        p for p in partitioner.propose_partitions()
+        # A partition of nothing but size arithmetic is cheaper in Python.
+        if any(n.target not in PYTHON_OPS for n in p.nodes)
+    ]
+    fused = partitioner.fuse_partitions(partitions, prefix="xla_")
+    for node in list(fused.graph.nodes):
+        if node.op != "call_module" or not node.target.startswith("xla_"):
+            continue
+        sub = getattr(fused, node.target)
+        examples = [a.meta["val"] for a in node.args]
+        out_node = next(n for n in sub.graph.nodes if n.op == "output")
+        single = not isinstance(out_node.args[0], (tuple, list))
+        compiled = compile_subgraph(sub, examples, node.target)
+        delattr(fused, node.target)
+        fused.add_module(node.target, XlaIsland(compiled, single))
+    fused.recompile()
+
+    def run(args):
+        outs = fused(*args)
+        args.clear()
+        return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+    run._boxed_call = True
+    run.graph_module = fused
+    return run
