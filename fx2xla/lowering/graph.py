@@ -109,10 +109,13 @@ def _symbolic(shape) -> bool:
 
 
 def _constant(t: torch.Tensor):
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return jnp.asarray(t.float().numpy(), dtype=jnp.bfloat16)
-    return jnp.asarray(t.resolve_conj().numpy(), dtype=to_jax_dtype(t.dtype))
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # lowering runs inside AOTAutograd's FakeTensorMode
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            return jnp.asarray(t.float().numpy(), dtype=jnp.bfloat16)
+        return jnp.asarray(t.resolve_conj().numpy(), dtype=to_jax_dtype(t.dtype))
 
 
 def check_rules(gm: torch.fx.GraphModule) -> None:
@@ -140,7 +143,8 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
             if isinstance(ex, torch.SymInt):
                 bindings[ex.node.expr] = int(real)
             elif isinstance(ex, torch.Tensor):
-                for s, r in zip(ex.shape, real.shape):
+                for s, r in zip([*ex.shape, *ex.stride(), ex.storage_offset()],
+                                [*real.shape, *real.stride(), real.storage_offset()]):
                     if isinstance(s, torch.SymInt):
                         bindings[s.node.expr] = int(r)
 

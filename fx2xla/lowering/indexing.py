@@ -1,7 +1,7 @@
 """Lowering rules: indexing — advanced indexing, gathers, scatters, embeddings.
 
 Negative indices wrap like torch's (jnp's indexing normalises them). Out-of-range indices,
-which torch rejects at run time, are clamped by XLA's gather/scatter instead of raising.
+which torch rejects at run time, are clamped by gathers and dropped by scatters instead.
 Boolean-mask indexing that selects elements has a data-dependent shape and is rejected;
 `nonzero` is not registered for the same reason.
 """
@@ -190,7 +190,7 @@ def _embedding_dense_backward(ctx, grad, indices, num_weights, padding_idx, scal
     rows = jnp.reshape(grad, (flat.shape[0],) + grad.shape[indices.ndim:])
     if scale_grad_by_freq:
         counts = jnp.zeros((int(num_weights),), acc).at[flat].add(jnp.ones(flat.shape, acc))
-        rows = rows * jnp.expand_dims(counts[flat], tuple(range(1, rows.ndim)))
+        rows = rows / jnp.expand_dims(counts[flat], tuple(range(1, rows.ndim)))
     keep = jnp.expand_dims(flat != padding_idx, tuple(range(1, rows.ndim)))
     rows = jnp.where(keep, rows, jnp.zeros((), acc))
     out = jnp.zeros((int(num_weights),) + rows.shape[1:], acc).at[flat].add(rows)

@@ -26,6 +26,11 @@ def canonical_dim(dim: int, ndim: int) -> int:
     return dim % n
 
 
+def _meta_int(ctx, v) -> int:
+    """A size, stride or offset from torch's meta, with symbols bound to this trace's values."""
+    return concrete_shape([v], ctx.sizes)[0]
+
+
 def slice_bounds(size: int, start, end, step: int) -> tuple[int, int, int]:
     """torch's slice normalisation: None means the whole range, negatives count from the
     end, out-of-range bounds clamp to [0, size], and an empty range is (start, start)."""
@@ -112,33 +117,33 @@ def _diagonal(ctx, x, offset=0, dim1=0, dim2=1):
 def _as_strided(ctx, x, size, stride, storage_offset=None):
     """Gathers from the input's storage at offset + sum(i_d * stride_d).
 
-    The storage is reconstructed from the input's meta strides when the input is dense
-    (row-major or a permutation of it, counted from its own storage offset); a non-dense
-    input (a strided slice) is read as if it were contiguous in its logical order.
+    The storage is rebuilt from the input's meta strides, which works for a dense input
+    (row-major or a permutation of it, counted from its own storage offset). A non-dense
+    input (e.g. a strided slice) would read memory outside the view, which the lowered
+    program does not hold: rejected.
     """
     meta = ctx.arg_meta(0)
     size = [int(s) for s in size]
     stride = [int(s) for s in stride]
-    base_offset = concrete_shape([meta.storage_offset()], ctx.sizes)[0]
+    base_offset = _meta_int(ctx, meta.storage_offset())
     offset = (base_offset if storage_offset is None else int(storage_offset)) - base_offset
-    perm = dense_permutation(x.shape, concrete_shape(meta.stride(), ctx.sizes)) if x.ndim else None
-    storage = lax.reshape(lax.transpose(x, perm) if perm else x, (math.prod(x.shape),))
-    if offset == 0 and stride == list(_contiguous_strides(size)) and math.prod(size) == storage.shape[0]:
-        return lax.reshape(storage, tuple(size))  # a plain reshape of the storage
+    in_strides = concrete_shape(meta.stride(), ctx.sizes)
+    numel = math.prod(x.shape)
+    perm = dense_permutation(x.shape, in_strides) if numel > 1 else None
+    if numel > 1 and perm is None:
+        raise NotImplementedError(
+            f"as_strided of a non-dense view (strides {in_strides}) reads memory outside the "
+            "view; call .contiguous() on it before as_strided"
+        )
+    storage = lax.reshape(x, (numel,), dimensions=perm)  # row-major over perm = storage order
     index = np.full(size, offset, dtype=np.int64)
     for d, (n, s) in enumerate(zip(size, stride)):
         index = index + (np.arange(n, dtype=np.int64) * s).reshape([-1 if i == d else 1 for i in range(len(size))])
-    if index.size and (index.min() < 0 or index.max() >= storage.shape[0]):
-        raise IndexError(f"as_strided{tuple(size), tuple(stride), storage_offset} reads outside the input's {storage.shape[0]} elements")
-    return storage[jnp.asarray(index)]
-
-
-def _contiguous_strides(shape):
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
+    if index.size and (index.min() < 0 or index.max() >= numel):
+        raise IndexError(f"as_strided{tuple(size), tuple(stride), storage_offset} reads outside the input's {numel} elements")
+    if index.size == numel and np.array_equal(index.reshape(-1), np.arange(numel)):
+        return lax.reshape(storage, tuple(size))  # the whole storage in order: no gather
+    return jnp.take(storage, index, mode="clip")  # indices are in range by construction
 
 
 @register_lowering(aten.flip.default)
@@ -183,7 +188,7 @@ def _pad_by_index(x, pad, edge_index):
             continue
         n = x.shape[d]
         index = edge_index(np.arange(-lo, n + hi, dtype=np.int64), n)
-        x = jnp.take(x, jnp.asarray(index), axis=d)
+        x = jnp.take(x, index, axis=d, mode="clip")  # indices are in range by construction
     return x
 
 
@@ -248,9 +253,9 @@ def _sym_numel(ctx, x):
 @register_lowering(aten.sym_stride.int)
 def _sym_stride(ctx, x, dim):
     # Strides are a property of torch's layout, which the traced values do not carry.
-    return concrete_shape([ctx.arg_meta(0).stride(canonical_dim(dim, x.ndim))], ctx.sizes)[0]
+    return _meta_int(ctx, ctx.arg_meta(0).stride(canonical_dim(dim, x.ndim)))
 
 
 @register_lowering(aten.sym_storage_offset.default)
 def _sym_storage_offset(ctx, x):
-    return concrete_shape([ctx.arg_meta(0).storage_offset()], ctx.sizes)[0]
+    return _meta_int(ctx, ctx.arg_meta(0).storage_offset())
