@@ -1,7 +1,8 @@
-"""`python -m fx2xla ops`: lowering coverage of the core ATen opset."""
+"""`python -m fx2xla ops` (lowering coverage) and `python -m fx2xla cache info|clear`."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -20,12 +21,31 @@ def _ops(args) -> int:
     return 0
 
 
+def _cache(args) -> int:
+    from .runtime.executor import disk_cache
+
+    cache = disk_cache()
+    if cache is None:
+        print("disk cache is off (FX2XLA_CACHE_DIR is empty)")
+        return 0
+    entries = cache.entries()
+    if args.action == "clear":
+        print(f"removed {cache.clear()} entries from {cache.folder}")
+        return 0
+    size = sum(os.path.getsize(p) for p in entries)
+    print(f"{cache.folder}: {len(entries)} executables, {size / 2**20:.1f} MiB")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fx2xla")
     sub = p.add_subparsers(dest="cmd", required=True)
     ops = sub.add_parser("ops", help="which core ATen overloads lower and which fall back to eager")
     ops.add_argument("-v", "--verbose", action="store_true", help="list the lowered ones too")
     ops.set_defaults(fn=_ops)
+    cache = sub.add_parser("cache", help="inspect or clear the executable cache on disk (FX2XLA_CACHE_DIR)")
+    cache.add_argument("action", choices=["info", "clear"])
+    cache.set_defaults(fn=_cache)
     args = p.parse_args(argv)
     return args.fn(args)
 

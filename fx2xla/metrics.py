@@ -15,9 +15,10 @@ counters = Counters()
 
 
 def metrics() -> dict:
-    """Counters of this process: graphs, specializations, executable-cache hits and misses,
-    XLA compiles and their seconds, lowering seconds."""
+    """Counters of this process: graphs, specializations, executable-cache hits and misses
+    (memory and disk), XLA compiles and their seconds, lowering seconds."""
     from .runtime import executable_cache
+    from .runtime.executor import disk_cache
 
     out = dict(counters.__dict__)
     s = executable_cache.stats
@@ -27,5 +28,15 @@ def metrics() -> dict:
         cache_evictions=s.evictions,
         compiles=s.compiles,
         compile_seconds=s.compile_seconds,
+    )
+    d = disk_cache()
+    ds = d.stats if d is not None else None
+    out.update(
+        disk_cache_dir=d.folder if d is not None else None,
+        disk_hits=ds.hits if ds else 0,
+        disk_misses=ds.misses if ds else 0,
+        disk_writes=ds.writes if ds else 0,
+        disk_dropped=ds.dropped if ds else 0,
+        disk_load_seconds=ds.load_seconds if ds else 0.0,
     )
     return out

@@ -1,9 +1,15 @@
 """Shared fixtures: compile with fx2xla and compare against eager PyTorch."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 import torch._dynamo
+
+# Hermetic executable cache: every test session starts with an empty disk cache of its own.
+os.environ["FX2XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fx2xla-test-cache-")
 
 # Tolerances per dtype for comparisons against eager (XLA fuses and reorders float math).
 TOLERANCES = {

@@ -47,15 +47,17 @@ def test_training_graphs_are_named_forward_and_backward(tmp_path, monkeypatch):
     assert "forward" in names and "backward" in names
 
 
-def test_executable_cache_hit_and_recompile_on_new_shape():
+def test_executable_cache_hit_and_recompile_on_new_shape(monkeypatch):
+    monkeypatch.setenv("FX2XLA_CACHE_DIR", "")  # memory cache only
+
     def f(x):
-        return x * 2 + 1
+        return x * 2 + 1.2345  # a module no other test compiles
 
     x = torch.randn(4, 3)
     before = fx2xla.metrics()
     torch.compile(f, backend="fx2xla", dynamic=False)(x)
     mid = fx2xla.metrics()
-    assert mid["compiles"] - before["compiles"] == 1 or mid["cache_hits"] > before["cache_hits"]
+    assert mid["compiles"] - before["compiles"] == 1
 
     # The same graph and shapes compiled again (a fresh Dynamo cache): the executable is reused.
     torch._dynamo.reset()

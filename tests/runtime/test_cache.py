@@ -15,13 +15,13 @@ def test_hit_miss_and_eviction():
     cache = ExecutableCache(max_entries=2)
     dev = default_device()
     mods = [_module(s) for s in (2.0, 3.0, 4.0)]
-    e0 = compile_module(mods[0], dev, cache)
-    assert compile_module(mods[0], dev, cache) is e0
+    e0 = compile_module(mods[0], dev, cache, use_disk=False)
+    assert compile_module(mods[0], dev, cache, use_disk=False) is e0
     assert (cache.stats.hits, cache.stats.misses, cache.stats.compiles) == (1, 1, 1)
-    compile_module(mods[1], dev, cache)
-    compile_module(mods[2], dev, cache)  # evicts mods[0], the least recently used
+    compile_module(mods[1], dev, cache, use_disk=False)
+    compile_module(mods[2], dev, cache, use_disk=False)  # evicts mods[0], the least recently used
     assert cache.stats.evictions == 1 and len(cache) == 2
-    again = compile_module(mods[0], dev, cache)  # a recompile, not a failure
+    again = compile_module(mods[0], dev, cache, use_disk=False)  # a recompile, not a failure
     assert cache.stats.compiles == 4
     x = torch.tensor([1.0, 2.0, 3.0])
     out = export_array(again.execute([import_tensor(x, dev.jax_device)])[0])
