@@ -14,8 +14,9 @@ import sys
 import tempfile
 import time
 
-# A cold Inductor cache for honest first-call figures; set before torch is imported.
+# Cold Inductor and fx2xla caches for honest first-call figures; set before torch is imported.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cold-"))
+os.environ["FX2XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fx2xla-cold-")  # cold first calls
 
 import torch  # noqa: E402
 
