@@ -3,6 +3,7 @@
     compiled = torch.compile(model, backend="fx2xla")   # registered by entry point
 """
 from .metrics import metrics
+from .serving import RecompileError, TensorSpec, no_recompile, warmup
 
 __version__ = "0.1.0"
-__all__ = ["metrics", "__version__"]
+__all__ = ["metrics", "warmup", "no_recompile", "TensorSpec", "RecompileError", "__version__"]

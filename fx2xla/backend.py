@@ -13,6 +13,7 @@ import torch
 OPTIONS = {
     # name: (default, help)
     "device_index": (None, "local PJRT device index (default: FX2XLA_DEVICE_INDEX or 0)"),
+    "no_recompile": (False, "compiles outside fx2xla.warmup() raise RecompileError"),
     "fallback": ("eager", '"eager": ops with no lowering rule run eagerly between XLA subgraphs; "error": raise'),
 }
 
@@ -71,19 +72,23 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     from .runtime import Device, default_device
 
     from .partition import partitioned_graph, unsupported_nodes
+    from .serving import check_compile_allowed
 
     device = default_device()
     if options["device_index"] is not None:
         device = Device(device.platform, int(options["device_index"]))
     name = _graph_name(kind)
+    shapes = ", ".join(str(list(v.shape)) for v in example_inputs if isinstance(v, torch.Tensor))
+    check_compile_allowed(f"graph {name} ({kind}) for input shapes {shapes}", bool(options["no_recompile"]))
     if options["fallback"] == "eager" and unsupported_nodes(gm):
         return partitioned_graph(
             gm,
             lambda sub, examples, sub_name: CompiledGraph(
-                sub, examples, device, f"{name}_{sub_name}", resident_inputs=set(range(len(examples)))
+                sub, examples, device, f"{name}_{sub_name}", resident_inputs=set(range(len(examples))),
+                no_recompile=bool(options["no_recompile"]),
             ),
         )
-    compiled = CompiledGraph(gm, example_inputs, device, name)
+    compiled = CompiledGraph(gm, example_inputs, device, name, no_recompile=bool(options["no_recompile"]))
     if made is not None:
         made.append((compiled, _fw_metadata()))
     return compiled

@@ -46,7 +46,7 @@ class CompiledGraph:
     """Callable with AOTAutograd's boxed convention: `compiled(args_list) -> list of outputs`."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str,
-                 resident_inputs: set[int] | None = None):
+                 resident_inputs: set[int] | None = None, no_recompile: bool = False):
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -55,6 +55,7 @@ class CompiledGraph:
         check_rules(gm)  # unsupported ops fail at compile time, not on the first call
         self.gm = gm
         self.name = name
+        self.no_recompile = no_recompile
         self.device = device
         self._jax_device = device.jax_device
         self.example_inputs = list(example_inputs)
@@ -76,6 +77,11 @@ class CompiledGraph:
 
     # -- compile --------------------------------------------------------------------------
     def _specialize(self, args) -> _Specialization:
+        from .serving import check_compile_allowed
+
+        if args is not None:  # a new concrete shape of a dynamic graph
+            shapes = ", ".join(str(list(a.shape)) for a in args if isinstance(a, torch.Tensor))
+            check_compile_allowed(f"graph {self.name} for input shapes {shapes}", self.no_recompile)
         t0 = time.perf_counter()
         lowered = lower_graph(self.gm, self.example_inputs, args)
         t1 = time.perf_counter()

@@ -1,0 +1,115 @@
+"""Serving warm-up and recompilation control.
+
+    compiled = torch.compile(model, backend="fx2xla", options={"no_recompile": True})
+    fx2xla.warmup(compiled, [ids_8x128, ids_8x256, fx2xla.TensorSpec((16, 128), torch.int64)])
+    # from here on, a request with an unseen shape raises RecompileError instead of compiling
+
+`fx2xla.no_recompile()` does the same for a region of code, for every compiled model.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .errors import Fx2XlaError
+
+
+class RecompileError(Fx2XlaError):
+    """A compile was requested where recompilation is forbidden."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A shape and dtype to warm up with; the input is made of zeros (valid token ids too)."""
+
+    shape: tuple
+    dtype: torch.dtype = torch.float32
+
+    def materialize(self) -> torch.Tensor:
+        return torch.zeros(tuple(self.shape), dtype=self.dtype)
+
+
+class _State(threading.local):
+    def __init__(self):
+        self.forbidden = 0  # depth of no_recompile() regions
+        self.warming_up = 0  # depth of warmup() calls
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def no_recompile():
+    """Inside this block, any fx2xla compile (a new graph or a new input shape) raises
+    RecompileError; warm up first with `fx2xla.warmup`."""
+    _state.forbidden += 1
+    try:
+        yield
+    finally:
+        _state.forbidden -= 1
+
+
+def check_compile_allowed(what: str, option_no_recompile: bool = False) -> None:
+    """Raise RecompileError if compiling `what` is forbidden here (called on every compile)."""
+    if _state.warming_up:
+        return
+    if _state.forbidden or option_no_recompile:
+        where = "inside fx2xla.no_recompile()" if _state.forbidden else 'with options={"no_recompile": True}'
+        raise RecompileError(
+            f"fx2xla: compile of {what} requested {where}, after warm-up. Add this input "
+            "signature to fx2xla.warmup(...) or allow recompilation."
+        )
+
+
+def _as_call(item):
+    """A warm-up item -> (args, kwargs): a tensor, a TensorSpec, a torch.Size (float32 zeros),
+    a tuple/list of those (positional arguments) or a dict (keyword arguments)."""
+    def one(x):
+        if isinstance(x, TensorSpec):
+            return x.materialize()
+        if isinstance(x, torch.Size):
+            return torch.zeros(x)
+        return x
+
+    if isinstance(item, dict):
+        return (), {k: one(v) for k, v in item.items()}
+    if isinstance(item, (tuple, list)) and not isinstance(item, torch.Size):
+        return tuple(one(x) for x in item), {}
+    return (one(item),), {}
+
+
+def warmup(compiled, inputs, progress: bool = True) -> dict:
+    """Compile (or load from the disk cache) `compiled` for every input signature in `inputs`
+    before traffic arrives, running it once on each. Returns what it took: signatures, XLA
+    compiles, disk-cache loads and seconds."""
+    from tqdm.auto import tqdm
+
+    from .metrics import metrics
+
+    before, t0 = metrics(), time.perf_counter()
+    items = list(inputs)
+    _state.warming_up += 1
+    try:
+        # Dynamo tries its newest graph first: once a later shape made a graph dynamic, earlier
+        # shapes are served by it, so repeat until a pass specialises nothing new.
+        for attempt in range(3):
+            seen = metrics()["specializations"] + metrics()["graphs"]
+            desc = "fx2xla warm-up" if attempt == 0 else "fx2xla warm-up (dynamic graphs)"
+            for item in tqdm(items, desc=desc, unit="shape", disable=not progress):
+                args, kwargs = _as_call(item)
+                compiled(*args, **kwargs)
+            if metrics()["specializations"] + metrics()["graphs"] == seen:
+                break
+    finally:
+        _state.warming_up -= 1
+    after = metrics()
+    return {
+        "signatures": len(items),
+        "compiles": after["compiles"] - before["compiles"],
+        "disk_loads": after["disk_hits"] - before["disk_hits"],
+        "seconds": time.perf_counter() - t0,
+    }
