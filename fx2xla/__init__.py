@@ -2,8 +2,8 @@
 
     compiled = torch.compile(model, backend="fx2xla")   # registered by entry point
 """
-from .metrics import metrics
+from .metrics import metrics, metrics_report
 from .serving import RecompileError, TensorSpec, no_recompile, warmup
 
 __version__ = "0.1.0"
-__all__ = ["metrics", "warmup", "no_recompile", "TensorSpec", "RecompileError", "__version__"]
+__all__ = ["metrics", "metrics_report", "warmup", "no_recompile", "TensorSpec", "RecompileError", "__version__"]

@@ -11,7 +11,7 @@ import torch
 
 from . import dump
 from .lowering.graph import LoweredGraph, lower_graph
-from .metrics import counters
+from .metrics import counters, live_graphs
 from .runtime import Device, compile_module
 from .runtime.executor import optimized_hlo_text
 from .runtime.handoff import export_array, import_tensor
@@ -72,6 +72,8 @@ class CompiledGraph:
         self._specializations: dict = {}
         self._static: _Specialization | None = None
         counters.graphs += 1
+        self.executions = 0
+        live_graphs.add(self)
         if not self.dynamic:
             self._static = self._specialize(None)
 
@@ -105,6 +107,7 @@ class CompiledGraph:
             spec = self._specializations.get(key)
             if spec is None:
                 spec = self._specializations[key] = self._specialize(list(args))
+        self.executions += 1
         bufs = self._import(args)
         if spec.lowered.needs_seed:  # random ops: a fresh seed from torch's default generator
             bufs.append(import_tensor(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64), self._jax_device))

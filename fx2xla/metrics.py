@@ -1,6 +1,7 @@
 """Process-wide counters. Read them with `fx2xla.metrics()`."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 
@@ -9,9 +10,12 @@ class Counters:
     graphs: int = 0  # FX graphs handed to the backend (forward, backward, inference)
     specializations: int = 0  # executables requested (one per graph and input signature)
     lower_seconds: float = 0.0  # FX -> StableHLO tracing time
+    fallback_ops: int = 0  # op nodes that run eagerly between XLA subgraphs
 
 
 counters = Counters()
+# Compiled graphs count their own executions (an integer add on the call path); summed here.
+live_graphs: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def metrics() -> dict:
@@ -21,6 +25,7 @@ def metrics() -> dict:
     from .runtime.executor import disk_cache
 
     out = dict(counters.__dict__)
+    out["executions"] = sum(g.executions for g in list(live_graphs))
     s = executable_cache.stats
     out.update(
         cache_hits=s.hits,
@@ -40,3 +45,14 @@ def metrics() -> dict:
         disk_load_seconds=ds.load_seconds if ds else 0.0,
     )
     return out
+
+
+def metrics_report() -> str:
+    """`metrics()` as a readable table."""
+    m = metrics()
+    width = max(map(len, m))
+    lines = ["fx2xla metrics"]
+    for k, v in m.items():
+        v = f"{v:.3f}" if isinstance(v, float) else str(v)
+        lines.append(f"  {k:<{width}}  {v}")
+    return "\n".join(lines)

@@ -72,7 +72,11 @@ def _warn_fallback(nodes) -> None:
 def partitioned_graph(gm: torch.fx.GraphModule, compile_subgraph):
     """A boxed callable running `gm` as XLA subgraphs (built by `compile_subgraph(sub_gm,
     example_inputs, name)`) with eager islands between them."""
-    _warn_fallback(unsupported_nodes(gm))
+    from .metrics import counters
+
+    eager = unsupported_nodes(gm)
+    counters.fallback_ops += len(eager)
+    _warn_fallback(eager)
     partitioner = CapabilityBasedPartitioner(gm, _Lowerable(), allows_single_node_partition=True)
     partitions = [
         p for p in partitioner.propose_partitions()

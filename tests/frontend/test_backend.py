@@ -117,3 +117,15 @@ def test_aot_wrappers_bypassed_only_when_they_do_nothing(monkeypatch):
     # The public fallback: unknown metadata keeps AOTAutograd's wrappers.
     assert real(None, 1, 1) is True
     assert real(object(), 1, 1) is True
+
+
+def test_metrics_count_executions_and_report():
+    c = torch.compile(lambda x: x * 5.5 - 2, backend="fx2xla")
+    x = torch.randn(3)
+    c(x)
+    before = fx2xla.metrics()["executions"]
+    for _ in range(3):
+        c(x)
+    assert fx2xla.metrics()["executions"] - before == 3
+    report = fx2xla.metrics_report()
+    assert "executions" in report and "compiles" in report and "disk_hits" in report
