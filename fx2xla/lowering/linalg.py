@@ -1,8 +1,11 @@
 """Lowering rules: linalg (mm, addmm, bmm).
 
-Every matmul is one `lax.dot_general`. nn.Linear arrives as `addmm(b, x, permute(W, [1, 0]))`:
-the permute lowers to a `transpose` that XLA folds into the dot's contracting dimensions
-(TransposeFolding), so no transposed copy of the weight is materialised; see
+Every matmul is one `lax.dot_general`. nn.Linear arrives as `addmm(b, x, permute(W, [1, 0]))`
+(and its backward as mm's of permuted operands). An operand whose torch strides say it is a
+transposed row-major buffer is contracted through: the rule transposes the value back (XLA
+cancels the transpose pair) and contracts the buffer along its other dimension. XLA folds a
+lone transpose into a float32 dot by itself, but for bf16 on CPU it instead upcasts a
+transposed copy of the weight to float32 on every call; see
 tests/frontend/test_linalg.py::test_linear_weight_transpose_is_folded.
 """
 from __future__ import annotations
@@ -12,7 +15,7 @@ from jax import lax
 
 from torch.ops import aten
 
-from .registry import register_lowering
+from .registry import concrete_shape, register_lowering
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -40,19 +43,42 @@ def _scaled(x, s):
     return x if s == 1 else x * jnp.asarray(s, x.dtype)
 
 
-@register_lowering(aten.mm.default)
+def _is_transposed(ctx, i: int) -> bool:
+    """Whether node arg `i` is, in torch's layout (which the lowering's transposes mirror), a
+    row-major buffer with its last two dims swapped: a permuted weight, a saved `W.t()`, ..."""
+    meta = ctx.arg_meta(i)
+    shape, stride = concrete_shape(meta.shape, ctx.sizes), concrete_shape(meta.stride(), ctx.sizes)
+    if len(shape) < 2 or shape[-1] == 1 or shape[-2] == 1:
+        return False
+    swap = list(range(len(shape) - 2)) + [len(shape) - 1, len(shape) - 2]
+    expected = 1
+    for d in reversed(swap):  # is the tensor dense row-major in the swapped order?
+        if shape[d] != 1 and stride[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
+
+
+def _matmul(ctx, a, b, lhs: int, rhs: int):
+    """a @ b over the last two dims (leading dims batched); args `lhs`/`rhs` of the node."""
+    n = a.ndim
+    ca, cb = n - 1, n - 2
+    if _is_transposed(ctx, lhs):  # a = X^T: contract X's row dim instead
+        a, ca = jnp.swapaxes(a, -1, -2), n - 2
+    if _is_transposed(ctx, rhs):  # b = W^T: contract W's column dim instead
+        b, cb = jnp.swapaxes(b, -1, -2), n - 1
+    batch = tuple(range(n - 2))
+    return dot(a, b, ((ca,), (cb,)), (batch, batch))
+
+
+@register_lowering(aten.mm.default, aten.bmm.default)
 def _mm(ctx, a, b):
-    return dot(a, b, ((1,), (0,)))
-
-
-@register_lowering(aten.bmm.default)
-def _bmm(ctx, a, b):
-    return dot(a, b, ((2,), (1,)), ((0,), (0,)))
+    return _matmul(ctx, a, b, 0, 1)
 
 
 @register_lowering(aten.addmm.default)
 def _addmm(ctx, bias, a, b, *, beta=1, alpha=1):
-    out = _scaled(dot(a, b, ((1,), (0,))), alpha)
+    out = _scaled(_matmul(ctx, a, b, 1, 2), alpha)
     if beta == 0:  # torch ignores `self` entirely (NaN/inf in it do not propagate)
         return out
     # Bias added in the accumulation dtype and rounded once, like torch's gemm epilogue.

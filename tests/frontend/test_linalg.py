@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tolerance
+
 FLOATS = [torch.float32, torch.bfloat16, torch.float64]
 
 
@@ -32,6 +34,9 @@ def test_mm_addmm_bmm(check, dtype):
             torch.addmm(bias, a, b),
             torch.addmm(bias_row, a, b, beta=beta, alpha=alpha),
             torch.bmm(x, y),
+            torch.mm(b.t(), a.t()),  # both operands transposed views: contracted through
+            torch.addmm(bias, b.t(), a.t()[:, :3]),
+            torch.bmm(y.transpose(1, 2), x.transpose(1, 2)),
         )
 
     check(fn, a, b, bias, bias_row, x, y)
@@ -44,6 +49,26 @@ def test_linear(check, dtype):
     x, x3 = _rand(4, 16, dtype=dtype), _rand(2, 3, 16, dtype=dtype)
     w, b = _rand(8, 16, dtype=dtype), _rand(8, dtype=dtype)
     check(lambda x, x3, w, b: (F.linear(x, w, b), F.linear(x, w), F.linear(x3, w, b)), x, x3, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_grads(dtype):
+    # The backward graph is mm's of permuted saved tensors (weight and input gradients).
+    torch.manual_seed(0)
+    x, w, b = _rand(6, 16, dtype=dtype), _rand(8, 16, dtype=dtype), _rand(8, dtype=dtype)
+
+    def grads(fn):
+        ins = [t.clone().requires_grad_() for t in (x, w, b)]
+        out = fn(*ins)
+        (out.float() * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        return [out.detach()] + [t.grad for t in ins]
+
+    fn = lambda x, w, b: F.linear(F.linear(x, w, b).relu(), w.t()[:8, :8])  # noqa: E731
+    expected = grads(fn)
+    actual = grads(torch.compile(fn, backend="fx2xla", fullgraph=True))
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        torch.testing.assert_close(a, e, **tolerance(e.dtype))
 
 
 def test_addmm_beta_zero_ignores_self(check):
@@ -77,16 +102,18 @@ def test_empty_and_noncontiguous(check):
     )
 
 
-def test_linear_weight_transpose_is_folded(check, tmp_path, monkeypatch):
-    # nn.Linear's permute(W) must fold into the dot's contracting dims: the optimized HLO
-    # of an inference MLP has no transpose and no copy of a weight.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_weight_transpose_is_folded(check, tmp_path, monkeypatch, dtype):
+    # nn.Linear's permute(W) must not be materialised: the optimized HLO of an inference MLP
+    # has no transpose or copy, and (bf16) no float32 convert of a weight.
     monkeypatch.setenv("FX2XLA_DUMP_DIR", str(tmp_path))
     torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)).to(dtype)
     with torch.no_grad():
-        check(mlp, torch.randn(8, 64))
+        check(mlp, torch.randn(8, 64, dtype=dtype))
     (hlo_file,) = glob.glob(os.path.join(str(tmp_path), "*.hlo.txt"))
     hlo = open(hlo_file).read()
-    ops = re.findall(r"=\s*\S+\s+(\w+)\(", hlo)  # `%name = type op(`
-    assert "dot" in ops or "fusion" in ops, hlo
-    assert "transpose" not in ops and "copy" not in ops, hlo
+    ops = re.findall(r"= \w+\[([\d,]*)\]\S* (\w+)\(", hlo)  # `%name = f32[8,128]{1,0} op(`
+    assert ("8,128", "dot") in ops and ("128,64", "parameter") in ops, hlo
+    weights = {"128,64", "64,128", "32,128", "128,32"}
+    assert not [(s, op) for s, op in ops if op in ("transpose", "copy") or (op == "convert" and s in weights)], hlo
