@@ -1,6 +1,8 @@
 """Which core ATen overloads have a lowering rule (the rest fall back to eager)."""
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 # Prims that survive the core-ATen decompositions in real graphs (e.g. AdamW's fma).
@@ -18,6 +20,10 @@ def core_overloads() -> list:
             op = getattr(packet, ov)
             if torch.Tag.core in op.tags:
                 ops.append(op)
+    try:
+        importlib.import_module("torch._inductor.inductor_prims")  # defines prims.fma
+    except ImportError:
+        pass
     for name in SURVIVING_PRIMS:
         packet = getattr(torch.ops.prims, name, None)
         if packet is not None:

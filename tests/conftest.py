@@ -33,7 +33,9 @@ def assert_matches_eager(fn, *args, tol_scale: float = 1.0, fullgraph: bool = Tr
     value, dtype, shape and strides. Returns the compiled outputs."""
     torch._dynamo.reset()
     expected = fn(*_clone(args), **kwargs)
-    compiled = torch.compile(fn, backend="fx2xla", fullgraph=fullgraph, dynamic=dynamic)
+    # fallback="error": a missing rule must fail the test, not run eagerly behind its back.
+    compiled = torch.compile(fn, backend="fx2xla", fullgraph=fullgraph, dynamic=dynamic,
+                             options={"fallback": "error"})
     actual = compiled(*_clone(args), **kwargs)
     _compare(actual, expected, tol_scale)
     return actual

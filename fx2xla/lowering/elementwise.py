@@ -1,7 +1,8 @@
 """Lowering rules: elementwise arithmetic, comparisons, math functions, casts, where.
 
 Numerics follow PyTorch's CPU kernels: bfloat16/float16 are computed in float32 ("opmath")
-and rounded once at the end (the registry casts every result to torch's output dtype).
+and rounded once at the end (the registry casts every result to torch's output dtype), except
+where torch's kernel rounds after every step (div with a rounding mode, see `_div`).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import torch
 from torch.ops import aten
 
 from .registry import register_lowering
@@ -32,33 +34,51 @@ def _opmath(x):
     return lax.convert_element_type(x, _F32) if x.dtype in _REDUCED else x
 
 
-def _arith_operands(ctx, a, b, exact_scalar: bool, opmath: bool = True):
+def _arith_operands(ctx, a, b, exact_scalar: bool):
     """Operands of add/sub/mul/div cast to the dtype torch's CPU kernel computes in, broadcast.
 
     exact_scalar: torch's mul/div kernels read a one-element second operand of a bf16/f16
-    op at its original precision (a Python scalar or e.g. a 0-d float32 tensor) and compute
-    in float32. opmath=False: otherwise bf16/f16 stay in their dtype, every op rounding
-    (torch's vectorized bf16/f16 kernels for div with a rounding mode).
+    op at its original precision (a Python scalar or e.g. a 0-d float32 tensor).
     """
     dtype, shape = ctx.out_dtype, ctx.out_shape
 
     def cast(x, dt):
-        return lax.convert_element_type(x, dt) if hasattr(x, "dtype") else jnp.asarray(x, dtype=dt)
+        return lax.convert_element_type(x, dt) if hasattr(x, "dtype") else _scalar(x, dt)
 
-    if exact_scalar and dtype in _REDUCED and (not hasattr(b, "dtype") or b.size == 1):
+    if exact_scalar and dtype in _REDUCED and _is_scalar_operand(b):
         a, b = _opmath(cast(a, dtype)), cast(b, _F32)
-    elif opmath:
-        a, b = _opmath(cast(a, dtype)), _opmath(cast(b, dtype))
     else:
-        a, b = cast(a, dtype), cast(b, dtype)
+        a, b = _opmath(cast(a, dtype)), _opmath(cast(b, dtype))
     return jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+
+
+def _scalar(v, dtype):
+    """A Python scalar as a 0-d array of `dtype`, converted like a C cast (ints wrap, so -1
+    becomes 255 in uint8 as in torch)."""
+    if isinstance(v, (bool, int)) and jnp.issubdtype(dtype, jnp.integer):
+        return lax.convert_element_type(jnp.asarray(v, jnp.int64), dtype)
+    return jnp.asarray(v, dtype=dtype)
+
+
+def _is_scalar_operand(b) -> bool:
+    return not hasattr(b, "dtype") or b.size == 1
+
+
+def _rounder(dtype):
+    """Rounds float32 values to `dtype`'s precision when it is bf16/f16 (else identity).
+    reduce_precision, unlike a convert pair, cannot be elided by XLA's excess-precision
+    simplifications, so it reproduces torch kernels that round after every step."""
+    if np.dtype(dtype) not in _REDUCED:
+        return lambda v: v
+    info = jnp.finfo(dtype)
+    return lambda v: lax.reduce_precision(v, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def _scaled(ctx, b, alpha):
     """`alpha * b`, alpha rounded to the output dtype first as torch's add kernel does."""
     if alpha is None or alpha == 1:
         return b
-    return lax.mul(b, lax.convert_element_type(jnp.asarray(alpha, dtype=ctx.out_dtype), b.dtype))
+    return lax.mul(b, lax.convert_element_type(_scalar(alpha, ctx.out_dtype), b.dtype))
 
 
 @register_lowering(aten.add.Tensor, aten.add.Scalar)
@@ -81,15 +101,16 @@ def _mul(ctx, a, b):
     return lax.mul(a, b) if not _is_bool(ctx.out_dtype) else lax.bitwise_and(a, b)
 
 
-def _floor_div_float(a, b):
-    """torch's c10::div_floor_floating: Python floor division, exact at integer quotients."""
+def _floor_div_float(a, b, rnd):
+    """torch's c10::div_floor_floating (Python floor division, exact at integer quotients);
+    `rnd` rounds each intermediate result like torch's kernel does."""
     zero, one = jnp.zeros((), a.dtype), jnp.ones((), a.dtype)
     mod = lax.rem(a, b)
-    div = lax.div(lax.sub(a, mod), b)
-    div = jnp.where((mod != zero) & ((b < zero) != (mod < zero)), div - one, div)
+    div = rnd(lax.div(rnd(lax.sub(a, mod)), b))
+    div = jnp.where((mod != zero) & ((b < zero) != (mod < zero)), rnd(div - one), div)
     floordiv = lax.floor(div)
-    floordiv = jnp.where(div - floordiv > jnp.asarray(0.5, a.dtype), floordiv + one, floordiv)
-    true_div = lax.div(a, b)
+    floordiv = jnp.where(rnd(div - floordiv) > jnp.asarray(0.5, a.dtype), rnd(floordiv + one), floordiv)
+    true_div = rnd(lax.div(a, b))
     # A zero quotient keeps the sign of a / b; division by zero gives the IEEE a / b.
     floordiv = jnp.where(div == zero, jnp.copysign(zero, true_div), floordiv)
     return jnp.where(b == zero, true_div, floordiv)
@@ -105,14 +126,19 @@ def _floor_div_int(a, b):
 
 @register_lowering(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode)
 def _div(ctx, a, b, rounding_mode=None):
-    a, b = _arith_operands(ctx, a, b, exact_scalar=True, opmath=rounding_mode is None)
-    floating = _is_float(a.dtype)
+    # With a rounding mode and a bf16/f16 tensor divisor, torch's vectorized kernel rounds to
+    # bf16/f16 after every step (with a scalar divisor it stays in float32 throughout).
+    per_step = rounding_mode is not None and not _is_scalar_operand(b)
+    rnd = _rounder(ctx.out_dtype) if per_step else (lambda v: v)
+    a, b = _arith_operands(ctx, a, b, exact_scalar=True)
     if rounding_mode is None:
         return lax.div(a, b)
+    if not _is_float(a.dtype):
+        return lax.div(a, b) if rounding_mode == "trunc" else _floor_div_int(a, b)
     if rounding_mode == "trunc":
-        return jnp.trunc(lax.div(a, b)) if floating else lax.div(a, b)
+        return jnp.trunc(rnd(lax.div(a, b)))
     if rounding_mode == "floor":
-        return _floor_div_float(a, b) if floating else _floor_div_int(a, b)
+        return _floor_div_float(a, b, rnd)
     raise ValueError(f"div: unknown rounding_mode {rounding_mode!r}")
 
 
@@ -181,7 +207,9 @@ def _shift_rule(left: bool):
         safe_b = jnp.where(out_of_range, zero, b)
         if left:
             return jnp.where(out_of_range, zero, lax.shift_left(a, safe_b))
-        fill = jnp.where(a < zero, -jnp.ones((), a.dtype), zero) if jnp.issubdtype(a.dtype, jnp.signedinteger) else zero
+        if not jnp.issubdtype(a.dtype, jnp.signedinteger):
+            return jnp.where(out_of_range, zero, lax.shift_right_logical(a, safe_b))
+        fill = jnp.where(a < zero, -jnp.ones((), a.dtype), zero)
         return jnp.where(out_of_range, fill, lax.shift_right_arithmetic(a, safe_b))
 
     return rule
@@ -261,10 +289,17 @@ _FLOAT_UNARY = {
     aten.erfc.default: lax.erfc,
     aten.erfinv.default: lax.erf_inv,
     aten.lgamma.default: lax.lgamma,
-    aten.digamma.default: lax.digamma,
+    aten.digamma.default: lambda x: _digamma(x),
     aten.sigmoid.default: lax.logistic,
     aten.i0.default: lambda x: lax.mul(lax.bessel_i0e(x), lax.exp(lax.abs(x))),
 }
+
+
+def _digamma(x):
+    # torch (calc_digamma): -inf at +0 (+inf at -0), NaN at negative integers.
+    zero = jnp.zeros((), x.dtype)
+    d = jnp.where(x == zero, jnp.copysign(jnp.asarray(math.inf, x.dtype), -x), lax.digamma(x))
+    return jnp.where((x < zero) & (x == lax.floor(x)), jnp.asarray(math.nan, x.dtype), d)
 
 
 def _float_unary_rule(fn):
@@ -285,7 +320,7 @@ def _neg(ctx, x):
 
 @register_lowering(aten.abs.default)
 def _abs(ctx, x):
-    return x if _is_bool(x.dtype) else lax.abs(x)
+    return lax.abs(x) if _is_float(x.dtype) or jnp.issubdtype(x.dtype, jnp.signedinteger) else x  # bool, unsigned
 
 
 @register_lowering(aten.sign.default)
@@ -311,6 +346,20 @@ register_lowering(aten.ceil.default)(_rounding_rule(lax.ceil))
 register_lowering(aten.trunc.default)(_rounding_rule(jnp.trunc))
 register_lowering(aten.round.default)(
     _rounding_rule(lambda x: lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)))
+
+
+@register_lowering(aten.round.decimals)
+def _round_decimals(ctx, x, decimals=0):
+    if not _is_float(x.dtype):
+        return x
+    # torch: nearbyint(x * 10^d) / 10^d (x / 10^-d, then * 10^-d, for d < 0), in float32
+    # for bf16/f16, with 10^|d| rounded to that compute dtype.
+    xa = _opmath(x)
+    scale = jnp.asarray(10.0 ** abs(decimals), xa.dtype)
+    even = lax.RoundingMethod.TO_NEAREST_EVEN
+    if decimals >= 0:
+        return lax.div(lax.round(lax.mul(xa, scale), even), scale)
+    return lax.mul(lax.round(lax.div(xa, scale), even), scale)
 
 
 @register_lowering(aten.isnan.default)
@@ -433,3 +482,10 @@ def _fill(ctx, x, value):
     else:
         v = jnp.asarray(int(value), jnp.int64)
     return jnp.broadcast_to(lax.convert_element_type(v, dtype), ctx.out_shape)
+
+
+# prims.fma survives the core decompositions (AdamW's addcmul/lerp). It is defined by Inductor's
+# prims module when that loads, so it is registered by name.
+@register_lowering("prims.fma.default", promote="out", broadcast=True)
+def _fma(ctx, a, b, c):
+    return a * b + c

@@ -32,6 +32,8 @@ class LoweringRule:
 
 
 LOWERINGS: dict[torch._ops.OpOverload, LoweringRule] = {}
+# Rules for ops that only exist once some torch module defines them (e.g. "prims.fma.default").
+LOWERINGS_BY_NAME: dict[str, LoweringRule] = {}
 
 
 def _overloads(op) -> list:
@@ -52,6 +54,9 @@ def register_lowering(*ops, promote: str | None = None, broadcast: bool = False,
     def deco(fn):
         rule = LoweringRule(fn, promote, broadcast, random)
         for op in ops:
+            if isinstance(op, str):
+                LOWERINGS_BY_NAME[op] = rule
+                continue
             for ov in _overloads(op):
                 LOWERINGS[ov] = rule
         return fn
@@ -60,7 +65,10 @@ def register_lowering(*ops, promote: str | None = None, broadcast: bool = False,
 
 
 def lowering_for(op) -> LoweringRule | None:
-    return LOWERINGS.get(op)
+    rule = LOWERINGS.get(op)
+    if rule is None and LOWERINGS_BY_NAME:
+        rule = LOWERINGS_BY_NAME.get(str(op))
+    return rule
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,9 @@ def _common_dtype(ctx: LoweringContext) -> np.dtype:
 def _cast(x, dtype):
     if is_array(x):
         return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+    if isinstance(x, (bool, int)) and jnp.issubdtype(dtype, jnp.integer):
+        # C-style wrap like torch (u8 > -1 compares with 255), not numpy's OverflowError
+        return lax.convert_element_type(jnp.asarray(x, jnp.int64), dtype)
     if isinstance(x, (bool, int, float, complex)):
         return jnp.asarray(x, dtype=dtype)
     return x

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 aten = torch.ops.aten
+# An op without a rule must fail these tests, not fall back to eager ("fx2xla: aten.x has no
+# lowering rule and runs eagerly ...").
+pytestmark = pytest.mark.filterwarnings("error:fx2xla. .* has no lowering rule:UserWarning")
 nan, inf = math.nan, math.inf
 
 F32, BF16, I64, BOOL = torch.float32, torch.bfloat16, torch.int64, torch.bool
@@ -194,8 +197,10 @@ def test_float_unary(check, dtype):
 
 
 def test_float_unary_extra(check):
-    check(lambda x, u: (torch.erfc(x), torch.erfinv(u), torch.lgamma(u + 0.5), torch.digamma(u + 0.5)),
-          make(F32, 4, 5, low=-3, high=3), make(F32, 4, 5, low=-0.9, high=0.9))
+    x = make(F32, 4, 5, low=-3, high=3)
+    x[0, :4] = torch.tensor([0.0, -0.0, -2.0, -1.5])  # digamma poles
+    check(lambda x, u: (torch.erfc(x), torch.erfinv(u), torch.lgamma(u + 0.5), torch.digamma(x)),
+          x, make(F32, 4, 5, low=-0.9, high=0.9))
 
 
 def test_float_unary_special_values(check):
@@ -212,6 +217,19 @@ def test_sign_abs_neg_rounding(check, dtype):
 
     x = torch.tensor(SPECIAL).to(dtype) if dtype.is_floating_point else make(dtype, 3, 4)
     check(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_round_decimals(check, dtype):
+    x = make(dtype, 5, 7, low=-60, high=60)
+    check(lambda x: (torch.round(x, decimals=0), torch.round(x, decimals=2), torch.round(x, decimals=-1)), x)
+
+
+def test_uint8_wraps_like_torch(check):
+    def fn(a, b):
+        return torch.abs(a), torch.add(a, b, alpha=-3), a - b, a * 3, a + 200, a // 7, a >> 1, -a.to(I64)
+
+    check(fn, torch.randint(0, 256, (4, 5), dtype=torch.uint8), torch.randint(0, 256, (4, 5), dtype=torch.uint8))
 
 
 def test_sign_bool(check):
@@ -301,11 +319,11 @@ def test_to_copy(check):
     check(fn, f, make(I64, 3, 5), make(BOOL, 3, 5), make(BF16, 3, 5, low=-100, high=100))
 
 
-def test_clone_copy_alias(check):
+def test_clone_copy_alias_lift_fresh(check):
     def fn(x, y):
         z = x.clone()
         z.copy_(y)  # aten.copy: broadcasts and casts y into z
-        return z, x.detach() * 2, x.clone() + 1
+        return z, x.detach() * 2, x.clone() + 1, x + torch.tensor([1.0, 2.0, 3.0, 4.0])  # lift_fresh_copy
 
     check(fn, make(F32, 3, 4), make(I64, 4))
 
@@ -338,6 +356,14 @@ def test_empty(check):
         return x + y, torch.exp(x), x // 2, x > y, torch.clamp(x, 0, 1), x.to(I64)
 
     check(fn, make(F32, 0, 3), make(F32, 3))
+
+
+def test_dynamic_shapes(check):
+    def fn(x, y):
+        return x * 2 + y, torch.div(x, y, rounding_mode="floor"), torch.where(x > 0, x, y), x.clamp(0, 1), x.to(I64)
+
+    for n in (5, 7):
+        check(fn, make(F32, n, 6), make(F32, n, 6), dynamic=True)
 
 
 def test_non_contiguous(check):
