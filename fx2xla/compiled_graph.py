@@ -20,13 +20,15 @@ from .runtime.handoff import export_array, import_tensor
 class _Specialization:
     """One executable and the plan to call it with (one per concrete input signature)."""
 
-    __slots__ = ("exe", "lowered", "out_plans", "plain_outputs")
+    __slots__ = ("exe", "lowered", "out_plans", "plain_outputs", "input_outputs")
 
     def __init__(self, exe, lowered: LoweredGraph):
         self.exe = exe
         self.lowered = lowered
         self.out_plans = lowered.outputs
         self.plain_outputs = all(p.kind == "tensor" and p.inv_perm is None and p.stride is None for p in self.out_plans)
+        # Graph inputs returned as outputs (or views of them): kept past args.clear().
+        self.input_outputs = sorted({p.index for p in self.out_plans if p.kind == "input"})
 
 
 def static_input_indices(num_inputs: int) -> set[int]:
@@ -111,11 +113,12 @@ class CompiledGraph:
         bufs = self._import(args)
         if spec.lowered.needs_seed:  # random ops: a fresh seed from torch's default generator
             bufs.append(import_tensor(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64), self._jax_device))
+        held = {i: args[i] for i in spec.input_outputs} if spec.input_outputs else None
         args.clear()  # boxed convention: drop our references to the inputs early
         outs = spec.exe.execute(bufs)
         if spec.plain_outputs:
             return [export_array(o) for o in outs]
-        return self._wrap_outputs(spec, outs)
+        return self._wrap_outputs(spec, outs, held)
 
     def call_unboxed(self, *args):
         """Dynamo's calling convention, for graphs that bypass AOTAutograd's wrappers."""
@@ -147,11 +150,17 @@ class CompiledGraph:
         return bufs
 
     @staticmethod
-    def _wrap_outputs(spec: _Specialization, outs):
+    def _wrap_outputs(spec: _Specialization, outs, held):
         results = []
         for p in spec.out_plans:
             if p.kind == "const":
                 results.append(p.value)
+                continue
+            if p.kind == "input":
+                t = held[p.index]
+                for op, op_args in p.views:
+                    t = op(t, *op_args)
+                results.append(t)
                 continue
             t = export_array(outs[p.index])
             if p.inv_perm is not None:

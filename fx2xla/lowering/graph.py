@@ -53,6 +53,37 @@ class OutputPlan:
     inv_perm: tuple[int, ...] | None = None
     stride: tuple[int, ...] | None = None
     value: Any = None
+    # kind "input": graph input `index` itself, or a view of it replayed in torch with `views`
+    # ((aten view op, args) pairs): no copy through the executable (e.g. saved activations).
+    views: tuple = ()
+
+
+# View ops whose result an output may be rebuilt with in torch, zero-copy, from a graph input.
+_VIEW_OPS = {
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default,
+    torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
+    torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+    torch.ops.aten.diagonal.default,
+}
+
+
+def _input_view_chain(node, placeholder_index: dict):
+    """(input position, ((op, args), ...)) if `node` is a graph input or a chain of view ops
+    with static arguments on one; None otherwise."""
+    views = []
+    while node.op == "call_function" and node.target in _VIEW_OPS and not node.kwargs:
+        src, *rest = node.args
+        if not isinstance(src, torch.fx.Node) or any(
+            isinstance(a, torch.fx.Node) or (isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a))
+            for a in rest
+        ):
+            return None
+        views.append((node.target, tuple(rest)))
+        node = src
+    if node.op == "placeholder" and node in placeholder_index:
+        return placeholder_index[node], tuple(reversed(views))
+    return None
 
 
 @dataclass
@@ -215,7 +246,12 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
                 raise LoweringError(node, e) from e
         results = []
         out_plans.clear()
+        tensor_inputs = {n: i for n, p, i in zip(placeholders, plans, range(len(plans))) if p.kind != "symint"}
         for v, meta in zip(out_vals, [getattr(o, "meta", {}).get("val") if isinstance(o, torch.fx.Node) else o for o in out_vals]):
+            chain = _input_view_chain(v, tensor_inputs) if isinstance(v, torch.fx.Node) else None
+            if chain is not None:
+                out_plans.append(OutputPlan("input", index=chain[0], views=chain[1]))
+                continue
             value = env[v] if isinstance(v, torch.fx.Node) else v
             if not is_array(value):
                 out_plans.append(OutputPlan("const", value=value))

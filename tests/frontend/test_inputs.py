@@ -103,3 +103,25 @@ def test_parameters_updated_between_calls_are_seen():
         torch.testing.assert_close(c(x), x * lin)
         lin.data = torch.randn(4)  # a new storage behind the same Parameter
         torch.testing.assert_close(c(x), x * lin)
+
+
+def test_outputs_that_are_views_of_inputs_are_not_copied():
+    """Saved tensors of a training forward include inputs and permuted weights: they come back
+    as views of the caller's tensors, not as copies through the executable."""
+    from fx2xla.compiled_graph import CompiledGraph
+    from fx2xla.runtime import default_device
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fwd(x, w):
+        wt = torch.ops.aten.permute.default(w, [1, 0])
+        return torch.ops.aten.mm.default(x, wt), x, wt
+
+    x, w = torch.randn(4, 3), torch.randn(5, 3)
+    gm = make_fx(fwd)(x, w)
+    g = CompiledGraph(gm, [x, w], default_device(), "views", resident_inputs=set())
+    out, x_out, wt_out = g([x, w])
+    torch.testing.assert_close(out, x @ w.t())
+    assert x_out.data_ptr() == x.data_ptr() and x_out.shape == x.shape
+    assert wt_out.data_ptr() == w.data_ptr() and wt_out.stride() == w.t().stride()
+    assert g._static.lowered.module_text.count("return") == 1
+    assert len(g._static.lowered.outputs) == 3 and sum(p.kind == "tensor" for p in g._static.lowered.outputs) == 1
