@@ -25,7 +25,9 @@ def metrics() -> dict:
     from .runtime.executor import disk_cache
 
     out = dict(counters.__dict__)
-    out["executions"] = sum(g.executions for g in list(live_graphs))
+    graphs = list(live_graphs)
+    out["executions"] = sum(g.executions for g in graphs)
+    out["execute_seconds"] = sum(g.execute_seconds for g in graphs)  # with FX2XLA_TIME_EXECUTE=1
     s = executable_cache.stats
     out.update(
         cache_hits=s.hits,

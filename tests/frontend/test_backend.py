@@ -129,3 +129,13 @@ def test_metrics_count_executions_and_report():
     assert fx2xla.metrics()["executions"] - before == 3
     report = fx2xla.metrics_report()
     assert "executions" in report and "compiles" in report and "disk_hits" in report
+
+
+def test_execute_seconds_when_timing_is_on(monkeypatch):
+    monkeypatch.setenv("FX2XLA_TIME_EXECUTE", "1")
+    c = torch.compile(lambda x: (x @ x.t()).tanh(), backend="fx2xla")
+    x = torch.randn(64, 64)
+    before = fx2xla.metrics()["execute_seconds"]
+    for _ in range(3):
+        torch.testing.assert_close(c(x), (x @ x.t()).tanh(), rtol=1e-4, atol=1e-4)
+    assert fx2xla.metrics()["execute_seconds"] > before
