@@ -14,6 +14,7 @@ OPTIONS = {
     # name: (default, help)
     "device_index": (None, "local PJRT device index (default: FX2XLA_DEVICE_INDEX or 0)"),
     "no_recompile": (False, "compiles outside fx2xla.warmup() raise RecompileError"),
+    "batch_buckets": (None, "inference with a dynamic batch dim: pad it up to these sizes (see README)"),
     "fallback": ("eager", '"eager": ops with no lowering rule run eagerly between XLA subgraphs; "error": raise'),
 }
 
@@ -88,7 +89,9 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                 no_recompile=bool(options["no_recompile"]),
             ),
         )
-    compiled = CompiledGraph(gm, example_inputs, device, name, no_recompile=bool(options["no_recompile"]))
+    buckets = options["batch_buckets"] if kind == "inference" else None  # never pad training
+    compiled = CompiledGraph(gm, example_inputs, device, name, no_recompile=bool(options["no_recompile"]),
+                             batch_buckets=tuple(buckets) if buckets else None)
     if made is not None:
         made.append((compiled, _fw_metadata()))
     return compiled

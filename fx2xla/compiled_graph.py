@@ -49,7 +49,8 @@ class CompiledGraph:
     """Callable with AOTAutograd's boxed convention: `compiled(args_list) -> list of outputs`."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str,
-                 resident_inputs: set[int] | None = None, no_recompile: bool = False):
+                 resident_inputs: set[int] | None = None, no_recompile: bool = False,
+                 batch_buckets: tuple[int, ...] | None = None):
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -79,6 +80,7 @@ class CompiledGraph:
         self.execute_seconds = 0.0
         self._timed = os.environ.get("FX2XLA_TIME_EXECUTE", "") not in ("", "0")  # opt-in: ~0.2 µs
         live_graphs.add(self)
+        self._buckets = BatchBuckets.find(gm, self.example_inputs, batch_buckets) if self.dynamic and batch_buckets else None
         if not self.dynamic:
             self._static = self._specialize(None)
 
@@ -108,10 +110,19 @@ class CompiledGraph:
     def __call__(self, args: list):
         spec = self._static
         if spec is None:
-            key = self._signature(args)
-            spec = self._specializations.get(key)
-            if spec is None:
-                spec = self._specializations[key] = self._specialize(list(args))
+            if self._buckets is not None:
+                return self._buckets.call(self, args)
+            return self._run(self._specialization_for(args), args)
+        return self._run(spec, args)
+
+    def _specialization_for(self, args) -> _Specialization:
+        key = self._signature(args)
+        spec = self._specializations.get(key)
+        if spec is None:
+            spec = self._specializations[key] = self._specialize(list(args))
+        return spec
+
+    def _run(self, spec: _Specialization, args: list):
         self.executions += 1
         bufs = self._import(args)
         if spec.lowered.needs_seed:  # random ops: a fresh seed from torch's default generator
@@ -181,3 +192,57 @@ class CompiledGraph:
                 t = torch.empty_strided(t.shape, p.stride, dtype=t.dtype).copy_(t)
             results.append(t)
         return results
+
+
+class BatchBuckets:
+    """Opt-in padding of a dynamic batch dimension up to the next bucket size, so a few
+    executables serve every batch size (`options={"batch_buckets": [1, 2, 4, 8, 16]}`).
+
+    Safe only where rows never interact: each output row depends on its own input row alone
+    (inference; no batch statistics, no reductions or attention across the batch). Inputs
+    whose first dim is the batch size are zero-padded, outputs with that first dim sliced back.
+    """
+
+    def __init__(self, buckets, pad_positions, symint_positions, slice_outputs):
+        self.buckets = buckets
+        self.pad_positions = pad_positions
+        self.symint_positions = symint_positions
+        self.slice_outputs = slice_outputs
+
+    @classmethod
+    def find(cls, gm, example_inputs, buckets):
+        batch = None
+        for v in example_inputs:
+            if isinstance(v, torch.Tensor) and v.dim() and isinstance(v.shape[0], torch.SymInt):
+                batch = v.shape[0].node.expr
+                break
+        if batch is None:
+            return None
+        pad = [i for i, v in enumerate(example_inputs)
+               if isinstance(v, torch.Tensor) and v.dim() and isinstance(v.shape[0], torch.SymInt)
+               and v.shape[0].node.expr == batch]
+        syms = [i for i, v in enumerate(example_inputs) if isinstance(v, torch.SymInt) and v.node.expr == batch]
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        outs = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
+        sliced = []
+        for j, o in enumerate(outs):
+            val = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[0], torch.SymInt) \
+                    and val.shape[0].node.expr == batch:
+                sliced.append(j)
+        return cls(tuple(sorted(buckets)), pad, syms, set(sliced))
+
+    def call(self, graph: "CompiledGraph", args: list):
+        n = args[self.pad_positions[0]].shape[0]
+        size = next((b for b in self.buckets if b >= n), None)
+        if size is None or size == n:  # beyond the largest bucket, or already a bucket size
+            return graph._run(graph._specialization_for(args), args)
+        padded = list(args)
+        args.clear()
+        for i in self.pad_positions:
+            t = padded[i]
+            padded[i] = torch.cat([t, t.new_zeros((size - n, *t.shape[1:]))])
+        for i in self.symint_positions:
+            padded[i] = size
+        outs = graph._run(graph._specialization_for(padded), padded)
+        return [o[:n] if j in self.slice_outputs else o for j, o in enumerate(outs)]

@@ -68,3 +68,21 @@ def test_mark_dynamic_specialises_per_size_and_caches():
         xb = torch.randn(b, 8)
         torch.testing.assert_close(compiled(xb), f(xb))
     assert fx2xla.metrics()["specializations"] - before == 2  # one per new size, then cached
+
+
+def test_batch_buckets_pad_and_share_executables():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3)).eval()
+    compiled = torch.compile(model, backend="fx2xla", options={"batch_buckets": [4, 8]})
+    x = torch.randn(2, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        compiled(x)
+        before = fx2xla.metrics()["specializations"]
+        for b in (3, 5, 6, 7, 8):  # (batch 1 would be a new static graph: Dynamo specialises 1)
+            xb = torch.randn(b, 8)
+            out = compiled(xb)
+            assert out.shape == (b, 3)
+            torch.testing.assert_close(out, model(xb), rtol=1e-4, atol=1e-5)
+        # 3 shares bucket 4 (compiled already for the first call, batch 2); 5-8 share bucket 8.
+        assert fx2xla.metrics()["specializations"] - before == 1
