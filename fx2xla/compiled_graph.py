@@ -189,9 +189,23 @@ class CompiledGraph:
             if p.inv_perm is not None:
                 t = t.permute(p.inv_perm)
             elif p.stride is not None:
-                t = torch.empty_strided(t.shape, p.stride, dtype=t.dtype).copy_(t)
+                t = _restride(t, p.stride)
             results.append(t)
         return results
+
+
+def _restride(t: torch.Tensor, stride) -> torch.Tensor:
+    """`t` with eager's strides: broadcast (stride-0) dims become an expand of one slice, as in
+    eager; gaps are laid out with empty_strided. Values are what matter; layouts torch cannot
+    write into (other overlaps) keep XLA's dense layout."""
+    zero = [d for d, s in enumerate(stride) if s == 0 and t.shape[d] > 1]
+    if zero:
+        index = tuple(slice(0, 1) if d in zero else slice(None) for d in range(t.dim()))
+        return t[index].contiguous().expand(t.shape)
+    try:
+        return torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
+    except RuntimeError:
+        return t
 
 
 class BatchBuckets:

@@ -58,10 +58,11 @@ class OutputPlan:
     views: tuple = ()
 
 
-# View ops whose result an output may be rebuilt with in torch, zero-copy, from a graph input.
+# View ops whose result an output may be rebuilt with in torch, zero-copy, from a graph input
+# (not expand: its overlapping elements could not be written to in place afterwards).
 _VIEW_OPS = {
     torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default,
-    torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
+    torch.ops.aten.t.default, torch.ops.aten.transpose.int,
     torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
     torch.ops.aten.squeeze.dims, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
     torch.ops.aten.diagonal.default,

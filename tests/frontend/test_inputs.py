@@ -125,3 +125,18 @@ def test_outputs_that_are_views_of_inputs_are_not_copied():
     assert wt_out.data_ptr() == w.data_ptr() and wt_out.stride() == w.t().stride()
     assert g._static.lowered.module_text.count("return") == 1
     assert len(g._static.lowered.outputs) == 3 and sum(p.kind == "tensor" for p in g._static.lowered.outputs) == 1
+
+
+def test_expanded_output_keeps_eager_broadcast_strides():
+    from fx2xla.compiled_graph import CompiledGraph
+    from fx2xla.runtime import default_device
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        return torch.ops.aten.expand.default(x * 2, [4, 3])
+
+    x = torch.randn(1, 3)
+    gm = make_fx(f)(x)
+    (out,) = CompiledGraph(gm, [x], default_device(), "expand", resident_inputs=set())([x])
+    torch.testing.assert_close(out, f(x))
+    assert out.stride() == f(x).stride()
