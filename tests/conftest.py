@@ -17,6 +17,8 @@ TOLERANCES = {
     torch.float64: dict(rtol=1e-7, atol=1e-7),
     torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
     torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.complex64: dict(rtol=1e-4, atol=1e-5),
+    torch.complex128: dict(rtol=1e-7, atol=1e-7),
 }
 
 

@@ -1,5 +1,5 @@
 """Lowering rules, one module per op family; importing this package registers them all."""
-from . import creation, elementwise, indexing, linalg, nn, random, reductions, shape  # noqa: F401
+from . import creation, elementwise, fft, indexing, linalg, nn, random, reductions, shape  # noqa: F401
 from .graph import lower_graph
 from .registry import LOWERINGS, LoweringContext, register_lowering
 

@@ -8,6 +8,8 @@ time and enters the program as constants.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import jax
@@ -351,10 +353,15 @@ def _convolution_backward(ctx, grad, x, w, bias_sizes, stride, padding, dilation
 # Pooling
 # ---------------------------------------------------------------------------------------------
 
-def _pool_args(kernel_size, stride, padding, dilation=1):
-    k = _per_dim(kernel_size, 2)
-    s = _per_dim(stride, 2) if stride else k  # torch: an empty stride means stride = kernel
-    return k, s, _per_dim(padding, 2), _per_dim(dilation, 2)
+def _spatial_nd(ctx):
+    """Spatial dims of a pooling op from its name (max_pool3d_with_indices -> 3)."""
+    return 3 if "3d" in ctx.node.target.name() else 2
+
+
+def _pool_args(kernel_size, stride, padding, dilation=1, nd=2):
+    k = _per_dim(kernel_size, nd)
+    s = _per_dim(stride, nd) if stride else k  # torch: an empty stride means stride = kernel
+    return k, s, _per_dim(padding, nd), _per_dim(dilation, nd)
 
 
 def _window_pad(out_size, in_size, k, s, p, d=1):
@@ -362,69 +369,81 @@ def _window_pad(out_size, in_size, k, s, p, d=1):
     return p, max((out_size - 1) * s + (k - 1) * d + 1 - p - in_size, 0)
 
 
-def _strided_window(xp, i, j, out_hw, s, d):
-    """The element at kernel offset (i, j) of every window of the padded input `xp`."""
-    lead = xp.ndim - 2
-    start = (0,) * lead + (i * d[0], j * d[1])
-    limit = xp.shape[:lead] + tuple(st + (o - 1) * ss + 1 for st, o, ss in zip(start[lead:], out_hw, s))
+def _strided_window(xp, offset, out_size, s, d):
+    """The element at kernel offset `offset` (one int per spatial dim) of every window of the
+    padded input `xp`."""
+    lead = xp.ndim - len(offset)
+    start = (0,) * lead + tuple(o * dd for o, dd in zip(offset, d))
+    limit = xp.shape[:lead] + tuple(st + (o - 1) * ss + 1 for st, o, ss in zip(start[lead:], out_size, s))
     return lax.slice(xp, start, limit, (1,) * lead + tuple(s))
 
 
-@register_lowering(aten.max_pool2d_with_indices.default)
-def _max_pool2d_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    k, s, p, d = _pool_args(kernel_size, stride, padding, dilation)
-    (h, w), (oh, ow) = x.shape[-2:], ctx.out_shape[-2:]
-    pads = [_window_pad(o, n, kk, ss, pp, dd) for o, n, kk, ss, pp, dd in zip((oh, ow), (h, w), k, s, p, d)]
-    xp = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - 2) + [(lo, hi, 0) for lo, hi in pads])
-    rows0, cols0 = np.arange(oh) * s[0] - p[0], np.arange(ow) * s[1] - p[1]
+def _outer(vectors, combine):
+    """Combine one numpy vector per spatial dim over their grid (outer sum, product, and)."""
+    nd = len(vectors)
+    return functools.reduce(combine, [np.asarray(v).reshape((-1,) + (1,) * (nd - 1 - i))
+                                      for i, v in enumerate(vectors)])
+
+
+@register_lowering(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+def _max_pool_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    nd = _spatial_nd(ctx)
+    k, s, p, d = _pool_args(kernel_size, stride, padding, dilation, nd)
+    size, out = x.shape[-nd:], ctx.out_shape[-nd:]
+    pads = [_window_pad(o, n, kk, ss, pp, dd) for o, n, kk, ss, pp, dd in zip(out, size, k, s, p, d)]
+    xp = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - nd) + [(lo, hi, 0) for lo, hi in pads])
+    starts = [np.arange(o) * ss - pp for o, ss, pp in zip(out, s, p)]
+    strides = [math.prod(size[i + 1:]) for i in range(nd)]  # indices are flat over spatial dims
     # torch scans each window in row-major order from its first in-bounds element (the
     # initial index), taking an element if it is greater than the running max or NaN.
-    first_r = np.where(rows0 < 0, rows0 + -(-(-rows0) // d[0]) * d[0], rows0)
-    first_c = np.where(cols0 < 0, cols0 + -(-(-cols0) // d[1]) * d[1], cols0)
+    firsts = [np.where(st < 0, st + -(-(-st) // dd) * dd, st) for st, dd in zip(starts, d)]
     floating = jnp.issubdtype(x.dtype, jnp.floating)
     lowest = -jnp.inf if floating else jnp.iinfo(x.dtype).min
     best = jnp.full(ctx.out_shape, lowest, x.dtype)
-    best_idx = jnp.broadcast_to(jnp.asarray(first_r[:, None] * w + first_c[None, :]), ctx.out_shape)
-    for i in range(k[0]):
-        r = rows0 + i * d[0]
-        for j in range(k[1]):
-            c = cols0 + j * d[1]
-            v = _strided_window(xp, i, j, (oh, ow), s, d)
-            take = v > best
-            if floating:
-                take = take | jnp.isnan(v)
-            valid = ((r >= 0) & (r < h))[:, None] & ((c >= 0) & (c < w))[None, :]
-            if not valid.all():
-                take = take & valid
-            best = jnp.where(take, v, best)
-            best_idx = jnp.where(take, jnp.asarray(r[:, None] * w + c[None, :]), best_idx)
+    best_idx = jnp.broadcast_to(
+        jnp.asarray(_outer([f * m for f, m in zip(firsts, strides)], np.add)), ctx.out_shape)
+    for offset in itertools.product(*(range(kk) for kk in k)):
+        pos = [st + o * dd for st, o, dd in zip(starts, offset, d)]
+        v = _strided_window(xp, offset, out, s, d)
+        take = v > best
+        if floating:
+            take = take | jnp.isnan(v)
+        valid = _outer([(q >= 0) & (q < n) for q, n in zip(pos, size)], np.logical_and)
+        if not valid.all():
+            take = take & valid
+        best = jnp.where(take, v, best)
+        flat = _outer([q * m for q, m in zip(pos, strides)], np.add)
+        best_idx = jnp.where(take, jnp.asarray(flat), best_idx)
     return best, best_idx
 
 
-@register_lowering(aten.max_pool2d_with_indices_backward.default)
-def _max_pool2d_with_indices_backward(ctx, grad, x, kernel_size, stride, padding, dilation,
-                                      ceil_mode, indices):
-    # Scatter-add each output gradient to the flat (H*W) input position torch recorded.
-    planes = math.prod(x.shape[:-2])
-    hw = x.shape[-2] * x.shape[-1]
+@register_lowering(aten.max_pool2d_with_indices_backward.default,
+                   aten.max_pool3d_with_indices_backward.default)
+def _max_pool_with_indices_backward(ctx, grad, x, kernel_size, stride, padding, dilation,
+                                    ceil_mode, indices):
+    # Scatter-add each output gradient to the flat spatial input position torch recorded.
+    nd = _spatial_nd(ctx)
+    planes = math.prod(x.shape[:-nd])
     g = _opmath(grad).reshape(planes, -1)
     idx = indices.reshape(planes, -1)
     rows = jnp.arange(planes, dtype=idx.dtype)[:, None]
-    out = jnp.zeros((planes, hw), g.dtype).at[rows, idx].add(g, mode="promise_in_bounds")
-    return out.reshape(x.shape)
+    out = jnp.zeros((planes, math.prod(x.shape[-nd:])), g.dtype)
+    return out.at[rows, idx].add(g, mode="promise_in_bounds").reshape(x.shape)
 
 
-def _avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, out_hw):
-    k, s, p, _ = _pool_args(kernel_size, stride, padding)
-    hw = x.shape[-2:]
+def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, out_size):
+    """avg_pool over the last len(out_size) dims."""
+    nd = len(out_size)
+    k, s, p, _ = _pool_args(kernel_size, stride, padding, nd=nd)
+    size = x.shape[-nd:]
     y = _opmath(x)
-    pads = [_window_pad(o, n, kk, ss, pp) for o, n, kk, ss, pp in zip(out_hw, hw, k, s, p)]
-    lead = x.ndim - 2
+    pads = [_window_pad(o, n, kk, ss, pp) for o, n, kk, ss, pp in zip(out_size, size, k, s, p)]
+    lead = x.ndim - nd
     total = lax.reduce_window(y, np.zeros((), y.dtype), lax.add, (1,) * lead + tuple(k),
                               (1,) * lead + tuple(s), [(0, 0)] * lead + pads)
-    total = total[..., :out_hw[0], :out_hw[1]]
+    total = total[(...,) + tuple(slice(0, o) for o in out_size)]
     if divisor_override:
-        divisor = np.full(out_hw, divisor_override)
+        divisor = np.full(out_size, divisor_override)
     else:
         # torch: windows are clipped to the padded input; without count_include_pad, also
         # to the input itself.
@@ -434,33 +453,33 @@ def _avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, d
             if count_include_pad:
                 return end - start
             return np.minimum(end, n) - np.maximum(start, 0)
-        eh, ew = (extent(o, n, kk, ss, pp) for o, n, kk, ss, pp in zip(out_hw, hw, k, s, p))
-        divisor = eh[:, None] * ew[None, :]
+        divisor = _outer([extent(*a) for a in zip(out_size, size, k, s, p)], np.multiply)
     divisor = jnp.asarray(divisor, y.dtype)
     if jnp.issubdtype(y.dtype, jnp.integer):
         return lax.div(total, jnp.broadcast_to(divisor, total.shape))  # truncates, like C++
     return total / divisor
 
 
-@register_lowering(aten.avg_pool2d.default)
-def _avg_pool2d_rule(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False,
-                     count_include_pad=True, divisor_override=None):
-    return _avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                       divisor_override, ctx.out_shape[-2:])
+@register_lowering(aten.avg_pool2d.default, aten.avg_pool3d.default)
+def _avg_pool_rule(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False,
+                   count_include_pad=True, divisor_override=None):
+    return _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                     divisor_override, ctx.out_shape[-_spatial_nd(ctx):])
 
 
-@register_lowering(aten.avg_pool2d_backward.default)
-def _avg_pool2d_backward(ctx, grad, x, kernel_size, stride, padding, ceil_mode,
-                         count_include_pad, divisor_override):
+@register_lowering(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
+def _avg_pool_backward(ctx, grad, x, kernel_size, stride, padding, ceil_mode,
+                       count_include_pad, divisor_override):
     def fwd(y):
-        return _avg_pool2d(y, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                           divisor_override, grad.shape[-2:])
+        return _avg_pool(y, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                         divisor_override, grad.shape[-_spatial_nd(ctx):])
     return _vjp(fwd, (x,), grad)[0]
 
 
-def _adaptive_avg_pool2d(x, out_hw):
+def _adaptive_avg_pool(x, out_size):
+    """adaptive_avg_pool over the last len(out_size) dims, one axis at a time."""
     y = _opmath(x)
-    for axis, o in zip((y.ndim - 2, y.ndim - 1), out_hw):
+    for axis, o in zip(range(y.ndim - len(out_size), y.ndim), out_size):
         n = y.shape[axis]
         if n % o == 0:  # equal windows: a reshape and a mean
             y = jnp.mean(y.reshape(y.shape[:axis] + (o, n // o) + y.shape[axis + 1:]), axis=axis + 1)
@@ -476,14 +495,15 @@ def _adaptive_avg_pool2d(x, out_hw):
     return y
 
 
-@register_lowering(aten._adaptive_avg_pool2d.default)
-def _adaptive_avg_pool2d_rule(ctx, x, output_size):
-    return _adaptive_avg_pool2d(x, ctx.out_shape[-2:])
+@register_lowering(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
+def _adaptive_avg_pool_rule(ctx, x, output_size):
+    return _adaptive_avg_pool(x, ctx.out_shape[-_spatial_nd(ctx):])
 
 
-@register_lowering(aten._adaptive_avg_pool2d_backward.default)
-def _adaptive_avg_pool2d_backward(ctx, grad, x):
-    return _vjp(lambda y: _adaptive_avg_pool2d(y, grad.shape[-2:]), (x,), grad)[0]
+@register_lowering(aten._adaptive_avg_pool2d_backward.default,
+                   aten._adaptive_avg_pool3d_backward.default)
+def _adaptive_avg_pool_backward(ctx, grad, x):
+    return _vjp(lambda y: _adaptive_avg_pool(y, grad.shape[-_spatial_nd(ctx):]), (x,), grad)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,3 +628,191 @@ def _sdpa_flash_cpu_backward(ctx, grad, q, k, v, out, logsumexp, dropout_p, is_c
     # where the kernel's logsumexp would be, so `out` and `logsumexp` are not relied on.
     _check_no_dropout(dropout_p)
     return _vjp(lambda q, k, v: _sdpa(q, k, v, attn_mask, is_causal, scale)[0], (q, k, v), grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Distances
+# ---------------------------------------------------------------------------------------------
+
+def _p_norm(diff, p):
+    """The p-norm of `diff` along its last axis, with torch's special cases p = 0, 1, 2, inf."""
+    a = jnp.abs(diff)
+    if p == 0:  # counts the nonzero differences
+        return jnp.sum((a != 0).astype(a.dtype), axis=-1)
+    if p == 1:
+        return jnp.sum(a, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=-1))
+    if math.isinf(p):
+        return jnp.max(a, axis=-1, initial=0.0)
+    return jnp.sum(a ** p, axis=-1) ** (1.0 / p)
+
+
+def _euclidean_dist(x1, x2):
+    """torch's matmul form of p=2 cdist: [-2 x1, |x1|^2, 1] @ [x2, 1, |x2|^2]^T, clamped at 0."""
+    n1, n2 = (jnp.sum(v * v, axis=-1, keepdims=True) for v in (x1, x2))
+    a = jnp.concatenate([x1 * -2, n1, jnp.ones_like(n1)], axis=-1)
+    b = jnp.concatenate([x2, jnp.ones_like(n2), n2], axis=-1)
+    batch = tuple(range(a.ndim - 2))
+    d = dot(a, b, ((a.ndim - 1,), (b.ndim - 1,)), (batch, batch))
+    return jnp.sqrt(jnp.maximum(d, jnp.zeros((), d.dtype)))
+
+
+@register_lowering(aten._cdist_forward.default)
+def _cdist_forward(ctx, x1, x2, p, compute_mode=None):
+    x1, x2 = _opmath(x1), _opmath(x2)
+    batch = ctx.out_shape[:-2]
+    x1 = jnp.broadcast_to(x1, batch + x1.shape[-2:])
+    x2 = jnp.broadcast_to(x2, batch + x2.shape[-2:])
+    mode = compute_mode or 0
+    # Like ATen's cdist_impl: p=2 uses the matmul form when asked (1) or, by default (0),
+    # when either side has more than 25 rows; 2 always computes the differences.
+    if p == 2 and x1.shape[-1] > 0 and (mode == 1 or (mode == 0 and max(x1.shape[-2], x2.shape[-2]) > 25)):
+        return _euclidean_dist(x1, x2)
+    return _p_norm(x1[..., :, None, :] - x2[..., None, :, :], p)
+
+
+@register_lowering(aten._pdist_forward.default)
+def _pdist_forward(ctx, x, p=2):
+    # Distances between rows i < j, in row-major (i, j) order.
+    i, j = np.triu_indices(x.shape[0], k=1)
+    x = _opmath(x)
+    return _p_norm(jnp.take(x, jnp.asarray(i), axis=0) - jnp.take(x, jnp.asarray(j), axis=0), p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and folding
+# ---------------------------------------------------------------------------------------------
+
+def _reflect(coord, twice_low, twice_high):
+    """ATen's reflect_coordinates: reflect `coord` into [twice_low / 2, twice_high / 2]."""
+    if twice_low == twice_high:
+        return jnp.zeros_like(coord)
+    low, span = twice_low / 2, (twice_high - twice_low) / 2
+    c = jnp.abs(coord - low)
+    extra = jnp.fmod(c, span)
+    flips = jnp.floor(c / span)
+    return jnp.where(jnp.fmod(flips, 2) == 0, extra + low, span - extra + low)
+
+
+def _source_coord(coord, size, padding_mode, align_corners):
+    """ATen's grid_sampler_compute_source_index: grid coordinate in [-1, 1] -> pixel index."""
+    if align_corners:
+        coord = (coord + 1) / 2 * (size - 1)
+    else:
+        coord = ((coord + 1) * size - 1) / 2
+    if padding_mode == 1:  # border
+        return jnp.clip(coord, 0, size - 1)
+    if padding_mode == 2:  # reflection
+        coord = _reflect(coord, 0, 2 * (size - 1)) if align_corners else _reflect(coord, -1, 2 * size - 1)
+        return jnp.clip(coord, 0, size - 1)
+    return coord
+
+
+@register_lowering(aten.grid_sampler_2d.default)
+def _grid_sampler_2d(ctx, x, grid, interpolation_mode, padding_mode, align_corners):
+    if interpolation_mode not in (0, 1):
+        raise NotImplementedError("fx2xla: grid_sampler_2d supports bilinear and nearest only")
+    # ATen's bf16/f16 kernel computes coordinates and weights in the input dtype (rounding
+    # each step), which moves samples by up to a few percent of a pixel: do the same.
+    y = _opmath(x)
+    n, c, h, w = y.shape
+    ho, wo = grid.shape[1:3]
+    ix = _source_coord(grid[..., 0], w, padding_mode, align_corners)
+    iy = _source_coord(grid[..., 1], h, padding_mode, align_corners)
+    flat = y.reshape(n, c, h * w)
+
+    def tap(yy, xx):
+        """Input values at integer pixels (yy, xx) of shape (N, Ho, Wo); 0 outside the image."""
+        inside = (yy >= 0) & (yy < h) & (xx >= 0) & (xx < w)
+        idx = (jnp.clip(yy, 0, h - 1) * w + jnp.clip(xx, 0, w - 1)).astype(jnp.int32)
+        v = jnp.take_along_axis(flat, jnp.broadcast_to(idx.reshape(n, 1, -1), (n, c, ho * wo)), axis=2)
+        return jnp.where(inside.reshape(n, 1, -1), v, jnp.zeros((), v.dtype)).reshape(n, c, ho, wo)
+
+    if interpolation_mode == 1:  # nearest: round half to even, like nearbyint
+        return tap(jnp.round(iy), jnp.round(ix))
+    x0, y0 = jnp.floor(ix), jnp.floor(iy)
+    x1, y1 = x0 + 1, y0 + 1
+    wx1, wy1 = ix - x0, iy - y0
+    wx0, wy0 = x1 - ix, y1 - iy
+    out = 0
+    for yy, xx, wgt in ((y0, x0, wy0 * wx0), (y0, x1, wy0 * wx1), (y1, x0, wy1 * wx0), (y1, x1, wy1 * wx1)):
+        out = out + tap(yy, xx) * _opmath(wgt)[:, None]
+    return out
+
+
+@register_lowering(aten.col2im.default)
+def _col2im(ctx, x, output_size, kernel_size, dilation, padding, stride):
+    # Each kernel offset's block of columns is placed on the strided grid of the padded output
+    # by one lax.pad (interior padding = stride - 1) and summed; the padding is then cropped.
+    unbatched = x.ndim == 2
+    y = _opmath(x[None] if unbatched else x)
+    (oh, ow), (kh, kw), d, p, s = (
+        _per_dim(v, 2) for v in (output_size, kernel_size, dilation, padding, stride))
+    lh = (oh + 2 * p[0] - d[0] * (kh - 1) - 1) // s[0] + 1
+    lw = (ow + 2 * p[1] - d[1] * (kw - 1) - 1) // s[1] + 1
+    n, c = y.shape[0], y.shape[1] // (kh * kw)
+    blocks = y.reshape(n, c, kh, kw, lh, lw)
+    hp, wp = oh + 2 * p[0], ow + 2 * p[1]
+    zero = jnp.zeros((), y.dtype)
+    out = jnp.zeros((n, c, hp, wp), y.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            r, q = i * d[0], j * d[1]
+            out = out + lax.pad(blocks[:, :, i, j], zero, [
+                (0, 0, 0), (0, 0, 0),
+                (r, hp - r - (lh - 1) * s[0] - 1, s[0] - 1),
+                (q, wp - q - (lw - 1) * s[1] - 1, s[1] - 1)])
+    out = out[:, :, p[0]:p[0] + oh, p[1]:p[1] + ow]
+    return out[0] if unbatched else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding bag
+# ---------------------------------------------------------------------------------------------
+
+def _fit(v, n):
+    """`v` (1-d) cut or zero-padded to length n (the aux outputs' lengths follow torch's meta)."""
+    return v[:n] if v.shape[0] >= n else jnp.pad(v, (0, n - v.shape[0]))
+
+
+@register_lowering(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def _embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    # Returns (output, offset2bag, bag_size, max_indices) with the values ATen's CPU kernel
+    # gives: offset2bag is each index's bag (empty on the sum fast path), bag_size counts the
+    # non-padding indices of each bag (zeros for sum), max_indices holds the chosen weight row
+    # per bag and column for max (0 for empty bags) and a copy of bag_size otherwise.
+    out_meta = ctx.out
+    num_bags = out_meta[0].shape[0]
+    n = indices.shape[0]
+    idx_dtype = offsets.dtype
+    bag = (jnp.searchsorted(offsets[:num_bags], jnp.arange(n, dtype=offsets.dtype), side="right")
+           - 1).astype(idx_dtype)
+    keep = indices != padding_idx if padding_idx is not None and padding_idx >= 0 else jnp.ones((n,), bool)
+    rows = jnp.take(_opmath(weight), indices, axis=0, mode="clip")
+    if per_sample_weights is not None:
+        rows = rows * _opmath(per_sample_weights)[:, None]
+    count = jax.ops.segment_sum(keep.astype(idx_dtype), bag, num_segments=num_bags)
+    zero = jnp.zeros((), rows.dtype)
+    if mode == 2:
+        masked = jnp.where(keep[:, None], rows, jnp.asarray(-jnp.inf, rows.dtype))
+        best = jax.ops.segment_max(masked, bag, num_segments=num_bags)
+        hit = keep[:, None] & (masked == jnp.take(best, bag, axis=0))
+        pos = jnp.arange(n, dtype=idx_dtype)[:, None]
+        first = jax.ops.segment_min(jnp.where(hit, pos, n), bag, num_segments=num_bags)  # ties: first
+        empty = (count == 0)[:, None]
+        out = jnp.where(empty, zero, best)
+        max_indices = jnp.where(empty, jnp.zeros((), idx_dtype),
+                                jnp.take(indices.astype(idx_dtype), jnp.minimum(first, n - 1)))
+    else:
+        out = jax.ops.segment_sum(jnp.where(keep[:, None], rows, zero), bag, num_segments=num_bags)
+        if mode == 1:
+            out = out / jnp.maximum(count, 1).astype(out.dtype)[:, None]
+        else:
+            count = jnp.zeros_like(count)
+        max_indices = None
+    bag_size = _fit(count, out_meta[2].shape[0])
+    if max_indices is None:
+        max_indices = _fit(count, out_meta[3].shape[0])
+    return out, _fit(bag, out_meta[1].shape[0]), bag_size, max_indices

@@ -1,0 +1,195 @@
+"""More nn lowerings (fx2xla/lowering/nn.py) against eager PyTorch: 3-d pooling, cdist/pdist,
+grid_sampler_2d, col2im and embedding_bag. Ops the core-ATen table decomposes (col2im) or
+whose auxiliary outputs eager code never returns (_embedding_bag) are checked on make_fx
+graphs with test_nn's `check_graph`."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_nn import HALF_AND_FLOAT, check_grads, check_graph, make  # noqa: F401 (fixtures)
+
+aten = torch.ops.aten
+INF = float("inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3-d pooling
+# ---------------------------------------------------------------------------------------------
+
+def test_max_pool3d(check):
+    def fn(x):
+        return (
+            *F.max_pool3d(x, 2, return_indices=True),
+            *F.max_pool3d(x, 3, 2, 1, ceil_mode=True, return_indices=True),
+            *F.max_pool3d(x, (2, 3, 2), (1, 2, 2), (1, 1, 0), dilation=(1, 2, 1), return_indices=True),
+            *F.max_pool3d(x[0], 2, return_indices=True),  # unbatched
+        )
+
+    check(fn, make(2, 2, 4, 7, 5))
+
+
+def test_max_pool3d_bf16(check):
+    check(lambda x: (*F.max_pool3d(x, (2, 3, 2), (1, 2, 2), 1, return_indices=True),),
+          make(2, 2, 4, 7, 5, dtype=torch.bfloat16))
+
+
+def test_max_pool3d_nan_and_ties(check):
+    x = torch.zeros(1, 1, 3, 4, 4)
+    x[0, 0, 1, 2, 1] = float("nan")
+    x[0, 0, 2, 3, 3] = -INF
+    check(lambda x: (*F.max_pool3d(x, 2, return_indices=True),
+                     *F.max_pool3d(x, 3, 1, 1, return_indices=True)), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # eager has no bf16 kernel
+def test_avg_pool3d(check, dtype):
+    def fn(x):
+        return (
+            F.avg_pool3d(x, 2), F.avg_pool3d(x, 3, 2, 1),
+            F.avg_pool3d(x, 3, 2, 1, count_include_pad=False),
+            F.avg_pool3d(x, 3, 3, 1, ceil_mode=True),
+            F.avg_pool3d(x, 3, 3, 1, ceil_mode=True, count_include_pad=False),
+            F.avg_pool3d(x, (2, 3, 1), 2, (1, 1, 0), divisor_override=5),
+        )
+
+    check(fn, make(2, 3, 5, 7, 6, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT)
+def test_adaptive_avg_pool3d(check, dtype):
+    def fn(x):
+        return tuple(F.adaptive_avg_pool3d(x, s) for s in (1, (5, 2, 3), (3, 4, 5), (7, 8, 2)))
+
+    check(fn, make(2, 3, 5, 8, 6, dtype=dtype))
+
+
+def test_pool3d_backward(check_grads):
+    # max_pool3d_with_indices_backward, avg_pool3d_backward, _adaptive_avg_pool3d_backward.
+    def fn(x):
+        y = F.max_pool3d(x, 3, 1, 1, ceil_mode=True)
+        return y, F.avg_pool3d(y, 3, 2, 1, count_include_pad=False), F.adaptive_avg_pool3d(x, (3, 5, 2))
+
+    check_grads(fn, make(2, 2, 4, 7, 5))
+
+
+# ---------------------------------------------------------------------------------------------
+# Distances
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cdist(check, dtype):
+    def fn(a, b, big):
+        return (
+            torch.cdist(a, b), torch.cdist(a, b, p=1), torch.cdist(a, b, p=INF),
+            torch.cdist(a, b, p=0.5), torch.cdist(a, b, p=3), torch.cdist(a, b, p=0),
+            torch.cdist(a, big),  # > 25 rows: the matmul form
+            # The matmul form cancels catastrophically at zero distance (error ~ sqrt(eps)|x|,
+            # in eager too), so it is compared on pairs that are apart.
+            torch.cdist(a, b[:, 2:], compute_mode="use_mm_for_euclid_dist"),
+            torch.cdist(a, big, compute_mode="donot_use_mm_for_euclid_dist"),
+            torch.cdist(a[0], b[1]), torch.cdist(a, b[:1]),  # unbatched; broadcast batch
+        )
+
+    a = make(2, 5, 4, dtype=dtype)
+    b = torch.cat([a[:, :2], make(2, 4, 4, dtype=dtype, seed=1)], 1)  # some zero distances
+    check(fn, a, b, make(2, 30, 4, dtype=dtype, seed=2))
+
+
+def test_cdist_pdist_edges(check):
+    check(lambda a, b, c: (torch.cdist(a, b), torch.cdist(a, b, p=1), torch.cdist(c, c),
+                           F.pdist(c), F.pdist(a[0]), F.pdist(b[0])),
+          torch.randn(1, 3, 0), torch.randn(1, 0, 0), torch.randn(4, 3).t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pdist(check, dtype):
+    x = make(7, 5, dtype=dtype)
+    x[3] = x[1]  # a zero distance
+    check(lambda x: (F.pdist(x), F.pdist(x, 1), F.pdist(x, INF), F.pdist(x, 0), F.pdist(x, 2.5),
+                     F.pdist(x[:1])), x)
+
+
+# ---------------------------------------------------------------------------------------------
+# grid_sampler_2d, col2im
+# ---------------------------------------------------------------------------------------------
+
+# (mode, padding_mode, align_corners) combinations, chosen so each value meets the others.
+GRID_CASES = [("bilinear", "zeros", False), ("bilinear", "border", True), ("bilinear", "reflection", False),
+              ("bilinear", "reflection", True), ("nearest", "zeros", True), ("nearest", "border", False),
+              ("nearest", "reflection", False)]
+
+
+def _grid_samples(x, grid, cases=GRID_CASES):
+    return tuple(F.grid_sample(x, grid, mode=m, padding_mode=p, align_corners=a) for m, p, a in cases)
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT)
+def test_grid_sample(check, dtype):
+    grid = (torch.rand(2, 4, 7, 2, generator=torch.Generator().manual_seed(1)) * 3.2 - 1.6).to(dtype)
+    cases = GRID_CASES if dtype == torch.float32 else GRID_CASES[::2]  # bf16: fewer, for time
+    check(lambda x, g: _grid_samples(x, g, cases), make(2, 3, 5, 6, dtype=dtype), grid)
+
+
+def test_grid_sample_exact_points(check):
+    # Grid points on pixel centres, corners and far outside; a 1-pixel-wide input.
+    grid = torch.tensor([[[[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0], [5.0, -7.0], [-3.0, 0.25]]]])
+    check(lambda x, w, g: _grid_samples(x, g) + _grid_samples(w, g, GRID_CASES[1::3]),
+          make(1, 2, 4, 4), make(1, 2, 3, 1, seed=1), grid)
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT)
+def test_col2im(check_graph, dtype):
+    def fn(a, b, c):
+        return (F.fold(a, (5, 7), (2, 3), padding=1, stride=(1, 2)),
+                F.fold(b, (7, 8), (2, 3), dilation=2, stride=2, padding=(1, 2)),
+                F.fold(c, (4, 4), 2, stride=2))  # unbatched, non-overlapping
+
+    check_graph(fn, make(2, 18, 24, dtype=dtype), make(2, 18, 16, dtype=dtype, seed=1),
+                make(12, 4, dtype=dtype, seed=2), ops=[aten.col2im.default])
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding bag
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT)
+def test_embedding_bag(check, dtype):
+    def fn(w, idx, off, idx2, psw):
+        return (
+            F.embedding_bag(idx, w, off, mode="sum"), F.embedding_bag(idx, w, off, mode="mean"),
+            F.embedding_bag(idx, w, off, mode="max"),
+            F.embedding_bag(idx, w, off, mode="mean", padding_idx=4),
+            F.embedding_bag(idx, w, off, mode="sum", per_sample_weights=psw),
+            F.embedding_bag(idx, w, torch.cat([off, off.new_tensor([8])]), mode="max",
+                            include_last_offset=True),
+            F.embedding_bag(idx2, w, mode="mean"),  # 2-d input: fixed-size bags
+        )
+
+    idx = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
+    off = torch.tensor([0, 2, 2, 5])  # bag 1 is empty
+    check(fn, make(10, 3, dtype=dtype), idx, off, idx.reshape(4, 2), make(8, dtype=dtype, seed=1))
+
+
+@pytest.mark.parametrize("op", [aten._embedding_bag.default, aten._embedding_bag_forward_only.default])
+def test_embedding_bag_aux_outputs(check_graph, op):
+    # offset2bag, bag_size and max_indices against the CPU kernel, for modes sum, mean, max
+    # (ties in max keep the first index).
+    def fn(w, idx, off):
+        last = torch.cat([off, off.new_tensor([8])])
+        # With include_last_offset, forward_only's meta gives bag_size one more entry than the
+        # CPU kernel; the registry follows the meta, so only the first two outputs compare.
+        n = 4 if op is aten._embedding_bag.default else 2
+        out = ()
+        for mode in (0, 1, 2):
+            out += (*op(w, idx, off, False, mode),
+                    *op(w, idx, off, False, mode, False, None, False, 4),  # padding_idx
+                    *op(w, idx, off, False, mode, False, None, False, 1),
+                    *op(w.double(), idx, off, False, mode),
+                    *op(w, idx, last, False, mode, False, None, True)[:n])
+        return out
+
+    w = make(10, 3)
+    w[5] = w[4]  # a tie
+    check_graph(fn, w, torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 2, 2, 5]), ops=[op])
