@@ -1,0 +1,152 @@
+"""Training step time of eager, Inductor and fx2xla, measured in one run.
+
+    .venv/bin/python bench/train.py [--models mlp,gpt2,gpt2_nodropout] [--rounds 15]
+
+One step = forward + loss + backward + AdamW step + zero_grad. Each contender trains its own
+copy of the model (same seed, same batch): eager; Inductor (`torch.compile` default backend
+for the model and for `opt.step`); fx2xla (the same with backend="fx2xla"). Steps are
+interleaved in rounds; the table shows median step times and ratios (fx2xla ÷ eager,
+fx2xla ÷ Inductor) and each compiler's first step (compiles forward, backward and optimizer
+step; Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR, fx2xla with a cold disk cache),
+|dloss1| = |fx2xla - eager| first-step loss (rounding only without dropout; with dropout the
+random bits differ), and the 1-minute load average after timing (above the core count, other
+processes are skewing the figures). Raw numbers go to bench/results/train.json.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+
+# Cold compiler caches for honest first-step figures; set before torch is imported.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cold-"))
+os.environ["FX2XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fx2xla-cold-")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import fmt_time, interleaved_medians, timed_call, write_json  # noqa: E402
+
+import fx2xla  # noqa: E402
+from fx2xla.testing import LogitsOnly, gpt2, mlp, token_ids  # noqa: E402
+
+
+def _mlp_case():
+    model = mlp()  # 1024 -> 4096 -> 1024
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 1024, generator=g), torch.randint(0, 1024, (32,), generator=g)
+    return model, x, y
+
+
+def _gpt2_case(dropout: bool):
+    model = LogitsOnly(gpt2(layers=4, hidden=256))  # GPT-2's default dropout: 0.1
+    if not dropout:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+    ids = token_ids(4, 128)
+    return model, ids, ids.roll(-1, dims=1)
+
+
+CASES = {
+    "mlp": ("MLP 1024-4096-1024, batch 32", _mlp_case),
+    "gpt2": ("GPT-2 4 layers, hidden 256, batch 4 x seq 128, dropout 0.1", lambda: _gpt2_case(True)),
+    "gpt2_nodropout": ("the same GPT-2 with dropout 0", lambda: _gpt2_case(False)),
+}
+
+
+def loss_fn(out, target):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def make_step(model, backend: str | None, x, y):
+    """A training step closure for one contender (backend None: eager)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if backend is None:
+        forward, opt_step = model, opt.step
+    else:
+        forward = torch.compile(model, backend=backend)
+        opt_step = torch.compile(opt.step, backend=backend)
+
+    def step():
+        loss = loss_fn(forward(x), y)
+        loss.backward()
+        opt_step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, opt
+
+
+def bench_case(name: str, rounds: int) -> dict:
+    torch.manual_seed(0)
+    model, x, y = CASES[name][1]()
+    model.train()
+    torch._dynamo.reset()
+    steps = {}
+    res: dict = {"description": CASES[name][0],
+                 "parameters": sum(p.numel() for p in model.parameters()),
+                 "foreach": None}
+    for contender, backend in (("eager", None), ("inductor", "inductor"), ("fx2xla", "fx2xla")):
+        torch.manual_seed(1)  # the same dropout seed for each first step (bits differ per compiler)
+        steps[contender], opt = make_step(copy.deepcopy(model), backend, x, y)
+        first = {}
+        res[f"{contender}_first_step_s"] = timed_call(lambda: first.setdefault("loss", steps[contender]()), ())
+        res[f"{contender}_first_loss"] = float(first["loss"])
+        res["foreach"] = opt.defaults.get("foreach")
+    before = fx2xla.metrics()
+    res["load_average_1min_before"] = os.getloadavg()[0]  # other processes skew every contender
+    med = interleaved_medians(steps, (), rounds=rounds, budget_s=120)
+    res["load_average_1min_after"] = os.getloadavg()[0]
+    after = fx2xla.metrics()
+    res.update({f"{k}_s": v for k, v in med.items()})
+    res["fx2xla_vs_eager"] = med["fx2xla"] / med["eager"]
+    res["fx2xla_vs_inductor"] = med["fx2xla"] / med["inductor"]
+    res["inductor_vs_eager"] = med["inductor"] / med["eager"]
+    res["first_step_vs_inductor"] = res["fx2xla_first_step_s"] / res["inductor_first_step_s"]
+    res["first_loss_abs_diff_vs_eager"] = abs(res["fx2xla_first_loss"] - res["eager_first_loss"])
+    # Steady state must not recompile or fall back to eager: report it if it does.
+    res["fx2xla_graphs_compiled_while_timing"] = after["graphs"] - before["graphs"]
+    res["fx2xla_fallback_ops"] = after["fallback_ops"]
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,gpt2,gpt2_nodropout", help=f"comma list of {','.join(CASES)}")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "train.json"))
+    a = p.parse_args()
+    results: dict = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                     "step": "forward + cross-entropy + backward + AdamW step + zero_grad", "models": {}}
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cold caches: "
+          f"Inductor {os.environ['TORCHINDUCTOR_CACHE_DIR']}, fx2xla {os.environ['FX2XLA_CACHE_DIR']}")
+    print(f"\nmedian step time ({results['step']}), {a.rounds} interleaved rounds")
+    print(f"{'model':15s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} "
+          f"{'ind/eager':>9s} {'1st eager':>11s} {'1st ind':>11s} {'1st fx2xla':>11s} {'|dloss1|':>9s} {'load':>5s}")
+    for name in a.models.split(","):
+        try:
+            r = bench_case(name, a.rounds)
+        except Exception as e:  # report and go on: one failing model must not hide the rest
+            print(f"{name:15s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
+            results["models"][name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        results["models"][name] = r
+        print(f"{name:15s} {fmt_time(r['eager_s'])} {fmt_time(r['inductor_s'])} {fmt_time(r['fx2xla_s'])} "
+              f"{r['fx2xla_vs_eager']:9.2f} {r['fx2xla_vs_inductor']:7.2f} {r['inductor_vs_eager']:9.2f} "
+              f"{fmt_time(r['eager_first_step_s'])} {fmt_time(r['inductor_first_step_s'])} "
+              f"{fmt_time(r['fx2xla_first_step_s'])} {r['first_loss_abs_diff_vs_eager']:9.2e} "
+              f"{r['load_average_1min_after']:5.1f}")
+        if r["fx2xla_graphs_compiled_while_timing"] or r["fx2xla_fallback_ops"]:
+            print(f"{'':15s} note: fx2xla compiled {r['fx2xla_graphs_compiled_while_timing']} graphs while timing; "
+                  f"{r['fx2xla_fallback_ops']} ops fell back to eager")
+    print("\n" + "\n".join(f"  {k}: {CASES[k][0]}" for k in a.models.split(",") if k in CASES))
+    write_json(a.out, results)
+    print(f"\nraw numbers: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
