@@ -3,7 +3,7 @@
 `FX2XLA_CACHE_DIR` picks the folder (default: `$XDG_CACHE_HOME/fx2xla` or `~/.cache/fx2xla`);
 `FX2XLA_CACHE_DIR=""` turns the disk cache off. An entry's name is a hash of everything that
 changes the executable (module fingerprint, compile options, jaxlib version, platform and its
-version, device kind); its header repeats those facts and a checksum of the payload, so a
+version, device kind, XLA_FLAGS); its header repeats those facts and a checksum of the payload, so a
 truncated or corrupted entry, or one from another jaxlib or device, is never loaded. Writes go
 to a temporary file first and are renamed into place, so concurrent writers never see each
 other's partial files.

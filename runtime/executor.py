@@ -27,11 +27,15 @@ def disk_cache() -> DiskCache | None:
 
 @functools.cache
 def _environment_key(platform: str) -> tuple:
+    import os
+
     import jaxlib
 
     from .client import get_backend
 
-    return (jaxlib.version.__version__, platform, get_backend(platform).platform_version)
+    # XLA_FLAGS change what XLA compiles; they are read once per process, like this key.
+    return (jaxlib.version.__version__, platform, get_backend(platform).platform_version,
+            os.environ.get("XLA_FLAGS", ""))
 
 
 def compile_module(module_text: str, device: Device, cache: ExecutableCache | None = None,
