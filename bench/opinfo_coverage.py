@@ -70,7 +70,7 @@ def _worker(args) -> list[dict]:
 def _cause(error: str) -> str:
     """An error line with shapes, numbers and quoted values removed, for grouping."""
     e = re.sub(r"\(inputs: .*", "", error)
-    e = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", e)
+    e = re.sub(r"\b\d+(\.\d+)?(e-?\d+)?\b", "N", e)  # numbers, not the 2 of fx2xla or _fft_r2c
     e = re.sub(r"'[^']*'", "'…'", e)
     e = re.sub(r"\[[^\]]*\]", "[…]", e)
     return e[:160]
