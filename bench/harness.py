@@ -30,18 +30,21 @@ def timed_call(fn: Callable, args: tuple) -> float:
 
 
 def interleaved_medians(contenders: dict[str, Callable], args: tuple, rounds: int = 15,
-                        calls_per_round: int = 1, budget_s: float | None = None) -> dict[str, float]:
+                        calls_per_round: int = 1, budget_s: float | None = None,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds per call of each contender; contenders alternate within every round so
-    machine drift hits all of them alike. `budget_s` stops early (after ≥5 rounds)."""
+    machine drift hits all of them alike. `budget_s` stops early (after ≥5 rounds). `clock`:
+    wall time by default; `time.thread_time` counts only this thread's CPU time, which other
+    processes on a loaded machine inflate far less (for single-threaded contenders)."""
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     start = time.perf_counter()
     for r in range(rounds):
         for name, fn in contenders.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(calls_per_round):
                 out = fn(*args)
             _materialise(out)
-            samples[name].append((time.perf_counter() - t0) / calls_per_round)
+            samples[name].append((clock() - t0) / calls_per_round)
         if budget_s is not None and r >= 4 and time.perf_counter() - start > budget_s:
             break
     return {k: statistics.median(v) for k, v in samples.items()}

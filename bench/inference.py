@@ -3,8 +3,9 @@
     .venv/bin/python bench/inference.py [--models mlp,cnn,gpt2,bert,llama,tiny] [--rounds 15]
 
 Prints a table of medians and ratios (÷ eager, ÷ Inductor), the first call of each compiler
-(Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR), and fx2xla's per-call overhead over a
-raw PJRT execute of the same executable; writes raw numbers to bench/results/inference.json.
+(Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR), and fx2xla's per-call overhead on a
+tiny graph next to eager, Inductor, Dynamo's own floor and a raw PJRT execute of the same
+executable; writes raw numbers to bench/results/inference.json.
 """
 from __future__ import annotations
 
@@ -32,8 +33,12 @@ def tiny(x):
 
 
 def per_call_overhead(rounds: int) -> dict:
-    """fx2xla's whole call on a 4-element graph vs a raw PJRT execute of its executable."""
+    """fx2xla's whole call on a 4-element graph vs eager, Inductor, Dynamo's own floor (a
+    backend returning `gm.forward`) and raw PJRT executes of fx2xla's executable on a resident
+    buffer: the public `LoadedExecutable.execute` and fx2xla's launcher (the fast path it uses,
+    including the DLPack export of the output). Medians of interleaved rounds, in one run."""
     from fx2xla.runtime import default_device, executable_cache
+    from fx2xla.runtime.executor import make_launcher
     from fx2xla.runtime.handoff import import_tensor
 
     x = torch.randn(4)
@@ -41,16 +46,20 @@ def per_call_overhead(rounds: int) -> dict:
     executable_cache.clear()
     compiled = torch.compile(tiny, backend="fx2xla", fullgraph=True)
     inductor = torch.compile(tiny, fullgraph=True)
-    compiled(x), inductor(x)
+    floor = torch.compile(tiny, backend=lambda gm, _: gm.forward, fullgraph=True)
+    compiled(x), inductor(x), floor(x)
     exe = next(iter(executable_cache._entries.values()))
     buf = import_tensor(x, default_device().jax_device)
-    n = 2000
-    med = interleaved_medians(
-        {"eager": tiny, "inductor": inductor, "fx2xla": compiled, "raw_pjrt_execute": lambda _: exe.execute([buf])},
-        (x,), rounds=rounds, calls_per_round=n,
-    )
-    med["fx2xla_overhead_over_raw"] = med["fx2xla"] - med["raw_pjrt_execute"]
-    return med
+    launch = make_launcher(exe)
+    contenders = {"eager": tiny, "inductor": inductor, "dynamo_floor": floor, "fx2xla": compiled,
+                  "raw_pjrt_execute": lambda _: exe.execute([buf]), "raw_fx2xla_launch": lambda _: launch([buf])}
+    res = {}
+    for clock_name, clock in (("wall", time.perf_counter), ("cpu", time.thread_time)):
+        med = interleaved_medians(contenders, (x,), rounds=rounds, calls_per_round=2000, clock=clock)
+        med["fx2xla_overhead_over_raw"] = med["fx2xla"] - med["raw_pjrt_execute"]
+        med["fx2xla_overhead_over_dynamo_floor"] = med["fx2xla"] - med["dynamo_floor"]
+        res[clock_name] = med
+    return res
 
 
 def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
@@ -91,9 +100,9 @@ def main() -> None:
     if "tiny" in wanted:
         o = per_call_overhead(a.rounds)
         results["tiny"] = o
-        print("\nper-call overhead, 4-element graph x*2+1 (median per call):")
-        for k, v in o.items():
-            print(f"  {k:28s} {fmt_time(v)}")
+        print("\nper-call overhead, 4-element graph x*2+1 (median per call; wall, and this thread's CPU time):")
+        for k in o["wall"]:
+            print(f"  {k:34s} {fmt_time(o['wall'][k])} {fmt_time(o['cpu'][k])}")
     header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s}"
     print(header)
     for dt_name in a.dtypes.split(","):

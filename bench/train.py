@@ -62,9 +62,10 @@ def loss_fn(out, target):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
-def make_step(model, backend: str | None, x, y):
-    """A training step closure for one contender (backend None: eager)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def make_step(model, backend: str | None, x, y, foreach: bool | None = None):
+    """A training step closure for one contender (backend None: eager). foreach None is
+    torch's default, which on CPU is the single-tensor AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
     if backend is None:
         forward, opt_step = model, opt.step
     else:
@@ -81,7 +82,7 @@ def make_step(model, backend: str | None, x, y):
     return step, opt
 
 
-def bench_case(name: str, rounds: int) -> dict:
+def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
     torch.manual_seed(0)
     model, x, y = CASES[name][1]()
     model.train()
@@ -92,7 +93,7 @@ def bench_case(name: str, rounds: int) -> dict:
                  "foreach": None}
     for contender, backend in (("eager", None), ("inductor", "inductor"), ("fx2xla", "fx2xla")):
         torch.manual_seed(1)  # the same dropout seed for each first step (bits differ per compiler)
-        steps[contender], opt = make_step(copy.deepcopy(model), backend, x, y)
+        steps[contender], opt = make_step(copy.deepcopy(model), backend, x, y, foreach)
         first = {}
         res[f"{contender}_first_step_s"] = timed_call(lambda: first.setdefault("loss", steps[contender]()), ())
         res[f"{contender}_first_loss"] = float(first["loss"])
@@ -118,6 +119,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="mlp,gpt2,gpt2_nodropout", help=f"comma list of {','.join(CASES)}")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) (CPU default: single-tensor)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "train.json"))
     a = p.parse_args()
     results: dict = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -129,7 +131,7 @@ def main() -> None:
           f"{'ind/eager':>9s} {'1st eager':>11s} {'1st ind':>11s} {'1st fx2xla':>11s} {'|dloss1|':>9s} {'load':>5s}")
     for name in a.models.split(","):
         try:
-            r = bench_case(name, a.rounds)
+            r = bench_case(name, a.rounds, True if a.foreach else None)
         except Exception as e:  # report and go on: one failing model must not hide the rest
             print(f"{name:15s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
             results["models"][name] = {"error": f"{type(e).__name__}: {e}"}

@@ -3,7 +3,8 @@
     compiled = torch.compile(model, backend="fx2xla")   # registered by entry point
 """
 from .metrics import metrics, metrics_report
+from .scan import scan, scan_layers
 from .serving import RecompileError, TensorSpec, no_recompile, warmup
 
 __version__ = "0.1.0"
-__all__ = ["metrics", "metrics_report", "warmup", "no_recompile", "TensorSpec", "RecompileError", "__version__"]
+__all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError", "__version__"]

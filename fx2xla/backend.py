@@ -7,8 +7,11 @@ lowers to StableHLO and runs on the PJRT device chosen by `PJRT_DEVICE`.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
+
+from .passes import pass_options, run_passes
 
 OPTIONS = {
     # name: (default, help)
@@ -16,6 +19,8 @@ OPTIONS = {
     "no_recompile": (False, "compiles outside fx2xla.warmup() raise RecompileError"),
     "batch_buckets": (None, "inference with a dynamic batch dim: pad it up to these sizes (see README)"),
     "fallback": ("eager", '"eager": ops with no lowering rule run eagerly between XLA subgraphs; "error": raise'),
+    # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
+    **pass_options(),
 }
 
 
@@ -99,12 +104,36 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
 
 def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None):
     """Compile a Dynamo graph for XLA. Registered as the `fx2xla` torch.compile backend."""
-    from torch._dynamo.backends.common import aot_autograd
-
     from . import lowering  # noqa: F401  (registers the rules)
-    from .decompositions import decomposition_table
 
     opts = _check_options(options)
+    name = _graph_name("dynamo")
+    passed, records = run_passes(gm, example_inputs, opts, name)
+    if passed is not gm:
+        try:
+            compiled = _aot_compile(passed, example_inputs, opts)
+        except Exception as e:  # noqa: BLE001  a pass produced a graph we cannot compile
+            from .serving import RecompileError
+
+            if isinstance(e, RecompileError):
+                raise
+            changed = ", ".join(r.name for r in records if r.changed)
+            warnings.warn(f"fx2xla: graph {name} after pass(es) {changed} failed to compile "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiling it "
+                          f"without them. options={{{changed!r}: False}} skips them.", stacklevel=2)
+        else:
+            from .metrics import counters
+
+            counters.scan_folds += sum(n.startswith("folded") for r in records for n in r.notes)
+            return compiled
+    return _aot_compile(gm, example_inputs, opts)
+
+
+def _aot_compile(gm, example_inputs, opts):
+    from torch._dynamo.backends.common import aot_autograd
+
+    from .decompositions import decomposition_table
+
     inference_graphs: list = []
     compiled = aot_autograd(
         fw_compiler=functools.partial(_compile, kind="forward", options=opts),

@@ -14,20 +14,26 @@ from . import dump
 from .lowering.graph import LoweredGraph, lower_graph
 from .metrics import counters, live_graphs
 from .runtime import Device, compile_module
-from .runtime.executor import optimized_hlo_text
-from .runtime.handoff import export_array, import_tensor
+from .runtime.executor import make_launcher, make_traceback_pause, optimized_hlo_text
+from .runtime.handoff import import_tensor
+
+_pause_tracebacks, _resume_tracebacks = make_traceback_pause()
 
 
 class _Specialization:
     """One executable and the plan to call it with (one per concrete input signature)."""
 
-    __slots__ = ("exe", "lowered", "out_plans", "plain_outputs", "input_outputs")
+    __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs")
 
     def __init__(self, exe, lowered: LoweredGraph):
         self.exe = exe
+        self.launch = make_launcher(exe)  # bufs -> every output as a torch tensor
         self.lowered = lowered
         self.out_plans = lowered.outputs
-        self.plain_outputs = all(p.kind == "tensor" and p.inv_perm is None and p.stride is None for p in self.out_plans)
+        self.plain_outputs = all(p.kind == "tensor" and p.inv_perm is None and p.stride is None and not p.views
+                                 for p in self.out_plans)
+        # Outputs that are (views of) weights concatenated in torch: returned without a copy.
+        self.concat_outputs = sorted({p.index for p in self.out_plans if p.kind == "concat"})
         # Graph inputs returned as outputs (or views of them): kept past args.clear().
         self.input_outputs = sorted({p.index for p in self.out_plans if p.kind == "input"})
 
@@ -73,7 +79,11 @@ class CompiledGraph:
         resident = resident_inputs if resident_inputs is not None else static_input_indices(len(self.example_inputs))
         self._resident_positions = [i in resident for i in self._tensor_positions]
         self._resident: list = [None] * len(self._tensor_positions)
+        # Per tensor input, decided once: (arg position, resident slot or -1, plan kind, perm).
+        self._import_steps = [(i, j if self._resident_positions[j] else -1, self.plans[i].kind, self.plans[i].perm)
+                              for j, i in enumerate(self._tensor_positions)]
         self._specializations: dict = {}
+        self._concat_cache: dict = {}  # input positions -> (members, versions, tensor, buffer)
         self._static: _Specialization | None = None
         counters.graphs += 1
         self.executions = 0
@@ -122,52 +132,89 @@ class CompiledGraph:
             spec = self._specializations[key] = self._specialize(list(args))
         return spec
 
-    def _run(self, spec: _Specialization, args: list):
+    def _concat_buffers(self, groups, args) -> list:
+        """Device buffers of `torch.cat` of graph inputs (weights stacked for a folded scan),
+        rebuilt only when a member tensor changed (inference: once; training: per update)."""
+        cache = self._concat_cache
+        bufs = []
+        for group in groups:
+            members = [args[i] for i in group]
+            versions = [(t._version, t.data_ptr()) for t in members]
+            hit = cache.get(group)
+            if hit is not None and hit[1] == versions and all(a is b for a, b in zip(hit[0], members)):
+                bufs.append(hit[3])
+                continue
+            with torch.no_grad():
+                stacked = torch.cat(members)
+            buf = import_tensor(stacked, self._jax_device)
+            cache[group] = (members, versions, stacked, buf)
+            bufs.append(buf)
+        return bufs
+
+    def _concat_outputs(self, spec) -> dict:
+        """("concat", j) -> the torch tensor of concatenation j, for outputs that return it."""
+        groups = spec.lowered.input_concats
+        return {("concat", j): self._concat_cache[groups[j]][2] for j in spec.concat_outputs}
+
+    def _run(self, spec: _Specialization, args):
+        paused = _pause_tracebacks()  # the hand-off's arrays need no recorded Python stack
+        try:
+            return self._run_paused(spec, args)
+        finally:
+            if paused:
+                _resume_tracebacks()
+
+    def _run_paused(self, spec: _Specialization, args):
         self.executions += 1
         bufs = self._import(args)
+        if spec.lowered.input_concats:
+            bufs += self._concat_buffers(spec.lowered.input_concats, args)
         if spec.lowered.needs_seed:  # random ops: a fresh seed from torch's default generator
             bufs.append(import_tensor(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64), self._jax_device))
         held = {i: args[i] for i in spec.input_outputs} if spec.input_outputs else None
-        args.clear()  # boxed convention: drop our references to the inputs early
+        if spec.concat_outputs:
+            held = {**(held or {}), **self._concat_outputs(spec)}
+        if type(args) is list:
+            args.clear()  # boxed convention: drop our references to the inputs early
         if self._timed:
             return self._execute_timed(spec, bufs, held)
-        outs = spec.exe.execute(bufs)
         if spec.plain_outputs:
-            return [export_array(o) for o in outs]
-        return self._wrap_outputs(spec, outs, held)
+            return spec.launch(bufs)
+        return self._wrap_outputs(spec, spec.launch(bufs), held)
 
     def _execute_timed(self, spec, bufs, held):
         t0 = time.perf_counter()
-        outs = spec.exe.execute(bufs)
-        results = [export_array(o) for o in outs] if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
+        outs = spec.launch(bufs)
+        results = outs if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
         self.execute_seconds += time.perf_counter() - t0  # export waits for the results
         return results
 
     def call_unboxed(self, *args):
         """Dynamo's calling convention, for graphs that bypass AOTAutograd's wrappers."""
-        return self(list(args))
+        spec = self._static
+        if spec is None:
+            return self(list(args))
+        return self._run(spec, args)  # a tuple: nothing of ours to clear
 
     def _import(self, args):
         dev = self._jax_device
-        plans = self.plans
         resident = self._resident
         bufs = []
-        for j, i in enumerate(self._tensor_positions):
+        for i, j, kind, perm in self._import_steps:
             t = args[i]
-            if self._resident_positions[j]:
+            if j >= 0:  # a parameter/buffer: its device buffer stays resident
                 r = resident[j]
                 # Same tensor, unchanged since, same storage (`p.data = ...` keeps _version).
                 if r is not None and r[0] is t and r[1] == t._version and r[2] == t.data_ptr():
                     bufs.append(r[3])
                     continue
-            plan = plans[i]
-            if plan.kind == "tensor":
+            if kind == "tensor":
                 buf = import_tensor(t, dev)
-            elif plan.kind == "permuted":
-                buf = import_tensor(t.permute(plan.perm), dev)
+            elif kind == "permuted":
+                buf = import_tensor(t.permute(perm), dev)
             else:
                 buf = import_tensor(t.contiguous(), dev)
-            if self._resident_positions[j]:
+            if j >= 0:
                 resident[j] = (t, t._version, t.data_ptr(), buf)
             bufs.append(buf)
         return bufs
@@ -179,17 +226,16 @@ class CompiledGraph:
             if p.kind == "const":
                 results.append(p.value)
                 continue
-            if p.kind == "input":
-                t = held[p.index]
-                for op, op_args in p.views:
-                    t = op(t, *op_args)
-                results.append(t)
-                continue
-            t = export_array(outs[p.index])
-            if p.inv_perm is not None:
-                t = t.permute(p.inv_perm)
-            elif p.stride is not None:
-                t = _restride(t, p.stride)
+            if p.kind == "input" or p.kind == "concat":
+                t = held[p.index] if p.kind == "input" else held[("concat", p.index)]
+            else:
+                t = outs[p.index]
+                if p.inv_perm is not None:
+                    t = t.permute(p.inv_perm)
+                elif p.stride is not None:
+                    t = _restride(t, p.stride)
+            for op, op_args in p.views:  # views of an input or of one computed value
+                t = op(t, *op_args)
             results.append(t)
         return results
 

@@ -1,4 +1,6 @@
-"""The decomposition table AOTAutograd applies before lowering: PyTorch's core-ATen table.
+"""The decomposition table AOTAutograd applies before lowering: PyTorch's core-ATen table,
+plus every functional `aten._foreach_*` overload (foreach optimizers, clip_grad_norm_) as
+one core op per tensor.
 
 Ops that survive it (core ATen plus a few prims such as `prims.fma`) each need a rule in
 `fx2xla/lowering/`.
@@ -9,9 +11,101 @@ import functools
 
 import torch
 from torch._decomp import core_aten_decompositions
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes, get_computation_dtype
+
+aten = torch.ops.aten
 
 
 @functools.cache
 def decomposition_table() -> dict:
     table = dict(core_aten_decompositions())
+    table.update(foreach_decompositions())
+    table[aten.linalg__powsum.default] = _powsum
+    return table
+
+
+def _powsum(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """sum(|x| ** ord) (`torch.linalg._powsum`, behind `_foreach_powsum`): literally, so
+    0 ** 0 counts 1 and 0 ** -1 is inf; bf16/f16 computed in float32 as eager's kernel."""
+    if dtype is not None:
+        x = aten._to_copy(x, dtype=dtype)
+    x = aten.abs(x)  # real for complex input
+    compute = get_computation_dtype(x.dtype)
+    out = aten.sum.dim_IntList(aten.pow(aten._to_copy(x, dtype=compute), ord), dim, keepdim)
+    return aten._to_copy(out, dtype=x.dtype)
+
+
+def _per_tensor(op, *args, **kwargs):
+    """`op` once per list position; arguments that are not lists (a Scalar, the one Tensor
+    of the .Tensor overloads) are shared by all positions."""
+    n = len(next(a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple))))
+
+    def at(a, i):
+        return a[i] if isinstance(a, (list, tuple)) else a
+
+    return [op(*(at(a, i) for a in args), **{k: at(v, i) for k, v in kwargs.items()}) for i in range(n)]
+
+
+def _addc(op, pointwise):
+    """addcmul/addcdiv: a Scalar value (per list or per position) goes to aten.addcmul/addcdiv
+    (whose core decomposition computes bf16 in float32 like eager's kernel); the .Tensor
+    overload's 1-D `scalars` holds one value per position, which eager reads as a double
+    scalar, so do the same math with it as a 0-d tensor: self + (value * t1) op t2 in the
+    computation dtype, rounded once."""
+
+    def one(self, t1, t2, value):
+        if not isinstance(value, torch.Tensor):
+            return op(self, t1, t2, value=value)
+        compute, result = elementwise_dtypes(self, t1, t2, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        self, t1, t2, value = (aten._to_copy(t, dtype=compute) for t in (self, t1, t2, value))
+        return aten._to_copy(aten.add(self, pointwise(aten.mul(value, t1), t2)), dtype=result)
+
+    def decomp(self, tensor1, tensor2, value=1):
+        if isinstance(value, torch.Tensor):
+            value = list(aten.unbind(value))
+        return _per_tensor(one, self, tensor1, tensor2, value)
+
+    return decomp
+
+
+def _scalar_or_tensor(tensor_op, scalar_op):
+    return lambda a, b: tensor_op(a, b) if isinstance(b, torch.Tensor) else scalar_op(a, b)
+
+
+# Foreach ops whose per-tensor op is not aten.<stem> with the same arguments (eager's CPU
+# kernels call exactly these per tensor).
+_PER_TENSOR = {
+    "norm": lambda t, ord=2, dtype=None: aten.linalg_vector_norm(t, ord, dtype=dtype),
+    "powsum": lambda t, ord=2, dtype=None: aten.linalg__powsum(t, ord, dtype=dtype),
+    "maximum": _scalar_or_tensor(aten.maximum, aten.clamp_min),
+    "minimum": _scalar_or_tensor(aten.minimum, aten.clamp_max),
+}
+
+
+def foreach_overloads() -> list[tuple[str, torch._ops.OpOverload]]:
+    """(stem, overload) for every functional `aten._foreach_<stem>` overload torch has. The
+    in-place `_foreach_<stem>_` and `.out` overloads never reach the decomposition table:
+    AOTAutograd's functionalization rewrites them to these (plus copy-back of the inputs)."""
+    names = sorted({s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas()
+                    if s.name.startswith("aten::_foreach_") and not s.name.endswith("_")})
+    out = []
+    for name in names:
+        packet = getattr(aten, name)
+        out += [(name[len("_foreach_"):], getattr(packet, o)) for o in packet.overloads() if not o.endswith("out")]
+    return out
+
+
+@functools.cache
+def foreach_decompositions() -> dict:
+    """Every functional `aten._foreach_*` overload as per-tensor core ops: PyTorch's core-ATen
+    table leaves them to Inductor's own lowerings."""
+    table = {}
+    for stem, overload in foreach_overloads():
+        if stem in ("addcmul", "addcdiv"):
+            fn = _addc(getattr(aten, stem), aten.mul if stem == "addcmul" else aten.div)
+        elif stem in _PER_TENSOR:
+            fn = functools.partial(_per_tensor, _PER_TENSOR[stem])
+        else:
+            fn = functools.partial(_per_tensor, getattr(aten, stem))
+        table[overload] = fn
     return table

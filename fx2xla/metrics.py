@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,6 +11,8 @@ class Counters:
     specializations: int = 0  # executables requested (one per graph and input signature)
     lower_seconds: float = 0.0  # FX -> StableHLO tracing time
     fallback_ops: int = 0  # op nodes that run eagerly between XLA subgraphs
+    pass_seconds: dict = field(default_factory=dict)  # graph pass name -> seconds (passes/)
+    scan_folds: int = 0  # runs of repeated layers folded into one loop
 
 
 counters = Counters()
@@ -25,6 +27,7 @@ def metrics() -> dict:
     from .runtime.executor import disk_cache
 
     out = dict(counters.__dict__)
+    out["pass_seconds"] = dict(counters.pass_seconds)
     graphs = list(live_graphs)
     out["executions"] = sum(g.executions for g in graphs)
     out["execute_seconds"] = sum(g.execute_seconds for g in graphs)  # with FX2XLA_TIME_EXECUTE=1

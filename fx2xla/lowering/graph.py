@@ -45,7 +45,9 @@ class OutputPlan:
     """How one graph output is produced.
 
     kind: "tensor" (executable result `index`, then `.permute(inv_perm)` if set, or restrided
-    to `stride` if set), "const" (a Python value fixed at lowering time, e.g. a size or None).
+    to `stride` if set, then `views` replayed), "const" (a Python value fixed at lowering time,
+    e.g. a size or None), "input" (below), "concat" (the torch-side concatenation `index` of
+    `LoweredGraph.input_concats`, then `views`).
     """
 
     kind: str
@@ -69,9 +71,9 @@ _VIEW_OPS = {
 }
 
 
-def _input_view_chain(node, placeholder_index: dict):
-    """(input position, ((op, args), ...)) if `node` is a graph input or a chain of view ops
-    with static arguments on one; None otherwise."""
+def _view_chain(node):
+    """(base node, ((view op, args), ...)): `node` as a chain of view ops with static arguments
+    applied to `base` (no views: `node` itself)."""
     views = []
     while node.op == "call_function" and node.target in _VIEW_OPS and not node.kwargs:
         src, *rest = node.args
@@ -79,12 +81,10 @@ def _input_view_chain(node, placeholder_index: dict):
             isinstance(a, torch.fx.Node) or (isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a))
             for a in rest
         ):
-            return None
+            break
         views.append((node.target, tuple(rest)))
         node = src
-    if node.op == "placeholder" and node in placeholder_index:
-        return placeholder_index[node], tuple(reversed(views))
-    return None
+    return node, tuple(reversed(views))
 
 
 @dataclass
@@ -94,6 +94,10 @@ class LoweredGraph:
     outputs: list[OutputPlan]
     arg_shapes: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)
     needs_seed: bool = False  # the executable takes one more input: an int64 seed
+    # Concatenations of graph inputs along dim 0 (weights stacked for a scan), done in torch
+    # before the call and passed as extra executable inputs after the graph's tensors: by
+    # graph input position. The caller keeps the result while its inputs are unchanged.
+    input_concats: list[tuple[int, ...]] = field(default_factory=list)
 
 
 def dense_permutation(shape, stride) -> tuple[int, ...] | None:
@@ -150,12 +154,37 @@ def _constant(t: torch.Tensor):
         return jnp.asarray(t.resolve_conj().numpy(), dtype=to_jax_dtype(t.dtype))
 
 
+def _input_concats(gm, placeholders, plans) -> list:
+    """(cat node, graph input positions) for each `aten.cat(inputs, 0)` whose operands are all
+    dense graph inputs of one shape and dtype (weights stacked by scan-folding): computing it in
+    torch once per weight update beats a concatenation inside every call (and its kernels)."""
+    index = {n: i for i, n in enumerate(placeholders)}
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+            continue
+        tensors = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if dim != 0 or len(tensors) < 2 or not all(isinstance(t, torch.fx.Node) and t in index for t in tensors):
+            continue
+        metas = [t.meta.get("val") for t in tensors]
+        if not all(isinstance(m, torch.Tensor) and m.dim() > 0 and not _symbolic(m.shape) for m in metas):
+            continue
+        if len({(tuple(m.shape), m.dtype) for m in metas}) != 1 or any(plans[index[t]].kind != "tensor" for t in tensors):
+            continue
+        found.append((node, tuple(index[t] for t in tensors)))
+    return found
+
+
 def check_rules(gm: torch.fx.GraphModule) -> None:
     """Raise UnsupportedOpError for the first op in the graph that has no rule."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target not in PYTHON_OPS:
-            if lowering_for(node.target) is None:
+            rule = lowering_for(node.target)
+            if rule is None:
                 raise UnsupportedOpError(node)
+            for sub in (rule.subgraphs(gm, node) if rule.subgraphs is not None else ()):
+                check_rules(sub)  # ops inside loop bodies too
 
 
 def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) -> LoweredGraph:
@@ -199,10 +228,11 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
         avals.append(jax.ShapeDtypeStruct(shape, dtype))
         arg_shapes.append((shape, dtype))
 
-    needs_seed = any(
-        n.op == "call_function" and n.target not in PYTHON_OPS and lowering_for(n.target).random
-        for n in gm.graph.nodes
-    )
+    concats = _input_concats(gm, placeholders, plans)
+    for node, _ in concats:
+        meta = node.meta["val"]
+        avals.append(jax.ShapeDtypeStruct(tuple(meta.shape), to_jax_dtype(meta.dtype)))
+    needs_seed = graph_uses_randomness(gm)
     if needs_seed:
         avals.append(jax.ShapeDtypeStruct((), np.int64))
 
@@ -222,37 +252,33 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
                 if plan.kind == "permuted":
                     a = jnp.transpose(a, _inverse(plan.perm))
                 env[node] = a
-        for index, node in enumerate(gm.graph.nodes):
-            if node.op in ("placeholder", "output"):
-                continue
-            if node.op == "get_attr":
-                env[node] = _constant(getattr(gm, node.target))
-                continue
-            if node.op != "call_function":
-                raise LoweringError(node, TypeError(f"unsupported FX node kind {node.op!r}"))
-            args = torch.fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-            if node.target in PYTHON_OPS:
-                env[node] = node.target(*args, **kwargs)
-                continue
-            rule = lowering_for(node.target)
-            ctx = LoweringContext(node, sizes, seed if rule.random else None, index)
-            try:
-                args, kwargs = prepare_args(rule, ctx, list(args), dict(kwargs))
-                out = rule.fn(ctx, *args, **kwargs)
-                env[node] = _check_result(ctx, out)
-            except (LoweringError, UnsupportedOpError):
-                raise
-            except Exception as e:  # a rule bug or an unsupported argument combination
-                raise LoweringError(node, e) from e
+        for node, _ in concats:
+            env[node] = next(it)
+        run_nodes(gm, gm.graph.nodes, env, sizes, seed)
         results = []
         out_plans.clear()
         tensor_inputs = {n: i for n, p, i in zip(placeholders, plans, range(len(plans))) if p.kind != "symint"}
+        concat_index = {node: j for j, (node, _) in enumerate(concats)}
+        base_result: dict = {}  # base node -> result index, for outputs that are views of it
         for v, meta in zip(out_vals, [getattr(o, "meta", {}).get("val") if isinstance(o, torch.fx.Node) else o for o in out_vals]):
-            chain = _input_view_chain(v, tensor_inputs) if isinstance(v, torch.fx.Node) else None
-            if chain is not None:
-                out_plans.append(OutputPlan("input", index=chain[0], views=chain[1]))
-                continue
+            if isinstance(v, torch.fx.Node):
+                base, views = _view_chain(v)
+                if base in tensor_inputs:  # an input or a view of one: no copy through XLA
+                    out_plans.append(OutputPlan("input", index=tensor_inputs[base], views=views))
+                    continue
+                if base in concat_index:  # weights stacked in torch before the call
+                    out_plans.append(OutputPlan("concat", index=concat_index[base], views=views))
+                    continue
+                base_meta = base.meta.get("val")
+                if views and isinstance(base_meta, torch.Tensor) and not _symbolic(base_meta.shape) \
+                        and base_meta.is_contiguous() and is_array(env.get(base)):
+                    # Views of one computed value (per-layer gradients of stacked weights): the
+                    # value leaves the executable once, the views are taken in torch.
+                    if base not in base_result:
+                        base_result[base] = len(results)
+                        results.append(env[base])
+                    out_plans.append(OutputPlan("tensor", index=base_result[base], views=views))
+                    continue
             value = env[v] if isinstance(v, torch.fx.Node) else v
             if not is_array(value):
                 out_plans.append(OutputPlan("const", value=value))
@@ -274,7 +300,55 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
     with jax.enable_x64(True):
         lowered = jax.jit(trace, keep_unused=True).lower(*avals)
         text = lowered.as_text()
-    return LoweredGraph(text, plans, list(out_plans), arg_shapes, needs_seed)
+    return LoweredGraph(text, plans, list(out_plans), arg_shapes, needs_seed, [c for _, c in concats])
+
+
+def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed) -> dict:
+    """Evaluate `nodes` (call_function / get_attr nodes of `gm`, in order) with their rules, on
+    the traced jax values in `env` (updated and returned). Placeholders and the output node are
+    skipped: the caller binds the first and reads the second. `seed` is the per-call int64 seed
+    or a PRNG key (inside loop bodies: a key folded with the iteration), or None."""
+    for index, node in enumerate(nodes):
+        if node.op in ("placeholder", "output") or node in env:  # bound by the caller
+            continue
+        if node.op == "get_attr":
+            attr = getattr(gm, node.target)
+            # Subgraphs (scan bodies) stay modules for the rule that lowers them.
+            env[node] = attr if isinstance(attr, torch.nn.Module) else _constant(attr)
+            continue
+        if node.op != "call_function":
+            raise LoweringError(node, TypeError(f"unsupported FX node kind {node.op!r}"))
+        args = torch.fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+        if node.target in PYTHON_OPS:
+            env[node] = node.target(*args, **kwargs)
+            continue
+        rule = lowering_for(node.target)
+        if rule is None:
+            raise UnsupportedOpError(node)
+        ctx = LoweringContext(node, sizes, seed if (rule.random or rule.subgraphs) else None, index, gm,
+                              env if rule.subgraphs else None)
+        try:
+            args, kwargs = prepare_args(rule, ctx, list(args), dict(kwargs))
+            out = rule.fn(ctx, *args, **kwargs)
+            env[node] = _check_result(ctx, out)
+        except (LoweringError, UnsupportedOpError):
+            raise
+        except Exception as e:  # a rule bug or an unsupported argument combination
+            raise LoweringError(node, e) from e
+    return env
+
+
+def graph_uses_randomness(gm: torch.fx.GraphModule) -> bool:
+    """Whether any node of `gm` (or of a subgraph a rule lowers, e.g. a scan body) is random."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target in PYTHON_OPS:
+            continue
+        rule = lowering_for(n.target)
+        if rule is not None and (rule.random or (rule.subgraphs is not None and any(
+                graph_uses_randomness(sub) for sub in rule.subgraphs(gm, n)))):
+            return True
+    return False
 
 
 def _check_result(ctx: LoweringContext, out):

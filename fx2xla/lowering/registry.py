@@ -29,6 +29,9 @@ class LoweringRule:
     promote: str | None
     broadcast: bool
     random: bool = False  # draws random bits: the graph then takes a per-call seed input
+    # For ops that carry subgraphs (scan bodies): fn(gm, node) -> the GraphModules the rule
+    # lowers, so graph-wide questions (does it draw random bits?) can look inside.
+    subgraphs: Callable | None = None
 
 
 LOWERINGS: dict[torch._ops.OpOverload, LoweringRule] = {}
@@ -42,7 +45,8 @@ def _overloads(op) -> list:
     return [op]
 
 
-def register_lowering(*ops, promote: str | None = None, broadcast: bool = False, random: bool = False):
+def register_lowering(*ops, promote: str | None = None, broadcast: bool = False, random: bool = False,
+                     subgraphs: Callable | None = None):
     """Register `fn` as the lowering of `ops` (overloads, or packets = all their overloads).
 
     promote: see PROMOTIONS. broadcast: tensor and scalar arguments are broadcast to the
@@ -52,7 +56,7 @@ def register_lowering(*ops, promote: str | None = None, broadcast: bool = False,
     assert promote in PROMOTIONS, promote
 
     def deco(fn):
-        rule = LoweringRule(fn, promote, broadcast, random)
+        rule = LoweringRule(fn, promote, broadcast, random, subgraphs)
         for op in ops:
             if isinstance(op, str):
                 LOWERINGS_BY_NAME[op] = rule
@@ -107,6 +111,8 @@ class LoweringContext:
     # Set by lower_graph for random rules: the call's seed (traced int64) and the node's index.
     seed: Any = None
     index: int = 0
+    gm: Any = None  # the GraphModule holding the node (rules with subgraphs read them from it)
+    values: Any = None  # node -> traced value of the nodes lowered so far (peephole rules)
 
     def rng_key(self):
         """A PRNG key for this node: the per-call seed (drawn from torch's default generator,
@@ -116,7 +122,18 @@ class LoweringContext:
 
         if self.seed is None:
             raise RuntimeError(f"{self.node.target}: its rule must be registered with random=True")
-        return jax.random.fold_in(jax.random.key(self.seed), self.index)
+        return jax.random.fold_in(base_key(self.seed), self.index)
+
+
+def base_key(seed):
+    """The PRNG key of a graph: `seed` is the per-call int64 seed, or already a key (loop bodies
+    fold the iteration into their parent's key). The "rbg" generator: XLA's RngBitGenerator,
+    which compiles several times faster than threefry's unrolled hash rounds."""
+    import jax
+
+    if jax.dtypes.issubdtype(getattr(seed, "dtype", None), jax.dtypes.prng_key):
+        return seed
+    return jax.random.key(seed, impl="rbg")
 
 
 def concrete_shape(shape, sizes=None) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """Training with fx2xla matches eager PyTorch: loss trajectories, gradients and parameters
 after compiled forward/backward and compiled optimizer steps (SGD with momentum, Adam, AdamW;
-foreach and single-tensor), whole compiled train steps, a full-graph functional step,
+foreach, single-tensor and fused), whole compiled train steps, a full-graph functional step,
 autocast, dropout, gradient accumulation, train/eval switching and `transformers.Trainer`.
 
 Every comparison runs the same model twice from identical copies (same seed, same inputs):
@@ -99,10 +99,18 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 ADAM_LR = 1e-3
+
+
+def _impl(foreach) -> dict:
+    """Optimizer implementation: foreach True (multi-tensor `_foreach_*` ops), False (single
+    tensor), None (torch's default) or "fused" (one `_fused_*` kernel; SGD, Adam, AdamW only)."""
+    return {"fused": True} if foreach == "fused" else {"foreach": foreach}
+
+
 OPTIMIZERS = {
-    "sgd": lambda params, foreach: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4, foreach=foreach),
-    "adam": lambda params, foreach: torch.optim.Adam(params, lr=ADAM_LR, foreach=foreach),
-    "adamw": lambda params, foreach: torch.optim.AdamW(params, lr=ADAM_LR, weight_decay=0.01, foreach=foreach),
+    "sgd": lambda params, foreach: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4, **_impl(foreach)),
+    "adam": lambda params, foreach: torch.optim.Adam(params, lr=ADAM_LR, **_impl(foreach)),
+    "adamw": lambda params, foreach: torch.optim.AdamW(params, lr=ADAM_LR, weight_decay=0.01, **_impl(foreach)),
 }
 
 
@@ -156,7 +164,8 @@ def train(model, optimizer, data, steps: int, compiled: bool) -> torch.Tensor:
     """`steps` steps of forward, backward, optimizer step, zero_grad; returns the losses."""
     opt = OPTIMIZERS[optimizer[0]](model.parameters(), optimizer[1])
     forward = compile_fx2xla(model) if compiled else model
-    step = compile_fx2xla(opt.step) if compiled else opt.step
+    # fallback="error": every op of the step (the foreach ops too) must lower to XLA.
+    step = compile_fx2xla(opt.step, options={"fallback": "error"}) if compiled else opt.step
     losses = []
     for i in range(steps):
         x, y = data[i % len(data)]
@@ -203,14 +212,24 @@ def test_trajectory_matches_eager(name, optimizer, foreach, steps):
         assert expected[-3:].mean() < expected[:3].mean(), "eager did not learn: the comparison is vacuous"
 
 
-_FOREACH_NOT_LOWERED = pytest.mark.xfail(
-    strict=True, reason="aten._foreach_* ops have no lowering rules yet; they run eagerly"
-)
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_fused_optimizer_trajectory(optimizer):
+    """fused=True matches eager, but its kernel is not compiled: Dynamo does not trace into
+    torch.optim's `_fused_adam`/`_fused_adamw` (torch.compiler.disable, "don't trace into fused
+    optimizer") and runs them eagerly, so fx2xla compiles the model's forward and backward
+    only; foreach=True puts the update in XLA."""
+    model = build("mlp")
+    reference = copy.deepcopy(model)
+    data = batches("mlp", 3)
+    with GraphCount() as count:
+        losses = train(model, (optimizer, "fused"), data, 10, compiled=True)
+    expected = train(reference, (optimizer, "fused"), data, 10, compiled=False)
+    assert count.graphs == 2, f"fx2xla compiled {count.graphs} graphs; expected forward + backward only"
+    assert_close(losses, expected, kind="trajectory", msg="losses")
+    assert_same_params(model, reference, flip_bound=sign_flip_bound(optimizer, 10))
 
 
-@pytest.mark.parametrize(
-    "foreach", [pytest.param(True, marks=_FOREACH_NOT_LOWERED), False], ids=["foreach", "single"]
-)
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "single"])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_optimizer_step_lowers_without_fallback(optimizer, foreach):
     """The optimizer step is one XLA graph: no op of it runs eagerly between XLA subgraphs

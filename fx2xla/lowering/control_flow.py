@@ -1,0 +1,201 @@
+"""Lowering rules: torch's control-flow higher-order ops (scan, cond, while_loop), each lowered
+to ONE structured StableHLO op (while / case) whose body is the traced subgraph, so a loop of N
+steps compiles its body once instead of unrolling it N times.
+
+The subgraphs arrive as GraphModules (get_attr nodes); their nodes run through the same rules
+as the outer graph (`run_nodes`). Random ops inside a body get a key folded with the node's
+position and the iteration, so every iteration draws different bits."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.fx
+from jax import lax
+
+from .dtypes import to_jax_dtype
+from .graph import check_rules, run_nodes
+from .registry import LOWERINGS, base_key, register_lowering
+
+higher_order = torch.ops.higher_order
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _outputs(gm: torch.fx.GraphModule, env: dict) -> list:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    out = list(out) if isinstance(out, (list, tuple)) else [out]
+    return [env[o] if isinstance(o, torch.fx.Node) else o for o in out]
+
+
+def _run_subgraph(ctx, gm: torch.fx.GraphModule, inputs, key, known: dict | None = None):
+    """Evaluate `gm` on `inputs` (bound to its placeholders in order); its outputs as a list.
+    `known`: values of nodes computed already (hoisted out of a loop), not evaluated again."""
+    placeholders = _placeholders(gm)
+    if len(placeholders) != len(inputs):
+        raise ValueError(f"subgraph takes {len(placeholders)} inputs, got {len(inputs)}")
+    check_rules(gm)  # an op without a rule fails clearly (the outer graph's check stops at the HOP)
+    env = {**(known or {}), **dict(zip(placeholders, inputs))}
+    run_nodes(gm, gm.graph.nodes, env, ctx.sizes, key)
+    return _outputs(gm, env)
+
+
+def _hoist_invariants(ctx, body: torch.fx.GraphModule, invariant_inputs: dict, key) -> dict:
+    """Evaluate, once and outside the loop, the body's nodes that depend only on loop-invariant
+    inputs (attention masks and what is derived from them): XLA's loop-invariant code motion
+    leaves size-inflating ops (broadcasts, iota masks) in the loop, unrolled layers share them.
+    Returns their values (plus `invariant_inputs`) for `_run_subgraph(known=...)`."""
+    from .graph import PYTHON_OPS
+    from .registry import lowering_for
+
+    invariant = set(invariant_inputs)
+    hoisted = []
+    for n in body.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "call_function" and n.target not in PYTHON_OPS:
+            rule = lowering_for(n.target)
+            if rule is None or rule.random or rule.subgraphs is not None:
+                continue
+        if all(i in invariant for i in n.all_input_nodes):
+            invariant.add(n)
+            hoisted.append(n)
+    env = dict(invariant_inputs)
+    if hoisted:
+        run_nodes(body, hoisted, env, ctx.sizes, key)
+    return env
+
+
+def _node_key(ctx):
+    """This node's PRNG key, or None when the graph draws no random bits."""
+    if ctx.seed is None:
+        return None
+    return jax.random.fold_in(base_key(ctx.seed), ctx.index)
+
+
+def _like(value, ref):
+    """`value` with `ref`'s dtype and shape, strongly typed: loop carries must keep their type."""
+    value = jnp.asarray(value)
+    if value.dtype != ref.dtype or getattr(value, "weak_type", False):
+        value = lax.convert_element_type(value, ref.dtype)
+    if value.shape != ref.shape:
+        raise ValueError(f"loop carry changed shape: {tuple(ref.shape)} -> {tuple(value.shape)}")
+    return value
+
+
+def _attr_subgraphs(*positions):
+    """subgraphs= callback: the GraphModules held by the get_attr nodes at `positions`."""
+    def subgraphs(gm, node):
+        return [getattr(gm, node.args[p].target) for p in positions
+                if isinstance(node.args[p], torch.fx.Node) and node.args[p].op == "get_attr"]
+    return subgraphs
+
+
+@register_lowering(higher_order.scan, subgraphs=_attr_subgraphs(0))
+def _scan(ctx, body, init, xs, additional_inputs):
+    # The HOP always scans dim 0 forwards: torch's `scan(dim=, reverse=)` moves/flips xs
+    # outside it, so those are ordinary ops of the graph.
+    init, xs, extra = list(init), list(xs), list(additional_inputs)
+    if not xs:  # torch returns the carry unchanged and no ys
+        return [*init]
+    length = int(xs[0].shape[0])
+    key = _node_key(ctx)
+    n_carry = len(init)
+    # AOTAutograd's backward scans flipped inputs and flips the results back: scan the
+    # unflipped inputs in reverse instead (no copies; the flips become dead code).
+    unflipped = _unflipped(ctx, ctx.node.args[2])
+    reverse = unflipped is not None
+    if reverse:
+        xs = unflipped
+
+    placeholders = _placeholders(body)
+    known = _hoist_invariants(ctx, body, dict(zip(placeholders[len(placeholders) - len(extra):], extra)), None)
+
+    def step(carry, x):
+        i, x = x
+        body_key = None if key is None else jax.random.fold_in(key, i)
+        outs = _run_subgraph(ctx, body, [*carry, *x, *extra], body_key, known)
+        return [_like(o, c) for o, c in zip(outs[:n_carry], carry)], outs[n_carry:]
+
+    carry, ys = lax.scan(step, init, (jnp.arange(length, dtype=jnp.int32), xs), length=length, reverse=reverse)
+    if reverse:  # torch's ys are in scan order: flipped (a flip of them back then cancels out)
+        ys = [lax.rev(y, (0,)) for y in ys]
+    return [*carry, *ys]
+
+
+def _unflipped(ctx, xs_nodes):
+    """The sources of `xs` when every one is `aten.flip(src, [0])` already lowered, else None."""
+    if ctx.values is None or not xs_nodes:
+        return None
+    sources = []
+    for n in xs_nodes:
+        if not (isinstance(n, torch.fx.Node) and n.target is torch.ops.aten.flip.default):
+            return None
+        src, dims = n.args[0], list(n.args[1])
+        ndim = n.meta["val"].dim() if "val" in n.meta else None
+        if ndim is None or [d % ndim for d in dims] != [0] or src not in ctx.values:
+            return None
+        sources.append(ctx.values[src])
+    return sources
+
+
+@register_lowering(higher_order.cond, subgraphs=_attr_subgraphs(1, 2))
+def _cond(ctx, pred, true_fn, false_fn, operands):
+    operands = list(operands)
+    key = _node_key(ctx)
+    meta = ctx.out if isinstance(ctx.out, (list, tuple)) else [ctx.out]
+
+    def branch(gm, which):
+        def run(ops):
+            k = None if key is None else jax.random.fold_in(key, which)
+            outs = _run_subgraph(ctx, gm, list(ops), k)
+            # Both branches must return identically typed values: torch's meta decides.
+            return [lax.convert_element_type(jnp.asarray(o), to_jax_dtype(m.dtype))
+                    if isinstance(m, torch.Tensor) else o for o, m in zip(outs, meta)]
+        return run
+
+    pred = jnp.asarray(pred).astype(jnp.bool_).reshape(())
+    return list(lax.cond(pred, branch(true_fn, 1), branch(false_fn, 0), operands))
+
+
+@register_lowering(higher_order.while_loop, subgraphs=_attr_subgraphs(0, 1))
+def _while_loop(ctx, cond_fn, body_fn, carried_inputs, additional_inputs, mutated_arg_indices=""):
+    if mutated_arg_indices:  # in-place updates of loop inputs have no functional equivalent here
+        raise NotImplementedError(f"while_loop body mutates inputs {mutated_arg_indices}")
+    carried, extra = list(carried_inputs), list(additional_inputs)
+    key = _node_key(ctx)
+
+    def cond(state):
+        i, carry = state
+        k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 0), i)
+        (pred,) = _run_subgraph(ctx, cond_fn, [*carry, *extra], k)
+        return jnp.asarray(pred).astype(jnp.bool_).reshape(())
+
+    def body(state):
+        i, carry = state
+        k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 1), i)
+        outs = _run_subgraph(ctx, body_fn, [*carry, *extra], k)
+        return i + 1, [_like(o, c) for o, c in zip(outs, carry)]
+
+    _, carry = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), carried))
+    return list(carry)
+
+
+def _register_view_copies() -> None:
+    """Subgraph bodies come functionalized into the `*_copy` twins of view ops (permute_copy,
+    view_copy, ...): the same values as the views, so they share the views' rules. Runs after
+    the other rule modules are imported (see __init__)."""
+    for op, rule in list(LOWERINGS.items()):
+        if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+            continue
+        try:
+            twin = getattr(getattr(torch.ops.aten, op.__name__.split(".")[0] + "_copy"), op._overloadname)
+        except (AttributeError, RuntimeError):
+            continue
+        if torch.Tag.view_copy in twin.tags and twin not in LOWERINGS:
+            LOWERINGS[twin] = rule
+
+
+_register_view_copies()

@@ -1,0 +1,311 @@
+"""Scan-folding: a run of structurally identical layers becomes one loop over stacked weights.
+
+Runs on Dynamo's graph, before AOTAutograd. Layers are found through the `nn_module_stack`
+Dynamo records on every node: the nodes of `...layers.0`, `...layers.1`, ... (children of a
+ModuleList or Sequential) form one segment each. Consecutive segments that are isomorphic
+(same ops, same literal arguments, same shapes and dtypes; inputs either shared by all layers,
+threaded from one layer to the next, or per-layer like weights) are replaced by torch's `scan`
+higher-order op over the weights stacked with `torch.stack`. AOTAutograd then differentiates
+the loop like any user code (its backward is another scan, gradients reach every layer's own
+weights through the stack), and the lowering turns each scan into one StableHLO `while`.
+
+Random ops (dropout) fold too: each iteration draws its own bits (the lowering folds the
+iteration into the key), and the backward reads the masks the forward saved, as unrolled.
+
+Where layers differ, or a layer reads another layer's intermediates, nothing is folded and a
+note (logged at debug level, dumped with the graph) says why.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from .manager import PassResult, register_pass
+
+# "L['self'].model.layers.3" or "L['self'].layers[3]": a numbered child of a container module.
+_NUMBERED = re.compile(r"^(?P<prefix>.+?)(?:\.(?P<a>\d+)|\[(?P<b>\d+)\])$")
+MIN_LAYERS = 2
+MAX_NESTING = 4  # numbered modules inside numbered modules: tried outermost first
+
+def _layer_key(node: torch.fx.Node, level: int = 0):
+    """(container path, index) of the `level`-th numbered module (outermost first) `node`
+    runs in, or None."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    for value in stack.values():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        m = _NUMBERED.match(path)
+        if m:
+            if level == 0:
+                return m["prefix"], int(m["a"] if m["a"] is not None else m["b"])
+            level -= 1
+    return None
+
+
+def _meta(value):
+    """A comparable summary of an example value: shape, dtype and strides for tensors."""
+    if isinstance(value, torch.Tensor):  # not requires_grad: layer 0's input may not need grad
+        return ("T", tuple(str(s) for s in value.shape), value.dtype,
+                tuple(str(s) for s in value.stride()) if value.layout == torch.strided else None)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_meta(v) for v in value))
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("S", str(value))
+    if value is None or isinstance(value, (int, float, bool, str, torch.dtype, torch.device)):
+        return ("C", value)
+    return ("O", type(value).__name__)
+
+
+def _node_meta(node):
+    return _meta(node.meta.get("example_value"))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+@dataclass
+class _Segment:
+    nodes: list
+    position: dict  # node -> index within the segment
+    structure: list
+    externals: list  # nodes outside the segment it reads, in order of first use
+
+
+def _literal(a):
+    if isinstance(a, float) and a != a:
+        return ("nan",)
+    try:
+        hash(a)
+        return (type(a).__name__, a)
+    except TypeError:
+        return ("id", id(a))
+
+
+def _segment(nodes: list) -> _Segment:
+    position = {n: i for i, n in enumerate(nodes)}
+    externals: list = []
+    ext_index: dict = {}
+
+    def enc(a):
+        if isinstance(a, torch.fx.Node):
+            if a in position:
+                return ("n", position[a])
+            if a not in ext_index:
+                ext_index[a] = len(externals)
+                externals.append(a)
+            return ("e", ext_index[a])
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(enc(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, enc(v)) for k, v in a.items()))
+        if isinstance(a, slice):
+            return ("slice", enc(a.start), enc(a.stop), enc(a.step))
+        return _literal(a)
+
+    structure = [(n.op, n.target, enc(n.args), enc(n.kwargs), _node_meta(n)) for n in nodes]
+    return _Segment(nodes, position, structure, externals)
+
+
+def _runs(gm: torch.fx.GraphModule, level: int, claimed: set):
+    """Maximal runs of consecutive layer segments of one container, numbered modules nested
+    `level` deep: [(prefix, [node lists], indices)]. Nodes in `claimed` break runs."""
+    pieces = []  # (key, nodes) with consecutive equal keys merged
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        key = None if node in claimed else _layer_key(node, level)
+        if pieces and pieces[-1][0] == key:
+            pieces[-1][1].append(node)
+        else:
+            pieces.append((key, [node]))
+    seen_pieces: dict = {}
+    for key, _ in pieces:
+        if key is not None:
+            seen_pieces[key] = seen_pieces.get(key, 0) + 1
+    runs, current = [], []
+    for key, nodes in pieces:
+        ok = key is not None and seen_pieces[key] == 1  # a layer split in two never folds
+        if ok and current and current[-1][0][0] == key[0] and current[-1][0][1] + 1 == key[1]:
+            current.append((key, nodes))
+            continue
+        if len(current) >= MIN_LAYERS:
+            runs.append(current)
+        current = [(key, nodes)] if ok else []
+    if len(current) >= MIN_LAYERS:
+        runs.append(current)
+    return [(run[0][0][0], [nodes for _, nodes in run], [k[1] for k, _ in run]) for run in runs]
+
+
+@dataclass
+class _Plan:
+    segments: list
+    carries: list  # (external position, output position within a segment)
+    xs: list  # external positions whose value differs per layer (weights)
+    invariants: list  # external positions shared by all layers
+    ys: list  # output positions read after the loop (stacked per layer)
+
+
+def _plan(segments: list[_Segment]) -> _Plan:
+    first = segments[0]
+    for k, seg in enumerate(segments[1:], 1):
+        if len(seg.nodes) != len(first.nodes) or len(seg.externals) != len(first.externals):
+            raise _Mismatch(f"layer {k} has {len(seg.nodes)} nodes and {len(seg.externals)} inputs, "
+                            f"layer 0 {len(first.nodes)} and {len(first.externals)}")
+        for j, (a, b) in enumerate(zip(first.structure, seg.structure)):
+            if a != b:
+                raise _Mismatch(f"layer {k} differs from layer 0 at node {j} "
+                                f"({seg.nodes[j].format_node()} vs {first.nodes[j].format_node()})")
+    owner = {n: k for k, seg in enumerate(segments) for n in seg.nodes}
+    carries, xs, invariants = [], [], []
+    for e in range(len(first.externals)):
+        vals = [seg.externals[e] for seg in segments]
+        metas = {_node_meta(v) for v in vals[1:]} | {_node_meta(vals[0])}
+        if all(v is vals[0] for v in vals):
+            invariants.append(e)
+        elif vals[0] not in owner and all(owner.get(v) == k - 1 for k, v in enumerate(vals) if k):
+            positions = {segments[k - 1].position[v] for k, v in enumerate(vals) if k}
+            if len(positions) != 1 or len(metas) != 1:
+                raise _Mismatch(f"input {e} is threaded from inconsistent positions or shapes")
+            carries.append((e, positions.pop()))
+        elif not any(v in owner for v in vals) and len(set(vals)) == len(vals):
+            if len(metas) != 1:
+                raise _Mismatch(f"per-layer input {e} changes shape or dtype across layers")
+            xs.append(e)
+        else:
+            raise _Mismatch(f"input {e} of a layer comes from a layer other than the previous one")
+    carry_positions = {p for _, p in carries}
+    ys = set()
+    last = len(segments) - 1
+    for k, seg in enumerate(segments):
+        for p, n in enumerate(seg.nodes):
+            outside = [u for u in n.users if u not in owner]
+            if not outside:
+                continue
+            if k == last and p in carry_positions:
+                continue
+            if not isinstance(n.meta.get("example_value"), torch.Tensor):
+                raise _Mismatch(f"layer {k} returns a non-tensor value ({n.format_node()})")
+            ys.add(p)
+    return _Plan(segments, carries, xs, invariants, sorted(ys))
+
+
+def _build_body(plan: _Plan) -> torch.fx.GraphModule:
+    first = plan.segments[0]
+    graph = torch.fx.Graph()
+    env: dict = {}
+
+    def placeholder(name, source):
+        ph = graph.placeholder(name)
+        ph.meta["example_value"] = source.meta.get("example_value")
+        env[source] = ph
+
+    for i, (e, _) in enumerate(plan.carries):
+        placeholder(f"carry_{i}", first.externals[e])
+    for i, e in enumerate(plan.xs):
+        placeholder(f"x_{i}", first.externals[e])
+    for i, e in enumerate(plan.invariants):
+        placeholder(f"shared_{i}", first.externals[e])
+    for n in first.nodes:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    carries = [env[first.nodes[p]] for _, p in plan.carries]
+    # torch's scan refuses outputs that may alias each other or an input (a layer's output
+    # that is both the next carry and a per-layer result): per-layer results are copies
+    # (XLA elides them).
+    ys = [graph.call_function(torch.clone, (env[first.nodes[p]],)) for p in plan.ys]
+    graph.output(carries + ys)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _fold(gm: torch.fx.GraphModule, plan: _Plan, index: int) -> dict:
+    """Rewrite the run in place; returns {erased node: its replacement} for later folds."""
+    graph = gm.graph
+    segments = plan.segments
+    first_node = segments[0].nodes[0]
+    body = _build_body(plan)
+    name = f"_fx2xla_scan_body_{index}"
+    gm.add_submodule(name, body)
+    with graph.inserting_before(first_node):
+        stacked = [
+            graph.call_function(torch.stack, ([seg.externals[e] for seg in segments], 0)) for e in plan.xs
+        ]
+        body_node = graph.get_attr(name)
+        scan = graph.call_function(
+            torch.ops.higher_order.scan,
+            (body_node, [segments[0].externals[e] for e, _ in plan.carries], stacked,
+             [segments[0].externals[e] for e in plan.invariants]),
+        )
+        outs = [graph.call_function(operator.getitem, (scan, j)) for j in range(len(plan.carries) + len(plan.ys))]
+    owner = {n for seg in segments for n in seg.nodes}
+    last = segments[-1]
+    replaced = {}
+    for c, (_, p) in enumerate(plan.carries):
+        node = last.nodes[p]
+        node.replace_all_uses_with(outs[c], delete_user_cb=lambda u: u not in owner)
+        replaced[node] = outs[c]
+    for yi, p in enumerate(plan.ys):
+        for k, seg in enumerate(segments):
+            node = seg.nodes[p]
+            users = [u for u in node.users if u not in owner]
+            if not users:
+                continue
+            with graph.inserting_after(outs[len(plan.carries) + yi]):
+                pick = graph.call_function(operator.getitem, (outs[len(plan.carries) + yi], k))
+            node.replace_all_uses_with(pick, delete_user_cb=lambda u: u not in owner and u is not pick)
+            replaced[node] = pick
+    for seg in reversed(segments):
+        for n in reversed(seg.nodes):
+            graph.erase_node(n)
+    return replaced
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    new = torch.fx.GraphModule(gm, graph)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+@register_pass("scan_folding", default=True,
+               help="fold runs of identical layers into one loop over stacked weights (see passes/scan_fold.py)")
+def scan_folding(gm: torch.fx.GraphModule, example_inputs, options) -> PassResult:
+    notes, plans = [], []
+    claimed: set = set()  # nodes of runs already folded at an outer level
+    for level in range(MAX_NESTING):
+        for prefix, node_lists, indices in _runs(gm, level, claimed):
+            where = f"{prefix}.{indices[0]}..{indices[-1]}"
+            if any(n.op in ("call_module", "get_attr") for nodes in node_lists for n in nodes):
+                notes.append(f"not folded {where}: a layer calls a submodule or reads an attribute")
+                continue
+            try:
+                plan = _plan([_segment(nodes) for nodes in node_lists])
+            except _Mismatch as e:
+                notes.append(f"not folded {where}: {e}")
+                continue
+            plans.append((where, plan))
+            claimed.update(n for nodes in node_lists for n in nodes)
+    if not plans:
+        return PassResult(gm, False, notes)
+    new = _copy(gm)
+    # Map the original nodes to the copy's by position (graph_copy keeps the order).
+    mapping = dict(zip(gm.graph.nodes, new.graph.nodes))
+    for i, (where, plan) in enumerate(plans):
+        for seg in plan.segments:
+            seg.nodes = [mapping[n] for n in seg.nodes]
+            seg.externals = [mapping[n] for n in seg.externals]
+            seg.position = {n: j for j, n in enumerate(seg.nodes)}
+        # A later run may read an earlier run's result, now produced by its loop.
+        mapping.update(_fold(new, plan, i))
+        notes.append(f"folded {where}: {len(plan.segments)} layers of {len(plan.segments[0].nodes)} "
+                     f"nodes, {len(plan.carries)} carried, {len(plan.xs)} stacked, "
+                     f"{len(plan.invariants)} shared inputs, {len(plan.ys)} per-layer outputs")
+    new.graph.lint()
+    new.recompile()
+    return PassResult(new, True, notes)
