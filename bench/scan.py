@@ -1,7 +1,8 @@
 """Scan-folding: compile time and latency of folded vs unrolled layer stacks, in one run.
 
 For GPT-2 configs (hidden 256, 4 heads) of 4, 12, 24 and 48 layers, compiled with
-backend="fx2xla" with `scan_folding` on (one loop) and off (unrolled):
+backend="fx2xla" with `scan_folding` on (one loop; `scan_min_layers` 2, so that every depth
+folds) and off (unrolled):
   backend   the backend's own compile time, FX graph in, executable out: graph passes +
             lowering to StableHLO + XLA compile (fx2xla.metrics() deltas)
   first     the end-to-end first call (Dynamo and AOTAutograd tracing included)
@@ -41,7 +42,7 @@ def measure(layers: int, fold: bool, ids, train: bool):
     model = LogitsOnly(gpt2(layers=layers))
     model.train(False)  # no dropout: training steps are deterministic and foldable
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fx2xla", fullgraph=True, options={"scan_folding": fold})
+    compiled = torch.compile(model, backend="fx2xla", fullgraph=True, options={"scan_folding": fold, "scan_min_layers": 2})
 
     def step(x):
         if not train:

@@ -31,14 +31,15 @@ class GraphPass:
     fn: Callable[..., PassResult]
     default: bool  # on unless options[name] says otherwise
     help: str
+    options: dict = field(default_factory=dict)  # its own options: name -> (default, help)
 
 
 PASSES: list[GraphPass] = []
 
 
-def register_pass(name: str, *, default: bool, help: str):
+def register_pass(name: str, *, default: bool, help: str, options: dict | None = None):
     def deco(fn):
-        PASSES.append(GraphPass(name, fn, default, help))
+        PASSES.append(GraphPass(name, fn, default, help, dict(options or {})))
         return fn
 
     return deco
@@ -75,5 +76,10 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs, options: dict, graph_na
 
 
 def pass_options() -> dict:
-    """name -> (default, help) of every registered pass, for the backend's option table."""
-    return {p.name: (p.default, p.help) for p in PASSES}
+    """name -> (default, help) of every registered pass and of its own options, for the
+    backend's option table."""
+    out = {}
+    for p in PASSES:
+        out[p.name] = (p.default, p.help)
+        out.update(p.options)
+    return out

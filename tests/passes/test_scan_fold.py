@@ -25,8 +25,9 @@ def _folds() -> int:
 
 
 def _compile(model, **options):
+    """Compiled with folding from two layers on (the default folds stacks of 8 or more)."""
     torch._dynamo.reset()
-    return torch.compile(model, backend="fx2xla", fullgraph=True, options=options or None)
+    return torch.compile(model, backend="fx2xla", fullgraph=True, options={"scan_min_layers": 2, **options})
 
 
 def _dynamo_graph(fn, *inputs):
@@ -112,6 +113,21 @@ def test_option_turns_folding_off():
     assert _folds() == before
 
 
+def test_default_folds_deep_stacks_only():
+    """Default scan_min_layers (8): a 4-layer stack stays unrolled, an 8-layer one folds."""
+    for layers, folds in ((4, 0), (8, 1)):
+        model = Stack([Block(16) for _ in range(layers)])
+        x = torch.randn(2, 16)
+        torch._dynamo.reset()
+        before = _folds()
+        with torch.no_grad():
+            out = torch.compile(model, backend="fx2xla", fullgraph=True)(x)
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+        assert _folds() == before + folds, layers
+    with pytest.raises(Exception, match="scan_min_layers=1"):  # Dynamo wraps backend errors
+        torch.compile(model, backend="fx2xla", options={"scan_min_layers": 1})(x)
+
+
 def test_pass_is_timed_in_metrics():
     with torch.no_grad():
         _compile(LogitsOnly(gpt2(layers=2)).eval())(token_ids(1, 8))
@@ -130,7 +146,7 @@ def test_per_layer_outputs_are_stacked():
     with torch.no_grad():
         expected = run(ids)
         gm, examples = _dynamo_graph(run, ids)
-        _, records = run_passes(gm, examples, {}, "test")
+        _, records = run_passes(gm, examples, {"scan_min_layers": 2}, "test")
         assert any(n.startswith("folded") and "1 per-layer outputs" in n for n in records[0].notes), records
         before = _folds()
         got = _compile(run)(ids)
@@ -171,7 +187,7 @@ class Stack(torch.nn.Module):
 
 def _notes(model, x):
     gm, examples = _dynamo_graph(model, x)
-    gm2, records = run_passes(gm, examples, {}, "test")
+    gm2, records = run_passes(gm, examples, {"scan_min_layers": 2}, "test")
     return gm2 is not gm, records[0].notes if records else []
 
 
