@@ -83,7 +83,11 @@ class CompiledGraph:
         self._import_steps = [(i, j if self._resident_positions[j] else -1, self.plans[i].kind, self.plans[i].perm)
                               for j, i in enumerate(self._tensor_positions)]
         self._specializations: dict = {}
-        self._concat_cache: dict = {}  # input positions -> (members, versions, tensor, buffer)
+        self._concat_cache: dict = {}  # input positions -> (resident epoch, tensor, buffer)
+        # Bumped whenever `_import` refreshes a resident buffer: concatenations of resident
+        # inputs stay valid while it is unchanged (no per-member check on the call path).
+        self._resident_epoch = 0
+        self._resident_args = {i for j, i in enumerate(self._tensor_positions) if self._resident_positions[j]}
         self._static: _Specialization | None = None
         counters.graphs += 1
         self.executions = 0
@@ -133,28 +137,30 @@ class CompiledGraph:
         return spec
 
     def _concat_buffers(self, groups, args) -> list:
-        """Device buffers of `torch.cat` of graph inputs (weights stacked for a folded scan),
-        rebuilt only when a member tensor changed (inference: once; training: per update)."""
+        """Device buffers of `torch.cat` of graph inputs (weights stacked for a folded scan).
+        Called after `_import`, which has checked every resident input: a concatenation of
+        resident inputs is rebuilt only when one of them changed (inference: once; training:
+        per update); one with a non-resident member, every call."""
         cache = self._concat_cache
+        epoch = self._resident_epoch
         bufs = []
         for group in groups:
-            members = [args[i] for i in group]
-            versions = [(t._version, t.data_ptr()) for t in members]
             hit = cache.get(group)
-            if hit is not None and hit[1] == versions and all(a is b for a, b in zip(hit[0], members)):
-                bufs.append(hit[3])
+            if hit is not None and hit[0] == epoch:
+                bufs.append(hit[2])
                 continue
             with torch.no_grad():
-                stacked = torch.cat(members)
+                stacked = torch.cat([args[i] for i in group])
             buf = import_tensor(stacked, self._jax_device)
-            cache[group] = (members, versions, stacked, buf)
+            valid = epoch if self._resident_args.issuperset(group) else -1
+            cache[group] = (valid, stacked, buf)
             bufs.append(buf)
         return bufs
 
     def _concat_outputs(self, spec) -> dict:
         """("concat", j) -> the torch tensor of concatenation j, for outputs that return it."""
         groups = spec.lowered.input_concats
-        return {("concat", j): self._concat_cache[groups[j]][2] for j in spec.concat_outputs}
+        return {("concat", j): self._concat_cache[groups[j]][1] for j in spec.concat_outputs}
 
     def _run(self, spec: _Specialization, args):
         paused = _pause_tracebacks()  # the hand-off's arrays need no recorded Python stack
@@ -216,6 +222,7 @@ class CompiledGraph:
                 buf = import_tensor(t.contiguous(), dev)
             if j >= 0:
                 resident[j] = (t, t._version, t.data_ptr(), buf)
+                self._resident_epoch += 1
             bufs.append(buf)
         return bufs
 

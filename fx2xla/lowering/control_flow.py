@@ -14,7 +14,7 @@ import torch.fx
 from jax import lax
 
 from .dtypes import to_jax_dtype
-from .graph import check_rules, run_nodes
+from .graph import run_nodes
 from .registry import LOWERINGS, base_key, register_lowering
 
 higher_order = torch.ops.higher_order
@@ -36,7 +36,6 @@ def _run_subgraph(ctx, gm: torch.fx.GraphModule, inputs, key, known: dict | None
     placeholders = _placeholders(gm)
     if len(placeholders) != len(inputs):
         raise ValueError(f"subgraph takes {len(placeholders)} inputs, got {len(inputs)}")
-    check_rules(gm)  # an op without a rule fails clearly (the outer graph's check stops at the HOP)
     env = {**(known or {}), **dict(zip(placeholders, inputs))}
     run_nodes(gm, gm.graph.nodes, env, ctx.sizes, key)
     return _outputs(gm, env)
