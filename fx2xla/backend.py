@@ -19,6 +19,8 @@ OPTIONS = {
     "no_recompile": (False, "compiles outside fx2xla.warmup() raise RecompileError"),
     "batch_buckets": (None, "inference with a dynamic batch dim: pad it up to these sizes (see README)"),
     "fallback": ("eager", '"eager": ops with no lowering rule run eagerly between XLA subgraphs; "error": raise'),
+    "partitioner": ("min_cut", '"min_cut": the backward recomputes cheap ops instead of saving every activation '
+                    '(fewer, smaller forward outputs; Inductor\'s choice); "default": AOTAutograd\'s save-everything split'),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -32,6 +34,8 @@ def _check_options(options: dict | None) -> dict:
     opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
     if opts["fallback"] not in ("eager", "error"):
         raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
+    if opts["partitioner"] not in ("min_cut", "default"):
+        raise ValueError(f"fx2xla: option partitioner={opts['partitioner']!r}; expected 'min_cut' or 'default'")
     return opts
 
 
@@ -140,9 +144,26 @@ def _aot_compile(gm, example_inputs, opts):
         bw_compiler=functools.partial(_compile, kind="backward", options=opts),
         inference_compiler=functools.partial(_compile, kind="inference", options=opts, made=inference_graphs),
         decompositions=decomposition_table(),
+        # Inference graphs (optimizer steps, buffer updates) write their inputs themselves:
+        # CompiledGraph swaps the new values' storage in where it can instead of copying.
+        keep_inference_input_mutations=True,
+        **partitioner_kwargs(opts["partitioner"]),
     )(gm, example_inputs)
     if len(inference_graphs) == 1:
         graph, meta = inference_graphs[0]
         if not aot_wrappers_needed(meta, len(graph.example_inputs), len(example_inputs)):
             return graph.call_unboxed
     return compiled
+
+
+
+def partitioner_kwargs(partitioner: str) -> dict:
+    """aot_autograd's `partition_fn` for the forward/backward split. The min-cut partitioner
+    lives in a private torch module; without it AOTAutograd's own default split is used."""
+    if partitioner == "min_cut":
+        try:
+            from torch._functorch.partitioners import min_cut_rematerialization_partition
+        except ImportError:
+            return {}
+        return {"partition_fn": min_cut_rematerialization_partition}
+    return {}

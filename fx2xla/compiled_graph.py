@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 import torch
 
 from . import dump
-from .lowering.graph import LoweredGraph, lower_graph
+from .lowering.graph import LoweredGraph, concat_only_inputs, input_mutations, lower_graph
 from .metrics import counters, live_graphs
 from .runtime import Device, compile_module
 from .runtime.executor import make_launcher, make_traceback_pause, optimized_hlo_text
@@ -23,7 +24,8 @@ _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
 class _Specialization:
     """One executable and the plan to call it with (one per concrete input signature)."""
 
-    __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs")
+    __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
+                 "mutations", "num_outputs")
 
     def __init__(self, exe, lowered: LoweredGraph):
         self.exe = exe
@@ -36,6 +38,61 @@ class _Specialization:
         self.concat_outputs = sorted({p.index for p in self.out_plans if p.kind == "concat"})
         # Graph inputs returned as outputs (or views of them): kept past args.clear().
         self.input_outputs = sorted({p.index for p in self.out_plans if p.kind == "input"})
+        # Inputs the graph writes: (input position, result index); their results follow the
+        # graph's own outputs, which are the first `num_outputs` results.
+        self.mutations = tuple(lowered.mutations)
+        self.num_outputs = min((r for _, r in self.mutations), default=None)
+        if self.mutations:
+            self.input_outputs = sorted(set(self.input_outputs) | {i for i, _ in self.mutations})
+
+
+def _storage_use_count_private(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # minus our storage object
+
+
+def _storage_use_count_public(t: torch.Tensor) -> int:
+    return 2  # unknown: assume shared, so the write-back copies (always correct)
+
+
+def make_storage_use_count(public: bool | None = None):
+    """`use_count(t)`: how many tensors hold `t`'s storage (torch's private counter; the public
+    fallback answers "shared"). 1 means a write-back may swap in a new storage."""
+    if public is None:
+        public = os.environ.get("FX2XLA_PUBLIC_STORAGE_COUNT", "") not in ("", "0")
+    if not public and hasattr(torch._C, "_storage_Use_Count"):
+        return _storage_use_count_private
+    return _storage_use_count_public
+
+
+_storage_use_count = make_storage_use_count()
+# Resident device buffers import a tensor's memory: id(tensor) -> [(graph, resident slot)], so
+# an input whose storage is swapped out drops the buffers that would keep the old memory
+# (entries leave with their tensor; each use re-checks the slot still holds that tensor).
+_resident_holders: dict = {}
+
+
+def install_input(dst: torch.Tensor, new: torch.Tensor) -> None:
+    """Write `new` (a fresh executable result) into graph input `dst`, as AOTAutograd's
+    write-back would. Where `dst` alone owns a dense storage of exactly its size, `new`'s
+    storage is swapped in (zero copy; `dst` stays the same tensor object, its version bumps);
+    otherwise (views, shared or strided storage, subclasses) its data is copied in."""
+    if (type(dst) in _SWAPPABLE_TYPES and dst.is_contiguous() and dst.storage_offset() == 0
+            and dst.dtype == new.dtype and dst.shape == new.shape
+            and dst.untyped_storage().nbytes() == new.untyped_storage().nbytes()
+            and _storage_use_count(dst) == 1):
+        dst.set_(new)
+        holders = _resident_holders.get(id(dst))
+        if holders:
+            for ref, slot in holders:
+                g = ref()
+                if g is not None and g._resident[slot] is not None and g._resident[slot][0] is dst:
+                    g._resident[slot] = None  # releases the old memory now
+                    g._resident_epoch += 1
+    else:
+        dst.copy_(new)
+
+
+_SWAPPABLE_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def static_input_indices(num_inputs: int) -> set[int]:
@@ -80,8 +137,13 @@ class CompiledGraph:
         self._resident_positions = [i in resident for i in self._tensor_positions]
         self._resident: list = [None] * len(self._tensor_positions)
         # Per tensor input, decided once: (arg position, resident slot or -1, plan kind, perm).
+        # Inputs only stacked in torch (per-layer weights of a folded scan) never reach the
+        # executable: resident ones are only checked for changes, which renew the stack.
+        skipped = concat_only_inputs(gm, self.example_inputs)
         self._import_steps = [(i, j if self._resident_positions[j] else -1, self.plans[i].kind, self.plans[i].perm)
-                              for j, i in enumerate(self._tensor_positions)]
+                              for j, i in enumerate(self._tensor_positions) if i not in skipped]
+        self._check_steps = [(i, j) for j, i in enumerate(self._tensor_positions)
+                             if i in skipped and self._resident_positions[j]]
         self._specializations: dict = {}
         self._concat_cache: dict = {}  # input positions -> (resident epoch, tensor, buffer)
         # Bumped whenever `_import` refreshes a resident buffer: concatenations of resident
@@ -89,12 +151,15 @@ class CompiledGraph:
         self._resident_epoch = 0
         self._resident_args = {i for j, i in enumerate(self._tensor_positions) if self._resident_positions[j]}
         self._static: _Specialization | None = None
+        self._weakself = weakref.ref(self)
         counters.graphs += 1
         self.executions = 0
         self.execute_seconds = 0.0
         self._timed = os.environ.get("FX2XLA_TIME_EXECUTE", "") not in ("", "0")  # opt-in: ~0.2 µs
         live_graphs.add(self)
-        self._buckets = BatchBuckets.find(gm, self.example_inputs, batch_buckets) if self.dynamic and batch_buckets else None
+        # (Never for graphs that write their inputs: the write would land in a padded copy.)
+        self._buckets = (BatchBuckets.find(gm, self.example_inputs, batch_buckets)
+                         if self.dynamic and batch_buckets and not input_mutations(gm) else None)
         if not self.dynamic:
             self._static = self._specialize(None)
 
@@ -184,14 +249,26 @@ class CompiledGraph:
             args.clear()  # boxed convention: drop our references to the inputs early
         if self._timed:
             return self._execute_timed(spec, bufs, held)
+        if spec.mutations:
+            return self._finish_mutating(spec, spec.launch(bufs), held)
         if spec.plain_outputs:
             return spec.launch(bufs)
         return self._wrap_outputs(spec, spec.launch(bufs), held)
 
+    def _finish_mutating(self, spec, outs, held):
+        with torch.no_grad():  # a parameter's update is no autograd op
+            for i, r in spec.mutations:
+                install_input(held[i], outs[r])
+        del outs[spec.num_outputs:]
+        return outs if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
+
     def _execute_timed(self, spec, bufs, held):
         t0 = time.perf_counter()
         outs = spec.launch(bufs)
-        results = outs if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
+        if spec.mutations:
+            results = self._finish_mutating(spec, outs, held)
+        else:
+            results = outs if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
         self.execute_seconds += time.perf_counter() - t0  # export waits for the results
         return results
 
@@ -223,8 +300,27 @@ class CompiledGraph:
             if j >= 0:
                 resident[j] = (t, t._version, t.data_ptr(), buf)
                 self._resident_epoch += 1
+                self._hold(t, j)
             bufs.append(buf)
+        for i, j in self._check_steps:
+            t, r = args[i], resident[j]
+            if r is None or r[0] is not t or r[1] != t._version or r[2] != t.data_ptr():
+                resident[j] = (t, t._version, t.data_ptr(), None)
+                self._resident_epoch += 1
         return bufs
+
+    def _hold(self, t: torch.Tensor, slot: int) -> None:
+        """Record that resident slot `slot` imports `t`'s memory (see install_input)."""
+        holders = _resident_holders.get(id(t))
+        if holders is None:
+            try:
+                weakref.finalize(t, _resident_holders.pop, id(t), None)
+            except TypeError:  # not weak-referenceable: nothing to drop later
+                return
+            holders = _resident_holders[id(t)] = []
+        entry = (self._weakself, slot)
+        if entry not in holders:
+            holders.append(entry)
 
     @staticmethod
     def _wrap_outputs(spec: _Specialization, outs, held):

@@ -267,8 +267,16 @@ def _rebuild(gm: torch.fx.GraphModule, plans: list) -> torch.fx.GraphModule:
         if node.op == "get_attr":  # Dynamo's graphs rarely hold attributes; carry them over
             _copy_attr(gm, root, node.target)
         env[node] = graph.node_copy(node, env.__getitem__)
+        if node.op == "placeholder" and hasattr(node, "_dynamo_source"):
+            # node_copy keeps meta (with Dynamo's static-input marks) but not this attribute,
+            # which AOTAutograd reads to tell parameters (kept resident) from activations.
+            env[node]._dynamo_source = node._dynamo_source
     new = torch.fx.GraphModule(root, graph)
     new.meta = dict(getattr(gm, "meta", {}))
+    if hasattr(gm, "_param_name_to_source"):
+        # With it (and the placeholders' sources) AOTAutograd knows the graph came from Dynamo
+        # and which inputs are parameters: fx2xla keeps those resident across calls.
+        new._param_name_to_source = gm._param_name_to_source
     return new
 
 

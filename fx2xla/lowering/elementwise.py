@@ -466,7 +466,10 @@ def _identity(ctx, x, **kwargs):  # memory_format: the executable's outputs are 
     return x
 
 
-@register_lowering(aten.copy.default)
+# copy_ appears only as AOTAutograd's write-back of a mutated graph input (inference graphs
+# keep input mutations in the graph): its value is the input's new contents, which lower_graph
+# hands back as an extra result for CompiledGraph to install in the input.
+@register_lowering(aten.copy.default, aten.copy_.default)
 def _copy(ctx, dst, src, non_blocking=False):
     return jnp.broadcast_to(_convert(src, ctx.out_dtype), ctx.out_shape)
 

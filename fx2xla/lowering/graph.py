@@ -98,6 +98,21 @@ class LoweredGraph:
     # before the call and passed as extra executable inputs after the graph's tensors: by
     # graph input position. The caller keeps the result while its inputs are unchanged.
     input_concats: list[tuple[int, ...]] = field(default_factory=list)
+    # Graph inputs the graph writes (AOTAutograd's `copy_(input, new)` kept in inference
+    # graphs): (graph input position, executable result index of the new contents). The
+    # results come after the graph's own outputs; CompiledGraph installs them in the inputs.
+    mutations: list[tuple[int, int]] = field(default_factory=list)
+
+
+def input_mutations(gm: torch.fx.GraphModule) -> dict:
+    """placeholder node -> the last `aten.copy_` node writing it (AOTAutograd's in-graph
+    write-back of a mutated input)."""
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "placeholder":
+            found[node.args[0]] = node
+    return found
 
 
 def dense_permutation(shape, stride) -> tuple[int, ...] | None:
@@ -176,6 +191,17 @@ def _input_concats(gm, placeholders, plans) -> list:
     return found
 
 
+def concat_only_inputs(gm: torch.fx.GraphModule, example_inputs) -> set[int]:
+    """Graph input positions read only by input concatenations (per-layer weights of a folded
+    scan, stacked in torch before the call): the executable never sees them, so they are not
+    passed to it (at depth that is hundreds of parameters fewer to lower and compile)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    concats = {node for node, _ in _input_concats(gm, placeholders, [plan_input(v) for v in example_inputs])}
+    if not concats:
+        return set()
+    return {i for i, n in enumerate(placeholders) if n.users and all(u in concats for u in n.users)}
+
+
 def check_rules(gm: torch.fx.GraphModule) -> None:
     """Raise UnsupportedOpError for the first op in the graph that has no rule."""
     for node in gm.graph.nodes:
@@ -217,9 +243,10 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
             return bindings[expr]
         return int(expr.xreplace(bindings))
 
+    skipped = concat_only_inputs(gm, example_inputs)
     avals, arg_shapes = [], []
-    for plan, ex, real in zip(plans, example_inputs, concrete_args or example_inputs):
-        if plan.kind == "symint":
+    for i, (plan, ex, real) in enumerate(zip(plans, example_inputs, concrete_args or example_inputs)):
+        if plan.kind == "symint" or i in skipped:
             continue
         shape = tuple(real.shape) if concrete_args is not None else concrete_shape(ex.shape, sizes)
         if plan.kind == "permuted":
@@ -239,14 +266,18 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_vals = list(output_node.args[0]) if isinstance(output_node.args[0], (list, tuple)) else [output_node.args[0]]
     out_plans: list[OutputPlan] = []
+    written = input_mutations(gm)
+    mutations: list[tuple[int, int]] = []
 
     def trace(*arrays):
         env: dict[torch.fx.Node, Any] = {}
         seed = arrays[-1] if needs_seed else None
         it = iter(arrays)
-        for node, plan, ex, in zip(placeholders, plans, example_inputs):
+        for i, (node, plan, ex) in enumerate(zip(placeholders, plans, example_inputs)):
             if plan.kind == "symint":
                 env[node] = sizes(ex) if isinstance(ex, torch.SymInt) else ex
+            elif i in skipped:  # read only by a concatenation bound below
+                continue
             else:
                 a = next(it)
                 if plan.kind == "permuted":
@@ -295,12 +326,17 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
                         plan = OutputPlan("tensor", index=len(results), stride=stride)
             results.append(value)
             out_plans.append(plan)
+        mutations.clear()
+        for dst, node in written.items():  # the inputs' new contents, after the outputs
+            mutations.append((placeholders.index(dst), len(results)))
+            results.append(env[node])
         return results
 
     with jax.enable_x64(True):
         lowered = jax.jit(trace, keep_unused=True).lower(*avals)
         text = lowered.as_text()
-    return LoweredGraph(text, plans, list(out_plans), arg_shapes, needs_seed, [c for _, c in concats])
+    return LoweredGraph(text, plans, list(out_plans), arg_shapes, needs_seed, [c for _, c in concats],
+                        list(mutations))
 
 
 def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed) -> dict:
