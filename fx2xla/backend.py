@@ -156,7 +156,6 @@ def _aot_compile(gm, example_inputs, opts):
     return compiled
 
 
-
 def partitioner_kwargs(partitioner: str) -> dict:
     """aot_autograd's `partition_fn` for the forward/backward split. The min-cut partitioner
     lives in a private torch module; without it AOTAutograd's own default split is used."""
