@@ -25,7 +25,7 @@ class _Specialization:
     """One executable and the plan to call it with (one per concrete input signature)."""
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
-                 "mutations", "num_outputs")
+                 "mutations", "num_outputs", "direct")
 
     def __init__(self, exe, lowered: LoweredGraph):
         self.exe = exe
@@ -44,6 +44,8 @@ class _Specialization:
         self.num_outputs = min((r for _, r in self.mutations), default=None)
         if self.mutations:
             self.input_outputs = sorted(set(self.input_outputs) | {i for i, _ in self.mutations})
+        # The executable's results are the call's results as they are.
+        self.direct = self.plain_outputs and not self.mutations
 
 
 def _storage_use_count_private(t: torch.Tensor) -> int:
@@ -65,6 +67,7 @@ def make_storage_use_count(public: bool | None = None):
 
 
 _storage_use_count = make_storage_use_count()
+_SWAPPABLE_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Resident device buffers import a tensor's memory: id(tensor) -> [(graph, resident slot)], so
 # an input whose storage is swapped out drops the buffers that would keep the old memory
 # (entries leave with their tensor; each use re-checks the slot still holds that tensor).
@@ -81,18 +84,12 @@ def install_input(dst: torch.Tensor, new: torch.Tensor) -> None:
             and dst.untyped_storage().nbytes() == new.untyped_storage().nbytes()
             and _storage_use_count(dst) == 1):
         dst.set_(new)
-        holders = _resident_holders.get(id(dst))
-        if holders:
-            for ref, slot in holders:
-                g = ref()
-                if g is not None and g._resident[slot] is not None and g._resident[slot][0] is dst:
-                    g._resident[slot] = None  # releases the old memory now
-                    g._resident_epoch += 1
+        for ref, slot in _resident_holders.get(id(dst), ()):
+            graph = ref()
+            if graph is not None:
+                graph._drop_resident(slot, dst)
     else:
         dst.copy_(new)
-
-
-_SWAPPABLE_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def static_input_indices(num_inputs: int) -> set[int]:
@@ -249,26 +246,22 @@ class CompiledGraph:
             args.clear()  # boxed convention: drop our references to the inputs early
         if self._timed:
             return self._execute_timed(spec, bufs, held)
-        if spec.mutations:
-            return self._finish_mutating(spec, spec.launch(bufs), held)
-        if spec.plain_outputs:
+        if spec.direct:
             return spec.launch(bufs)
-        return self._wrap_outputs(spec, spec.launch(bufs), held)
+        return self._finish(spec, spec.launch(bufs), held)
 
-    def _finish_mutating(self, spec, outs, held):
-        with torch.no_grad():  # a parameter's update is no autograd op
-            for i, r in spec.mutations:
-                install_input(held[i], outs[r])
-        del outs[spec.num_outputs:]
+    def _finish(self, spec, outs, held):
+        """The call's results from the executable's: written inputs installed, views rebuilt."""
+        if spec.mutations:
+            with torch.no_grad():  # a parameter's update is no autograd op
+                for i, r in spec.mutations:
+                    install_input(held[i], outs[r])
+            del outs[spec.num_outputs:]
         return outs if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
 
     def _execute_timed(self, spec, bufs, held):
         t0 = time.perf_counter()
-        outs = spec.launch(bufs)
-        if spec.mutations:
-            results = self._finish_mutating(spec, outs, held)
-        else:
-            results = outs if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
+        results = self._finish(spec, spec.launch(bufs), held)
         self.execute_seconds += time.perf_counter() - t0  # export waits for the results
         return results
 
@@ -308,6 +301,14 @@ class CompiledGraph:
                 resident[j] = (t, t._version, t.data_ptr(), None)
                 self._resident_epoch += 1
         return bufs
+
+    def _drop_resident(self, slot: int, t: torch.Tensor) -> None:
+        """Forget resident slot `slot` if it still imports `t` (whose storage was swapped out):
+        releases the old memory now rather than at the next call."""
+        r = self._resident[slot]
+        if r is not None and r[0] is t:
+            self._resident[slot] = None
+            self._resident_epoch += 1
 
     def _hold(self, t: torch.Tensor, slot: int) -> None:
         """Record that resident slot `slot` imports `t`'s memory (see install_input)."""

@@ -15,7 +15,7 @@ from jax import lax
 
 from .dtypes import to_jax_dtype
 from .graph import run_nodes
-from .registry import LOWERINGS, base_key, register_lowering
+from .registry import base_key, register_lowering
 
 higher_order = torch.ops.higher_order
 
@@ -181,20 +181,3 @@ def _while_loop(ctx, cond_fn, body_fn, carried_inputs, additional_inputs, mutate
     _, carry = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), carried))
     return list(carry)
 
-
-def _register_view_copies() -> None:
-    """Subgraph bodies come functionalized into the `*_copy` twins of view ops (permute_copy,
-    view_copy, ...): the same values as the views, so they share the views' rules. Runs after
-    the other rule modules are imported (see __init__)."""
-    for op, rule in list(LOWERINGS.items()):
-        if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
-            continue
-        try:
-            twin = getattr(getattr(torch.ops.aten, op.__name__.split(".")[0] + "_copy"), op._overloadname)
-        except (AttributeError, RuntimeError):
-            continue
-        if torch.Tag.view_copy in twin.tags and twin not in LOWERINGS:
-            LOWERINGS[twin] = rule
-
-
-_register_view_copies()

@@ -196,10 +196,14 @@ def concat_only_inputs(gm: torch.fx.GraphModule, example_inputs) -> set[int]:
     scan, stacked in torch before the call): the executable never sees them, so they are not
     passed to it (at depth that is hundreds of parameters fewer to lower and compile)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    concats = {node for node, _ in _input_concats(gm, placeholders, [plan_input(v) for v in example_inputs])}
-    if not concats:
+    return _read_only_by(placeholders, _input_concats(gm, placeholders, [plan_input(v) for v in example_inputs]))
+
+
+def _read_only_by(placeholders, concats) -> set[int]:
+    nodes = {node for node, _ in concats}
+    if not nodes:
         return set()
-    return {i for i, n in enumerate(placeholders) if n.users and all(u in concats for u in n.users)}
+    return {i for i, n in enumerate(placeholders) if n.users and all(u in nodes for u in n.users)}
 
 
 def check_rules(gm: torch.fx.GraphModule) -> None:
@@ -243,7 +247,8 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
             return bindings[expr]
         return int(expr.xreplace(bindings))
 
-    skipped = concat_only_inputs(gm, example_inputs)
+    concats = _input_concats(gm, placeholders, plans)
+    skipped = _read_only_by(placeholders, concats)  # see concat_only_inputs
     avals, arg_shapes = [], []
     for i, (plan, ex, real) in enumerate(zip(plans, example_inputs, concrete_args or example_inputs)):
         if plan.kind == "symint" or i in skipped:
@@ -255,7 +260,6 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
         avals.append(jax.ShapeDtypeStruct(shape, dtype))
         arg_shapes.append((shape, dtype))
 
-    concats = _input_concats(gm, placeholders, plans)
     for node, _ in concats:
         meta = node.meta["val"]
         avals.append(jax.ShapeDtypeStruct(tuple(meta.shape), to_jax_dtype(meta.dtype)))

@@ -72,7 +72,24 @@ def lowering_for(op) -> LoweringRule | None:
     rule = LOWERINGS.get(op)
     if rule is None and LOWERINGS_BY_NAME:
         rule = LOWERINGS_BY_NAME.get(str(op))
+    if rule is None:
+        rule = _view_copy_rule(op)
     return rule
+
+
+def _view_copy_rule(op) -> LoweringRule | None:
+    """The `*_copy` twin of a view op (permute_copy, view_copy, ...; functionalized subgraph
+    bodies use them) computes the view's values: it shares the view's rule."""
+    if not isinstance(op, torch._ops.OpOverload) or torch.Tag.view_copy not in op.tags:
+        return None
+    name = op.__name__.split(".")[0]
+    if op.namespace != "aten" or not name.endswith("_copy"):
+        return None
+    try:
+        view = getattr(getattr(torch.ops.aten, name[: -len("_copy")]), op._overloadname)
+    except (AttributeError, RuntimeError):
+        return None
+    return LOWERINGS.get(view)
 
 
 @dataclass(frozen=True)
