@@ -15,13 +15,17 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+$(VENV)/.bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
 demo: setup
 	$(PY) bench/demo.py
 
 test: setup
 	$(PY) -m pytest -q
 
-bench: setup
+bench: $(VENV)/.bench
 	$(PY) bench/inference.py
 
 clean:

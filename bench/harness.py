@@ -33,13 +33,17 @@ def interleaved_medians(contenders: dict[str, Callable], args: tuple, rounds: in
                         calls_per_round: int = 1, budget_s: float | None = None,
                         clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds per call of each contender; contenders alternate within every round so
-    machine drift hits all of them alike. `budget_s` stops early (after ≥5 rounds). `clock`:
+    machine drift hits all of them alike, and the order rotates from round to round so none
+    always runs right after another's (cache and allocator state, a neighbour's burst).
+    `budget_s` stops early (after ≥5 rounds). `clock`:
     wall time by default; `time.thread_time` counts only this thread's CPU time, which other
     processes on a loaded machine inflate far less (for single-threaded contenders)."""
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     start = time.perf_counter()
+    names = list(contenders)
     for r in range(rounds):
-        for name, fn in contenders.items():
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = contenders[name]
             t0 = clock()
             for _ in range(calls_per_round):
                 out = fn(*args)

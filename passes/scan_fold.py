@@ -9,6 +9,10 @@ higher-order op over the weights stacked with `torch.stack`. AOTAutograd then di
 the loop like any user code (its backward is another scan, gradients reach every layer's own
 weights through the stack), and the lowering turns each scan into one StableHLO `while`.
 
+Calls of a `torch.compiler.nested_compile_region` (invoke_subgraph nodes, one traced body for
+every call) are matched first and need no module numbering: a run of consecutive calls of one
+region with nothing between them folds the same way, the body inlined into the loop body.
+
 Random ops (dropout) fold too: each iteration draws its own bits (the lowering folds the
 iteration into the key), and the backward reads the masks the forward saved, as unrolled.
 
@@ -73,6 +77,65 @@ class _Mismatch(Exception):
     pass
 
 
+_INVOKE = torch.ops.higher_order.invoke_subgraph
+
+
+def _is_region_attr(node: torch.fx.Node) -> bool:
+    """A get_attr holding the body of a `torch.compiler.nested_compile_region`, read only as
+    the subgraph of invoke_subgraph calls."""
+    return node.op == "get_attr" and bool(node.users) and all(
+        u.op == "call_function" and u.target is _INVOKE and u.args[0] is node for u in node.users)
+
+
+def _region_members(node: torch.fx.Node) -> list | None:
+    """The nodes of one region call `node` (its subgraph get_attr when read by it alone, the
+    call, the getitems of its results), or None when its results are read otherwise."""
+    members = []
+    attr = node.args[0]
+    if isinstance(attr, torch.fx.Node) and _is_region_attr(attr) and len(attr.users) == 1:
+        members.append(attr)
+    members.append(node)
+    for u in node.users:
+        if not (u.op == "call_function" and u.target is operator.getitem):
+            return None
+        members.append(u)
+    return members
+
+
+def _region_runs(gm: torch.fx.GraphModule, claimed: set, min_layers: int):
+    """Maximal runs of consecutive calls of one nested_compile_region with nothing between
+    them: [(identifier, [node lists])]. Exact: every call runs the very same traced body."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    runs, current, last_end = [], [], None
+
+    def close():
+        if len(current) >= min_layers:
+            runs.append((current[0][0], [nodes for _, nodes in current]))
+
+    for node in gm.graph.nodes:
+        if not (node.op == "call_function" and node.target is _INVOKE) or node in claimed:
+            continue
+        members = _region_members(node)
+        if members is None or any(m in claimed for m in members):
+            close()
+            current, last_end = [], None
+            continue
+        members.sort(key=order.__getitem__)
+        span = [order[m] for m in members]
+        contiguous = span == list(range(span[0], span[0] + len(span)))
+        ident = node.args[1]
+        if not (contiguous and current and current[-1][0] == ident and last_end + 1 == span[0]):
+            close()
+            current = []
+        if contiguous:
+            current.append((ident, members))
+            last_end = span[-1]
+        else:
+            current, last_end = [], None
+    close()
+    return runs
+
+
 @dataclass
 class _Segment:
     nodes: list
@@ -98,6 +161,8 @@ def _segment(nodes: list) -> _Segment:
 
     def enc(a):
         if isinstance(a, torch.fx.Node):
+            if a not in position and _is_region_attr(a):  # a region body shared by the calls
+                return ("attr", a.target)
             if a in position:
                 return ("n", position[a])
             if a not in ext_index:
@@ -153,6 +218,7 @@ class _Plan:
     xs: list  # external positions whose value differs per layer (weights)
     invariants: list  # external positions shared by all layers
     ys: list  # output positions read after the loop (stacked per layer)
+    body: torch.fx.GraphModule | None = None
 
 
 def _plan(segments: list[_Segment]) -> _Plan:
@@ -167,6 +233,13 @@ def _plan(segments: list[_Segment]) -> _Plan:
                                 f"({seg.nodes[j].format_node()} vs {first.nodes[j].format_node()})")
     owner = {n: k for k, seg in enumerate(segments) for n in seg.nodes}
     carries, xs, invariants = [], [], []
+    for n in [*first.nodes, *first.externals]:
+        if isinstance(n.meta.get("example_value"), torch.SymFloat) or (n.op == "call_method" and n.target == "item"):
+            # A Python float Dynamo made dynamic (a dropout rate that changed reaches the graph
+            # as a 0-d tensor read with .item()): inside a loop body the value has no hint,
+            # and ops that branch on it (dropout's range check) cannot be traced. Unrolled, it
+            # keeps its hint.
+            raise _Mismatch(f"a layer reads a tensor's value as a Python number ({n.format_node()})")
     for e in range(len(first.externals)):
         vals = [seg.externals[e] for seg in segments]
         metas = {_node_meta(v) for v in vals[1:]} | {_node_meta(vals[0])}
@@ -199,7 +272,9 @@ def _plan(segments: list[_Segment]) -> _Plan:
     return _Plan(segments, carries, xs, invariants, sorted(ys))
 
 
-def _build_body(plan: _Plan) -> torch.fx.GraphModule:
+def _build_body(plan: _Plan, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The loop body: layer 0's nodes on placeholders (carries, per-layer inputs, shared
+    inputs), region calls inlined. Raises _Mismatch for what cannot be a scan body."""
     first = plan.segments[0]
     graph = torch.fx.Graph()
     env: dict = {}
@@ -216,7 +291,7 @@ def _build_body(plan: _Plan) -> torch.fx.GraphModule:
     for i, e in enumerate(plan.invariants):
         placeholder(f"shared_{i}", first.externals[e])
     for n in first.nodes:
-        env[n] = graph.node_copy(n, lambda a: env[a])
+        env[n] = _copy_node(graph, n, env, gm)
     carries = [env[first.nodes[p]] for _, p in plan.carries]
     # torch's scan refuses outputs that may alias each other or an input (a layer's output
     # that is both the next carry and a per-layer result): per-layer results are copies
@@ -224,6 +299,45 @@ def _build_body(plan: _Plan) -> torch.fx.GraphModule:
     ys = [graph.call_function(torch.clone, (env[first.nodes[p]],)) for p in plan.ys]
     graph.output(carries + ys)
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _attr(root: torch.nn.Module, target: str):
+    for part in target.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _inline(graph: torch.fx.Graph, sub: torch.fx.GraphModule, args: list) -> list:
+    """Copy region body `sub` into `graph` on `args`; its results, as a list of nodes/values."""
+    env: dict = {}
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(args):
+        raise _Mismatch(f"a nested_compile_region body takes {len(placeholders)} inputs, its call passes {len(args)}")
+    env.update(zip(placeholders, args))
+    for n in sub.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            out = n.args[0]
+            return [env[o] if isinstance(o, torch.fx.Node) else o
+                    for o in (out if isinstance(out, (list, tuple)) else [out])]
+        env[n] = _copy_node(graph, n, env, sub)
+    raise _Mismatch("a nested_compile_region body has no output")
+
+
+def _copy_node(graph: torch.fx.Graph, n: torch.fx.Node, env: dict, root: torch.nn.Module):
+    """`n` copied into `graph` (inputs looked up in `env`), region calls inlined: a node, a
+    list of nodes (a region call's results) or a region body (its get_attr)."""
+    if _is_region_attr(n):
+        return _attr(root, n.target)
+    if n.op == "call_function" and n.target is _INVOKE:
+        sub = env[n.args[0]] if n.args[0] in env else _attr(root, n.args[0].target)
+        return _inline(graph, sub, [env[a] if isinstance(a, torch.fx.Node) else a for a in n.args[2:]])
+    if n.op == "call_function" and n.target is operator.getitem and isinstance(env.get(n.args[0]), list):
+        return env[n.args[0]][n.args[1]]
+    if n.op in ("get_attr", "call_module"):
+        raise _Mismatch(f"a layer reads {n.op} {n.target}")
+    return graph.node_copy(n, env.__getitem__)
 
 
 def _emit_scan(graph: torch.fx.Graph, env: dict, plan: _Plan, body_name: str) -> None:
@@ -260,7 +374,7 @@ def _rebuild(gm: torch.fx.GraphModule, plans: list) -> torch.fx.GraphModule:
         if node in first_node:
             i, plan = first_node[node]
             name = f"_fx2xla_scan_body_{i}"
-            root.add_module(name, _build_body(plan))
+            root.add_module(name, plan.body)
             _emit_scan(graph, env, plan, name)
         if node in folded:
             continue
@@ -306,20 +420,30 @@ def scan_folding(gm: torch.fx.GraphModule, example_inputs, options) -> PassResul
     if min_layers < 2:
         raise ValueError(f"fx2xla: option scan_min_layers={min_layers}; expected at least 2")
     notes, plans = [], []
-    claimed: set = set()  # nodes of runs already folded at an outer level
-    for level in range(MAX_NESTING):
-        for prefix, node_lists, indices in _runs(gm, level, claimed, min_layers):
-            where = f"{prefix}.{indices[0]}..{indices[-1]}"
-            if any(n.op in ("call_module", "get_attr") for nodes in node_lists for n in nodes):
-                notes.append(f"not folded {where}: a layer calls a submodule or reads an attribute")
-                continue
-            try:
-                plan = _plan([_segment(nodes) for nodes in node_lists])
-            except _Mismatch as e:
-                notes.append(f"not folded {where}: {e}")
-                continue
-            plans.append((where, plan))
-            claimed.update(n for nodes in node_lists for n in nodes)
+    claimed: set = set()  # nodes of runs already folded (regions, then outer levels first)
+
+    def candidates():
+        # Calls of a torch.compiler.nested_compile_region first: the same traced body by
+        # construction, and found even when the region is a plain function, not a module.
+        for ident, node_lists in _region_runs(gm, claimed, min_layers):
+            yield f"nested_compile_region {ident} calls 0..{len(node_lists) - 1}", node_lists
+        for level in range(MAX_NESTING):
+            for prefix, node_lists, indices in _runs(gm, level, claimed, min_layers):
+                yield f"{prefix}.{indices[0]}..{indices[-1]}", node_lists
+
+    for where, node_lists in candidates():
+        if any(n.op == "call_module" or (n.op == "get_attr" and not _is_region_attr(n))
+               for nodes in node_lists for n in nodes):
+            notes.append(f"not folded {where}: a layer calls a submodule or reads an attribute")
+            continue
+        try:
+            plan = _plan([_segment(nodes) for nodes in node_lists])
+            plan.body = _build_body(plan, gm)
+        except _Mismatch as e:
+            notes.append(f"not folded {where}: {e}")
+            continue
+        plans.append((where, plan))
+        claimed.update(n for nodes in node_lists for n in nodes)
     if not plans:
         return PassResult(gm, False, notes)
     new = _rebuild(gm, [plan for _, plan in plans])
