@@ -32,10 +32,10 @@ from .manager import PassResult, register_pass
 
 # "L['self'].model.layers.3" or "L['self'].layers[3]": a numbered child of a container module.
 _NUMBERED = re.compile(r"^(?P<prefix>.+?)(?:\.(?P<a>\d+)|\[(?P<b>\d+)\])$")
-# Shallow stacks stay unrolled by default: on XLA:CPU a folded 4-layer GPT-2 runs 12-22%
-# slower per call than unrolled (per-iteration weight slices, no cross-layer scheduling) and
-# compiles no faster; from ~12 layers on, folding compiles 2-4x faster at about equal latency
-# (bench/scan.py). `options={"scan_min_layers": 2}` folds any run of two or more.
+# Shallow stacks stay unrolled by default: on XLA:CPU a folded 4-layer GPT-2 compiles barely
+# faster (0.83 vs 0.95 s) and each call may pay a few percent for the per-iteration copies of
+# its weight slices; from ~12 layers on, folding compiles 1.7-5x faster and the first call is
+# 1.5x shorter (bench/scan.py). `options={"scan_min_layers": 2}` folds any run of two or more.
 MIN_LAYERS = 8
 MAX_NESTING = 4  # numbered modules inside numbered modules: tried outermost first
 

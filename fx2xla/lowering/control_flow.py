@@ -182,10 +182,9 @@ def _while_loop(ctx, cond_fn, body_fn, carried_inputs, additional_inputs, mutate
     return list(carry)
 
 
-
 @register_lowering(higher_order.invoke_subgraph, subgraphs=_attr_subgraphs(0))
 def _invoke_subgraph(ctx, subgraph, identifier, *operands):
-    # torch.compiler.nested_compile_region: a region Dynamo and AOTAutograd traced once and
-    # call once per use. XLA inlines calls anyway, so the body is inlined here; runs of
-    # calls that only thread a carry are folded into one loop by the scan_folding pass.
+    # The body of a torch.compiler.nested_compile_region, traced once by Dynamo and
+    # AOTAutograd and called at each use. XLA inlines calls anyway, so it is inlined here;
+    # runs of calls that only thread a carry are folded into one loop by the scan_folding pass.
     return _run_subgraph(ctx, subgraph, list(operands), _node_key(ctx))

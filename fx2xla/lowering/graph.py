@@ -169,6 +169,70 @@ def _constant(t: torch.Tensor):
         return jnp.asarray(t.resolve_conj().numpy(), dtype=to_jax_dtype(t.dtype))
 
 
+# Input-independent values (shape-derived masks, position ids) up to this many elements are
+# computed once, in torch, when the graph is lowered, and reach XLA as literals: no kernel to
+# compile for them, no work per call. Larger ones stay computations (a literal that size
+# bloats the module text, which is also the cache key).
+CONSTANT_FOLD_MAX_ELEMENTS = 1 << 16
+_NO_FOLD = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+            torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+            torch.ops.aten.new_empty_strided.default}  # uninitialised: never worth a literal
+
+
+def _foldable_value(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        fp8 = v.dtype.is_floating_point and v.dtype.itemsize == 1  # no numpy twin
+        return (v.layout == torch.strided and v.device.type == "cpu" and not v.is_complex() and not fp8
+                and all(isinstance(d, int) for d in v.shape)
+                and math.prod(v.shape) <= CONSTANT_FOLD_MAX_ELEMENTS)
+    if isinstance(v, (tuple, list)):
+        return all(_foldable_value(x) for x in v)
+    return isinstance(v, (bool, int, float))
+
+
+def constant_values(gm: torch.fx.GraphModule) -> dict:
+    """The graph's input-independent nodes (no placeholder or attribute among their
+    ancestors, deterministic and functional ops, small static results), evaluated in torch:
+    {node: value}. An op torch cannot evaluate here is simply left to XLA."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    values: dict = {}
+    with unset_fake_temporarily(), torch.no_grad():
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target in _NO_FOLD:
+                continue
+            if not all(i in values for i in node.all_input_nodes):
+                continue
+            if node.target not in PYTHON_OPS:
+                rule = lowering_for(node.target)
+                schema = getattr(node.target, "_schema", None)
+                if rule is None or rule.random or rule.subgraphs is not None or schema is None or schema.is_mutable:
+                    continue
+            if "val" not in node.meta or not _foldable_value(node.meta["val"]):
+                continue
+            args = torch.fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
+            try:
+                value = node.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - XLA computes it instead
+                continue
+            if _foldable_value(value):
+                values[node] = value
+    return values
+
+
+def _bind_constants(values: dict, env: dict) -> None:
+    """Bind folded nodes in `env`: as jax literals where a node outside the folded set (or the
+    output) reads them, as the torch value otherwise (read by nothing run_nodes evaluates)."""
+    for node, value in values.items():
+        if any(u not in values for u in node.users):
+            env[node] = (_constant(value) if isinstance(value, torch.Tensor)
+                         else type(value)(_constant(v) if isinstance(v, torch.Tensor) else v for v in value)
+                         if isinstance(value, (tuple, list)) else value)
+        else:
+            env[node] = value
+
+
 def _input_concats(gm, placeholders, plans) -> list:
     """(cat node, graph input positions) for each `aten.cat(inputs, 0)` whose operands are all
     dense graph inputs of one shape and dtype (weights stacked by scan-folding): computing it in
@@ -267,6 +331,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
     if needs_seed:
         avals.append(jax.ShapeDtypeStruct((), np.int64))
 
+    constants = constant_values(gm)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_vals = list(output_node.args[0]) if isinstance(output_node.args[0], (list, tuple)) else [output_node.args[0]]
     out_plans: list[OutputPlan] = []
@@ -289,6 +354,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
                 env[node] = a
         for node, _ in concats:
             env[node] = next(it)
+        _bind_constants(constants, env)
         run_nodes(gm, gm.graph.nodes, env, sizes, seed)
         results = []
         out_plans.clear()
