@@ -41,10 +41,13 @@ def _masked_scores(n):
 def test_small_input_independent_values_become_literals(dump_dir):
     f = _masked_scores(16)
     x = torch.randn(2, 16, 16)
-    got, pos = _compile(f)(x)
+    compiled = _compile(f)
+    got, pos = compiled(x)
     want, want_pos = f(x)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(pos, want_pos) and pos.dtype == torch.int64
+    pos.add_(1)  # a literal output is the caller's own tensor: writing it changes no later call
+    assert torch.equal(compiled(x)[1], want_pos)
     text = _module(dump_dir)
     assert "stablehlo.iota" not in text, "the mask / position ids were not folded"
     assert re.search(r"stablehlo\.constant dense<.*> : tensor<16x16xi1>", text)
