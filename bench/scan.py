@@ -9,8 +9,9 @@ folds) and off (unrolled):
             (compile figures are medians of --repeats fresh compiles, default 3)
   frontend  first - backend - one steady call: Dynamo + AOTAutograd tracing
   region    the first call again, folded, with the GPT-2 block marked as a
-            `torch.compiler.nested_compile_region`: Dynamo and AOTAutograd then trace the block
-            once instead of once per layer, and the pass folds the region's calls
+            `torch.compiler.nested_compile_region`: AOTAutograd then traces the block once
+            instead of once per layer (Dynamo still steps through every call), and the pass
+            folds the region's calls
   latency   steady-state median per call, folded and unrolled interleaved in rounds (the
             order alternates between rounds)
 The disk cache is off, so every compile is real. With matplotlib installed (`make bench`
