@@ -34,7 +34,7 @@ from .manager import PassResult, register_pass
 _NUMBERED = re.compile(r"^(?P<prefix>.+?)(?:\.(?P<a>\d+)|\[(?P<b>\d+)\])$")
 # Shallow stacks stay unrolled by default: on XLA:CPU a folded 4-layer GPT-2 compiles barely
 # faster (0.83 vs 0.95 s) and each call may pay a few percent for the per-iteration copies of
-# its weight slices; from ~12 layers on, folding compiles 1.7-5x faster and the first call is
+# its weight slices; from ~12 layers on, folding compiles 1.8-6x faster and the first call is
 # 1.5x shorter (bench/scan.py). `options={"scan_min_layers": 2}` folds any run of two or more.
 MIN_LAYERS = 8
 MAX_NESTING = 4  # numbered modules inside numbered modules: tried outermost first
