@@ -118,7 +118,7 @@ def _region_runs(gm: torch.fx.GraphModule, claimed: set, min_layers: int):
         members = _region_members(node)
         if members is None or any(m in claimed for m in members):
             close()
-            current, last_end = [], None
+            current = []
             continue
         members.sort(key=order.__getitem__)
         span = [order[m] for m in members]
@@ -127,11 +127,9 @@ def _region_runs(gm: torch.fx.GraphModule, claimed: set, min_layers: int):
         if not (contiguous and current and current[-1][0] == ident and last_end + 1 == span[0]):
             close()
             current = []
-        if contiguous:
+        if contiguous:  # (a call whose nodes are interleaved with others starts no run)
             current.append((ident, members))
             last_end = span[-1]
-        else:
-            current, last_end = [], None
     close()
     return runs
 

@@ -225,12 +225,15 @@ def _bind_constants(values: dict, env: dict) -> None:
     """Bind folded nodes in `env`: as jax literals where a node outside the folded set (or the
     output) reads them, as the torch value otherwise (read by nothing run_nodes evaluates)."""
     for node, value in values.items():
-        if any(u not in values for u in node.users):
-            env[node] = (_constant(value) if isinstance(value, torch.Tensor)
-                         else type(value)(_constant(v) if isinstance(v, torch.Tensor) else v for v in value)
-                         if isinstance(value, (tuple, list)) else value)
-        else:
-            env[node] = value
+        env[node] = _literal(value) if any(u not in values for u in node.users) else value
+
+
+def _literal(value):
+    if isinstance(value, torch.Tensor):
+        return _constant(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_literal(v) for v in value)
+    return value
 
 
 def _input_concats(gm, placeholders, plans) -> list:
