@@ -5,7 +5,9 @@
 Prints a table of medians and ratios (÷ eager, ÷ Inductor), the first call of each compiler
 (Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR), and fx2xla's per-call overhead on a
 tiny graph next to eager, Inductor, Dynamo's own floor and a raw PJRT execute of the same
-executable; writes raw numbers to bench/results/inference.json.
+executable; writes raw numbers to bench/results/inference.json. The cost of the run-time index
+checks (options={"check_indices": True}, the default) is the column `chk`: fx2xla with checks
+÷ fx2xla without, both timed in the same rounds (and on a tiny embedding lookup, per call).
 """
 from __future__ import annotations
 
@@ -59,6 +61,17 @@ def per_call_overhead(rounds: int) -> dict:
         med["fx2xla_overhead_over_raw"] = med["fx2xla"] - med["raw_pjrt_execute"]
         med["fx2xla_overhead_over_dynamo_floor"] = med["fx2xla"] - med["dynamo_floor"]
         res[clock_name] = med
+    # The index checks' per-call cost: one 8-id embedding lookup, checked and unchecked.
+    table, ids = torch.randn(100, 16), torch.randint(0, 100, (8,))
+
+    def lookup(i):
+        return torch.nn.functional.embedding(i, table)
+
+    checked = torch.compile(lookup, backend="fx2xla", fullgraph=True)
+    unchecked = torch.compile(lookup, backend="fx2xla", fullgraph=True, options={"check_indices": False})
+    checked(ids), unchecked(ids)
+    res["embedding_lookup"] = interleaved_medians({"eager": lookup, "fx2xla": checked, "fx2xla_unchecked": unchecked},
+                                                  (ids,), rounds=rounds, calls_per_round=2000)
     return res
 
 
@@ -76,13 +89,16 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
         res["max_abs_err"] = float((out.float() - ref.float()).abs().max())
         inductor = torch.compile(model, fullgraph=True)
         res["inductor_first_call_s"] = timed_call(inductor, args)
-        med = interleaved_medians({"eager": model, "inductor": inductor, "fx2xla": compiled}, args,
-                                  rounds=rounds, budget_s=60)
+        unchecked = torch.compile(model, backend="fx2xla", fullgraph=True, options={"check_indices": False})
+        unchecked(*args)
+        med = interleaved_medians({"eager": model, "inductor": inductor, "fx2xla": compiled,
+                                   "fx2xla_unchecked": unchecked}, args, rounds=rounds, budget_s=60)
     res.update({f"{k}_s": v for k, v in med.items()})
     res["fx2xla_vs_eager"] = med["fx2xla"] / med["eager"]
     res["fx2xla_vs_inductor"] = med["fx2xla"] / med["inductor"]
     res["inductor_vs_eager"] = med["inductor"] / med["eager"]
     res["first_call_vs_inductor"] = res["fx2xla_first_call_s"] / res["inductor_first_call_s"]
+    res["index_checks_cost"] = med["fx2xla"] / med["fx2xla_unchecked"]
     return res
 
 
@@ -103,7 +119,10 @@ def main() -> None:
         print("\nper-call overhead, 4-element graph x*2+1 (median per call; wall, and this thread's CPU time):")
         for k in o["wall"]:
             print(f"  {k:34s} {fmt_time(o['wall'][k])} {fmt_time(o['cpu'][k])}")
-    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s}"
+        e = o["embedding_lookup"]
+        print(f"  8-id embedding lookup: eager {fmt_time(e['eager'])}, fx2xla {fmt_time(e['fx2xla'])}, "
+              f"unchecked {fmt_time(e['fx2xla_unchecked'])} (checks: +{(e['fx2xla'] - e['fx2xla_unchecked']) * 1e6:.1f} us)")
+    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s}"
     print(header)
     for dt_name in a.dtypes.split(","):
         dtype = getattr(torch, dt_name)
@@ -120,7 +139,8 @@ def main() -> None:
             results["models"][key] = r
             print(f"{key:12s} {fmt_time(r['eager_s'])} {fmt_time(r['inductor_s'])} {fmt_time(r['fx2xla_s'])} "
                   f"{r['fx2xla_vs_eager']:9.2f} {r['fx2xla_vs_inductor']:7.2f} {r['inductor_vs_eager']:9.2f} "
-                  f"{fmt_time(r['fx2xla_first_call_s'])} {fmt_time(r['inductor_first_call_s'])} {r['max_abs_err']:9.2e}")
+                  f"{fmt_time(r['fx2xla_first_call_s'])} {fmt_time(r['inductor_first_call_s'])} {r['max_abs_err']:9.2e} "
+                  f"{r['index_checks_cost']:5.2f}")
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")
 

@@ -2,9 +2,11 @@
 
     compiled = torch.compile(model, backend="fx2xla")   # registered by entry point
 """
+from .errors import Fx2XlaError, IndexOutOfRangeError, InvalidInputError
 from .metrics import metrics, metrics_report
 from .scan import scan, scan_layers
 from .serving import RecompileError, TensorSpec, no_recompile, warmup
 
 __version__ = "0.1.0"
-__all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError", "__version__"]
+__all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError",
+           "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "__version__"]

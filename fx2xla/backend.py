@@ -19,6 +19,9 @@ OPTIONS = {
     "no_recompile": (False, "compiles outside fx2xla.warmup() raise RecompileError"),
     "batch_buckets": (None, "inference with a dynamic batch dim: pad it up to these sizes (see README)"),
     "fallback": ("eager", '"eager": ops with no lowering rule run eagerly between XLA subgraphs; "error": raise'),
+    "check_indices": (True, "check index values at run time (embedding, gather, scatter, x[i], ...): an "
+                      "out-of-range index raises IndexOutOfRangeError as eager raises; False skips the checks, "
+                      "and such an index then reads a clamped element or drops a scatter update"),
     "partitioner": ("min_cut", '"min_cut": the backward recomputes cheap ops instead of saving every activation '
                     '(fewer, smaller forward outputs; Inductor\'s choice); "default": AOTAutograd\'s save-everything split'),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
@@ -95,15 +98,45 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
             gm,
             lambda sub, examples, sub_name: CompiledGraph(
                 sub, examples, device, f"{name}_{sub_name}", resident_inputs=set(range(len(examples))),
-                no_recompile=bool(options["no_recompile"]),
+                no_recompile=bool(options["no_recompile"]), check_indices=bool(options["check_indices"]),
             ),
         )
     buckets = options["batch_buckets"] if kind == "inference" else None  # never pad training
     compiled = CompiledGraph(gm, example_inputs, device, name, no_recompile=bool(options["no_recompile"]),
-                             batch_buckets=tuple(buckets) if buckets else None)
+                             batch_buckets=tuple(buckets) if buckets else None,
+                             check_indices=bool(options["check_indices"]))
     if made is not None:
         made.append((compiled, _fw_metadata()))
     return compiled
+
+
+# Dynamo frame id (one per Python function) -> the input signatures compiled for it, so a
+# forbidden recompile can say which input changed how.
+_compiled_signatures: dict = {}
+
+
+def _input_name(node: torch.fx.Node) -> str:
+    """The user's name of a Dynamo graph input (`L['x']`, `L['self'].fc.weight`), else the node's."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    try:
+        name = name() if callable(name) else name
+    except Exception:  # noqa: BLE001  (a source that cannot name itself)
+        name = None
+    return name if isinstance(name, str) else node.name
+
+
+def _check_recompile(gm, example_inputs, opts, name: str) -> None:
+    """Raise RecompileError (naming what changed) if this compile is forbidden; else note it."""
+    from .serving import InputSignature, check_compile_allowed, compile_allowed, signature_change
+
+    cid = torch._guards.CompileContext.current_compile_id()
+    seen = _compiled_signatures.setdefault(getattr(cid, "frame_id", None), [])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    signature = tuple(InputSignature.of(_input_name(n), v) for n, v in zip(placeholders, example_inputs))
+    if not compile_allowed(bool(opts["no_recompile"])):
+        check_compile_allowed(f"graph {name}", bool(opts["no_recompile"]), signature_change(seen, signature))
+    seen.append(signature)
 
 
 def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None):
@@ -112,14 +145,16 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
 
     opts = _check_options(options)
     name = _graph_name("dynamo")
+    _check_recompile(gm, example_inputs, opts, name)
     passed, records = run_passes(gm, example_inputs, opts, name)
     if passed is not gm:
         try:
             compiled = _aot_compile(passed, example_inputs, opts)
         except Exception as e:  # noqa: BLE001  a pass produced a graph we cannot compile
+            from .errors import InvalidInputError
             from .serving import RecompileError
 
-            if isinstance(e, RecompileError):
+            if isinstance(e, (RecompileError, InvalidInputError)):  # the inputs', not the pass's
                 raise
             changed = ", ".join(r.name for r in records if r.changed)
             warnings.warn(f"fx2xla: graph {name} after pass(es) {changed} failed to compile "

@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from . import dump
+from .errors import IndexOutOfRangeError
 from .lowering.graph import LoweredGraph, concat_only_inputs, input_mutations, lower_graph
 from .metrics import counters, live_graphs
 from .runtime import Device, compile_module
@@ -25,9 +26,9 @@ class _Specialization:
     """One executable and the plan to call it with (one per concrete input signature)."""
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
-                 "mutations", "num_outputs", "direct")
+                 "mutations", "num_outputs", "checks", "raise_failed", "direct")
 
-    def __init__(self, exe, lowered: LoweredGraph):
+    def __init__(self, exe, lowered: LoweredGraph, platform: str = "cpu"):
         self.exe = exe
         self.launch = make_launcher(exe)  # bufs -> every output as a torch tensor
         self.lowered = lowered
@@ -44,8 +45,36 @@ class _Specialization:
         self.num_outputs = min((r for _, r in self.mutations), default=None)
         if self.mutations:
             self.input_outputs = sorted(set(self.input_outputs) | {i for i, _ in self.mutations})
+        # Index checks: the last result is their int32 verdict (see lowering/checks.py).
+        self.checks = lowered.checks
+        self.raise_failed = make_check_raiser(platform) if self.checks else None
         # The executable's results are the call's results as they are.
-        self.direct = self.plain_outputs and not self.mutations
+        self.direct = self.plain_outputs and not self.mutations and not self.checks
+
+
+def _raise_failed_now(code: torch.Tensor, records) -> None:
+    failed = int(code)
+    if failed:
+        raise IndexOutOfRangeError(records[failed - 1].message)
+
+
+def _assert_async_private(code: torch.Tensor, records) -> None:
+    # Enqueued on the tensor's stream: the call stays asynchronous, and a failure surfaces at
+    # the next synchronisation, like the device-side asserts of eager CUDA's index kernels.
+    torch._assert_async(code == 0, "fx2xla: an index was out of range: " +
+                        " | ".join(r.message.splitlines()[0] for r in records))
+
+
+def make_check_raiser(platform: str, public: bool | None = None):
+    """`raise_failed(code, records)` for one call's index-check verdict. CPU: read it now (the
+    results are ready: their export waited for them) and raise IndexOutOfRangeError naming the
+    op. Accelerators: torch's private `_assert_async`, so no host sync per call; public
+    fallback (`FX2XLA_PUBLIC_CHECKS=1`, or no such function): read it now, a host sync."""
+    if public is None:
+        public = os.environ.get("FX2XLA_PUBLIC_CHECKS", "") not in ("", "0")
+    if platform == "cpu" or public or not hasattr(torch, "_assert_async"):
+        return _raise_failed_now
+    return _assert_async_private
 
 
 def _storage_use_count_private(t: torch.Tensor) -> int:
@@ -110,7 +139,7 @@ class CompiledGraph:
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str,
                  resident_inputs: set[int] | None = None, no_recompile: bool = False,
-                 batch_buckets: tuple[int, ...] | None = None):
+                 batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True):
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -120,6 +149,7 @@ class CompiledGraph:
         self.gm = gm
         self.name = name
         self.no_recompile = no_recompile
+        self.check_indices = check_indices
         self.device = device
         self._jax_device = device.jax_device
         self.example_inputs = list(example_inputs)
@@ -165,17 +195,27 @@ class CompiledGraph:
         from .serving import check_compile_allowed
 
         if args is not None:  # a new concrete shape of a dynamic graph
+            from .serving import InputSignature, signature_change
+
+            names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+            def signature(key):  # a _signature() key: shapes of tensors, values of sizes
+                return tuple(InputSignature(name, s, ex.dtype) if isinstance(s, tuple) else InputSignature(name, None, None)
+                             for name, s, ex in zip(names, key, self.example_inputs))
+
             shapes = ", ".join(str(list(a.shape)) for a in args if isinstance(a, torch.Tensor))
-            check_compile_allowed(f"graph {self.name} for input shapes {shapes}", self.no_recompile)
+            seen = [signature(key) for key in self._specializations]
+            check_compile_allowed(f"graph {self.name} for input shapes {shapes}", self.no_recompile,
+                                  signature_change(seen, signature(self._signature(args))) if seen else "")
         t0 = time.perf_counter()
-        lowered = lower_graph(self.gm, self.example_inputs, args)
+        lowered = lower_graph(self.gm, self.example_inputs, args, check_indices=self.check_indices)
         t1 = time.perf_counter()
         exe = compile_module(lowered.module_text, self.device)
         counters.lower_seconds += t1 - t0
         counters.specializations += 1
         suffix = "" if args is None else "_" + "_".join("x".join(map(str, s)) for s, _ in lowered.arg_shapes)[:80]
         dump.write_graph(self.name + suffix, self.gm, lowered.module_text, lambda: optimized_hlo_text(exe))
-        return _Specialization(exe, lowered)
+        return _Specialization(exe, lowered, self.device.platform)
 
     def _signature(self, args):
         return tuple(
@@ -251,7 +291,10 @@ class CompiledGraph:
         return self._finish(spec, spec.launch(bufs), held)
 
     def _finish(self, spec, outs, held):
-        """The call's results from the executable's: written inputs installed, views rebuilt."""
+        """The call's results from the executable's: index checks read (a failure raises before
+        any input is written), written inputs installed, views rebuilt."""
+        if spec.checks:
+            spec.raise_failed(outs.pop(), spec.checks)
         if spec.mutations:
             with torch.no_grad():  # a parameter's update is no autograd op
                 for i, r in spec.mutations:

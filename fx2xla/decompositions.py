@@ -21,7 +21,32 @@ def decomposition_table() -> dict:
     table = dict(core_aten_decompositions())
     table.update(foreach_decompositions())
     table[aten.linalg__powsum.default] = _powsum
+    table[aten.index_add.default] = functools.partial(_checked_index_add, table[aten.index_add.default])
+    table[aten.take.default] = _take
     return table
+
+
+def _take(x, index):
+    """x.flatten()[index]. torch's decomposition indexes with `index` as it is, which for a 0-d
+    index means a Python-int index (a data-dependent `item()` no static shape survives); a 1-d
+    view of it is advanced indexing at every rank, bounds-checked like eager's take."""
+    return x.reshape(-1)[index.reshape(-1)].reshape(index.shape)
+
+
+def _checked_index_add(decomposition, x, dim, index, source, *, alpha=1):
+    """Eager's shape check of index_add, which the core decomposition (an index_put that
+    broadcasts `source`) would skip: a wrongly shaped source is an error, not a broadcast."""
+    from .errors import InvalidInputError
+
+    if x.dim() > 0 and source.dim() > 0:
+        d = dim % x.dim()
+        same = source.dim() == x.dim() and all(x.shape[i] == source.shape[i] for i in range(x.dim()) if i != d)
+        if not same or source.shape[d] != index.numel():
+            raise InvalidInputError(
+                "aten.index_add", "source tensor shape must match self tensor shape, excluding the specified "
+                f"dimension, and have index.numel() = {index.numel()} there. Got self.shape = {list(x.shape)} "
+                f"source.shape = {list(source.shape)} (dim {dim}); eager rejects it too")
+    return decomposition(x, dim, index, source, alpha=alpha)
 
 
 def _powsum(x, ord=2, dim=None, keepdim=False, *, dtype=None):

@@ -43,8 +43,67 @@ def user_source_line(node) -> str:
     return lines[-1].strip()
 
 
-class Fx2XlaError(RuntimeError):
-    """Base class for fx2xla errors."""
+def passthrough_base(public: bool | None = None) -> type:
+    """The base class of fx2xla's errors. Dynamo wraps whatever a backend raises while compiling
+    in BackendCompilerFailed, except subclasses of its private `ShortenTraceback` (a
+    RuntimeError), which reach the user as themselves: `except fx2xla.RecompileError` then works.
+    Public fallback (absent class, or FX2XLA_PUBLIC_ERRORS=1): RuntimeError, which Dynamo wraps
+    (the fx2xla error is then the wrapper's `inner_exception`)."""
+    import os
+
+    if public is None:
+        public = os.environ.get("FX2XLA_PUBLIC_ERRORS", "") not in ("", "0")
+    if not public:
+        try:
+            from torch._dynamo.exc import ShortenTraceback
+
+            return ShortenTraceback
+        except ImportError:
+            pass
+    return RuntimeError
+
+
+_Base = passthrough_base()
+
+
+class Fx2XlaError(_Base):
+    """Base class for fx2xla errors (a RuntimeError)."""
+
+    def __init__(self, *args):
+        if _Base is RuntimeError:
+            super().__init__(*args)
+        else:  # ShortenTraceback's own argument: no frame to cut the traceback at
+            super().__init__(*args, first_useful_frame=None)
+
+
+class InvalidInputError(Fx2XlaError):
+    """An input eager PyTorch rejects (e.g. `mm` of int64 by float32), found while compiling:
+    a RuntimeError like eager's, naming the op, the inputs and the user's source line."""
+
+    def __init__(self, node, message: str):
+        """`node`: the FX node whose op rejects its inputs, or the op's name where no node is at
+        hand (a decomposition checking its arguments while AOTAutograd traces)."""
+        import torch.fx
+
+        if isinstance(node, torch.fx.Node):
+            self.op, self.node = node.target, node
+            super().__init__(f"fx2xla: {op_name(node)}: {message}\n  inputs: {describe_node_inputs(node)}\n"
+                             f"  at {user_source_line(node)}")
+        else:
+            self.op, self.node = node, None
+            super().__init__(f"fx2xla: {node}: {message}")
+
+
+class IndexOutOfRangeError(Fx2XlaError, IndexError):
+    """An index out of range, found when the compiled graph ran. Both an IndexError and a
+    RuntimeError: eager raises one or the other depending on the op (embedding and x[i]:
+    IndexError; gather and scatter: RuntimeError), and either `except` catches this."""
+
+
+def op_name(node) -> str:
+    """The op the user called: the ATen op before decomposition where AOTAutograd recorded it
+    (`index_add` rather than the `index_put` it became), else the node's own target."""
+    return str(node.meta.get("original_aten") or node.target)
 
 
 class UnsupportedOpError(Fx2XlaError):

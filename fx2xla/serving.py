@@ -53,16 +53,73 @@ def no_recompile():
         _state.forbidden -= 1
 
 
-def check_compile_allowed(what: str, option_no_recompile: bool = False) -> None:
-    """Raise RecompileError if compiling `what` is forbidden here (called on every compile)."""
-    if _state.warming_up:
+def compile_allowed(option_no_recompile: bool = False) -> bool:
+    return bool(_state.warming_up) or not (_state.forbidden or option_no_recompile)
+
+
+def check_compile_allowed(what: str, option_no_recompile: bool = False, changed: str = "") -> None:
+    """Raise RecompileError if compiling `what` is forbidden here (called on every compile).
+    `changed` says what differs from the signatures compiled before (see `signature_change`)."""
+    if compile_allowed(option_no_recompile):
         return
-    if _state.forbidden or option_no_recompile:
-        where = "inside fx2xla.no_recompile()" if _state.forbidden else 'with options={"no_recompile": True}'
-        raise RecompileError(
-            f"fx2xla: compile of {what} requested {where}, after warm-up. Add this input "
-            "signature to fx2xla.warmup(...) or allow recompilation."
-        )
+    where = "inside fx2xla.no_recompile()" if _state.forbidden else 'with options={"no_recompile": True}'
+    raise RecompileError(
+        f"fx2xla: compile of {what} requested {where}, after warm-up"
+        + (f": {changed}" if changed else "") + ". Add this input signature to "
+        "fx2xla.warmup(...) or allow recompilation."
+    )
+
+
+def _concrete(size):
+    """A size as the int it is in this call (a symbolic size's hint), or its symbol's name."""
+    if isinstance(size, torch.SymInt):
+        hint = getattr(size.node, "hint", None)
+        return int(hint) if hint is not None else str(size)
+    return int(size)
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """What a compile specialises on, for one input: its name, shape and dtype (None: a size)."""
+
+    name: str
+    shape: tuple | None
+    dtype: torch.dtype | None
+
+    @classmethod
+    def of(cls, name: str, value) -> "InputSignature":
+        if isinstance(value, torch.Tensor):
+            return cls(name, tuple(_concrete(s) for s in value.shape), value.dtype)
+        return cls(name, None, None)
+
+    def describe(self) -> str:
+        if self.dtype is None:
+            return "a size"
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+def signature_change(seen: list, new: tuple) -> str:
+    """What tells `new` (a tuple of InputSignature) from the closest signature in `seen`:
+    'input x: dtype float32 -> float64' (or 'a new function, never compiled before')."""
+    if not seen:
+        return "a function or graph never compiled before"
+    def diffs(old):
+        before = {o.name: o for o in old if o.dtype is not None}
+        out = [f"new input {n.name} ({n.describe()})" for n in new if n.dtype is not None and n.name not in before]
+        for n in new:
+            o = before.get(n.name)
+            if o is None or n.dtype is None:
+                continue
+            if o.dtype != n.dtype:
+                out.append(f"input {n.name}: dtype {str(o.dtype).removeprefix('torch.')} -> "
+                           f"{str(n.dtype).removeprefix('torch.')}")
+            elif o.shape != n.shape:
+                out.append(f"input {n.name}: shape {o.describe()} -> {n.describe()}")
+        return out or ["the same input signature (something else the guards check changed: a "
+                       "Python value, a module attribute, grad mode...)"]
+
+    best = min((diffs(old) for old in seen), key=len)
+    return ", ".join(best[:4]) + (f" and {len(best) - 4} more" if len(best) > 4 else "")
 
 
 def _as_call(item):

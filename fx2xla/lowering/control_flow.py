@@ -13,6 +13,7 @@ import torch
 import torch.fx
 from jax import lax
 
+from .checks import CODE_DTYPE
 from .dtypes import to_jax_dtype
 from .graph import run_nodes
 from .registry import base_key, register_lowering
@@ -30,15 +31,31 @@ def _outputs(gm: torch.fx.GraphModule, env: dict) -> list:
     return [env[o] if isinstance(o, torch.fx.Node) else o for o in out]
 
 
-def _run_subgraph(ctx, gm: torch.fx.GraphModule, inputs, key, known: dict | None = None):
+def _run_subgraph(ctx, gm: torch.fx.GraphModule, inputs, key, known: dict | None = None, checks=None):
     """Evaluate `gm` on `inputs` (bound to its placeholders in order); its outputs as a list.
-    `known`: values of nodes computed already (hoisted out of a loop), not evaluated again."""
+    `known`: values of nodes computed already (hoisted out of a loop), not evaluated again.
+    `checks`: the RuntimeChecks of the level `gm` is traced at (None: no checks)."""
     placeholders = _placeholders(gm)
     if len(placeholders) != len(inputs):
         raise ValueError(f"subgraph takes {len(placeholders)} inputs, got {len(inputs)}")
     env = {**(known or {}), **dict(zip(placeholders, inputs))}
-    run_nodes(gm, gm.graph.nodes, env, ctx.sizes, key)
+    run_nodes(gm, gm.graph.nodes, env, ctx.sizes, key, checks)
     return _outputs(gm, env)
+
+
+def _nested(ctx):
+    """A check collector for a body traced inside a loop or branch, or None (checks off)."""
+    return ctx.checks.nested() if ctx.checks is not None else None
+
+
+def _merge_code(code, inner):
+    """`code` (a carried int32: the first failure so far) updated with `inner`'s checks."""
+    body = inner.code() if inner is not None else None
+    return code if body is None else lax.select(code != 0, code, body)
+
+
+def _no_failure():
+    return jnp.zeros((), CODE_DTYPE)
 
 
 def _hoist_invariants(ctx, body: torch.fx.GraphModule, invariant_inputs: dict, key) -> dict:
@@ -63,7 +80,7 @@ def _hoist_invariants(ctx, body: torch.fx.GraphModule, invariant_inputs: dict, k
             hoisted.append(n)
     env = dict(invariant_inputs)
     if hoisted:
-        run_nodes(body, hoisted, env, ctx.sizes, key)
+        run_nodes(body, hoisted, env, ctx.sizes, key, ctx.checks)  # outside the loop
     return env
 
 
@@ -112,13 +129,19 @@ def _scan(ctx, body, init, xs, additional_inputs):
     placeholders = _placeholders(body)
     known = _hoist_invariants(ctx, body, dict(zip(placeholders[len(placeholders) - len(extra):], extra)), None)
 
-    def step(carry, x):
+    def step(state, x):
+        carry, code = state
         i, x = x
         body_key = None if key is None else jax.random.fold_in(key, i)
-        outs = _run_subgraph(ctx, body, [*carry, *x, *extra], body_key, known)
-        return [_like(o, c) for o, c in zip(outs[:n_carry], carry)], outs[n_carry:]
+        inner = _nested(ctx)
+        outs = _run_subgraph(ctx, body, [*carry, *x, *extra], body_key, known, inner)
+        new = [_like(o, c) for o, c in zip(outs[:n_carry], carry)]
+        return (new, _merge_code(code, inner)), outs[n_carry:]
 
-    carry, ys = lax.scan(step, init, (jnp.arange(length, dtype=jnp.int32), xs), length=length, reverse=reverse)
+    (carry, code), ys = lax.scan(step, (init, _no_failure()), (jnp.arange(length, dtype=jnp.int32), xs),
+                                 length=length, reverse=reverse)
+    if ctx.checks is not None:
+        ctx.checks.add_code(code)
     if reverse:  # torch's ys are in scan order: flipped (a flip of them back then cancels out)
         ys = [lax.rev(y, (0,)) for y in ys]
     return [*carry, *ys]
@@ -149,14 +172,19 @@ def _cond(ctx, pred, true_fn, false_fn, operands):
     def branch(gm, which):
         def run(ops):
             k = None if key is None else jax.random.fold_in(key, which)
-            outs = _run_subgraph(ctx, gm, list(ops), k)
+            inner = _nested(ctx)
+            outs = _run_subgraph(ctx, gm, list(ops), k, checks=inner)
             # Both branches must return identically typed values: torch's meta decides.
-            return [lax.convert_element_type(jnp.asarray(o), to_jax_dtype(m.dtype))
+            outs = [lax.convert_element_type(jnp.asarray(o), to_jax_dtype(m.dtype))
                     if isinstance(m, torch.Tensor) else o for o, m in zip(outs, meta)]
+            return [*outs, _merge_code(_no_failure(), inner)]
         return run
 
     pred = jnp.asarray(pred).astype(jnp.bool_).reshape(())
-    return list(lax.cond(pred, branch(true_fn, 1), branch(false_fn, 0), operands))
+    *outs, code = lax.cond(pred, branch(true_fn, 1), branch(false_fn, 0), operands)
+    if ctx.checks is not None:
+        ctx.checks.add_code(code)
+    return outs
 
 
 @register_lowering(higher_order.while_loop, subgraphs=_attr_subgraphs(0, 1))
@@ -166,19 +194,27 @@ def _while_loop(ctx, cond_fn, body_fn, carried_inputs, additional_inputs, mutate
     carried, extra = list(carried_inputs), list(additional_inputs)
     key = _node_key(ctx)
 
-    def cond(state):
-        i, carry = state
+    def predicate(i, carry, checks):
         k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 0), i)
-        (pred,) = _run_subgraph(ctx, cond_fn, [*carry, *extra], k)
+        (pred,) = _run_subgraph(ctx, cond_fn, [*carry, *extra], k, checks=checks)
         return jnp.asarray(pred).astype(jnp.bool_).reshape(())
 
-    def body(state):
-        i, carry = state
-        k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 1), i)
-        outs = _run_subgraph(ctx, body_fn, [*carry, *extra], k)
-        return i + 1, [_like(o, c) for o, c in zip(outs, carry)]
+    def cond(state):
+        i, carry, _ = state
+        return predicate(i, carry, None)  # its checks run in the body and after the loop
 
-    _, carry = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), carried))
+    def body(state):
+        i, carry, code = state
+        inner = _nested(ctx)
+        predicate(i, carry, inner)
+        k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 1), i)
+        outs = _run_subgraph(ctx, body_fn, [*carry, *extra], k, checks=inner)
+        return i + 1, [_like(o, c) for o, c in zip(outs, carry)], _merge_code(code, inner)
+
+    i, carry, code = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), carried, _no_failure()))
+    if ctx.checks is not None:
+        predicate(i, carry, ctx.checks)  # the last evaluation, which ended the loop
+        ctx.checks.add_code(code)
     return list(carry)
 
 
@@ -187,4 +223,4 @@ def _invoke_subgraph(ctx, subgraph, identifier, *operands):
     # The body of a torch.compiler.nested_compile_region, traced once by Dynamo and
     # AOTAutograd and called at each use. XLA inlines calls anyway, so it is inlined here;
     # runs of calls that only thread a carry are folded into one loop by the scan_folding pass.
-    return _run_subgraph(ctx, subgraph, list(operands), _node_key(ctx))
+    return _run_subgraph(ctx, subgraph, list(operands), _node_key(ctx), checks=ctx.checks)

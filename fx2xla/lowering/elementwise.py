@@ -253,7 +253,7 @@ _POW_SPECIAL = {
 
 @register_lowering(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar, promote="out", broadcast=True)
 def _pow(ctx, a, b):
-    if _is_float(ctx.out_dtype):
+    if _is_float(ctx.out_dtype) or jnp.issubdtype(ctx.out_dtype, jnp.complexfloating):
         exp = ctx.node.args[1] if ctx.node.target == aten.pow.Tensor_Scalar else None
         if isinstance(exp, (int, float)) and not isinstance(exp, bool) and exp in _POW_SPECIAL:
             return _POW_SPECIAL[exp](_opmath(a))
@@ -319,8 +319,40 @@ def _neg(ctx, x):
 
 
 @register_lowering(aten.abs.default)
-def _abs(ctx, x):
-    return lax.abs(x) if _is_float(x.dtype) or jnp.issubdtype(x.dtype, jnp.signedinteger) else x  # bool, unsigned
+def _abs(ctx, x):  # complex: the magnitude (a real dtype); bool and unsigned: unchanged
+    signed = _is_float(x.dtype) or jnp.iscomplexobj(x) or jnp.issubdtype(x.dtype, jnp.signedinteger)
+    return lax.abs(x) if signed else x
+
+
+@register_lowering(aten.angle.default, promote=None)
+def _angle(ctx, x):
+    """The phase: atan2(imag, real) for complex; for real x, pi below 0, 0 at or above, NaN
+    kept (torch's real angle), in torch's float output dtype."""
+    if jnp.iscomplexobj(x):
+        return lax.atan2(lax.imag(x), lax.real(x))
+    x = _opmath(lax.convert_element_type(x, ctx.out_dtype))
+    zero = jnp.zeros((), x.dtype)
+    return jnp.where(x < zero, jnp.asarray(math.pi, x.dtype), jnp.where(x != x, x, zero))
+
+
+@register_lowering(aten._conj.default, aten._conj_physical.default, aten.conj_physical.default)
+def _conj(ctx, x):
+    return lax.conj(x) if jnp.iscomplexobj(x) else x
+
+
+@register_lowering(aten.view_as_real.default)
+def _view_as_real(ctx, x):
+    return jnp.stack([lax.real(x), lax.imag(x)], axis=-1)
+
+
+@register_lowering(aten.view_as_complex.default)
+def _view_as_complex(ctx, x):
+    return lax.complex(x[..., 0], x[..., 1])
+
+
+@register_lowering(aten.ldexp.Tensor, promote="out", broadcast=True)
+def _ldexp(ctx, x, e):  # x * 2**e, computed as torch's decomposition does
+    return lax.mul(x, lax.pow(jnp.asarray(2, x.dtype), e))
 
 
 @register_lowering(aten.sign.default)
@@ -449,8 +481,11 @@ def _clamp(ctx, x, min=None, max=None):  # noqa: A002 (aten's argument names)
 
 
 def _convert(x, dtype):
-    """Cast like torch: float -> narrow integer goes through int64 (wrapping, not saturating)."""
+    """Cast like torch: float -> narrow integer goes through int64 (wrapping, not saturating);
+    complex -> real keeps the real part (torch warns that it discards the imaginary one)."""
     dtype = np.dtype(dtype)
+    if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        x = lax.real(x)
     if _is_float(x.dtype) and jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize < 8:
         x = lax.convert_element_type(x, jnp.int64)
     return lax.convert_element_type(x, dtype)  # float -> int truncates; -> bool is x != 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,9 +13,10 @@ import numpy as np
 import torch
 import torch.fx
 
-from ..errors import LoweringError, UnsupportedOpError
+from ..errors import InvalidInputError, LoweringError, UnsupportedOpError
 from .dtypes import to_jax_dtype
-from .registry import LoweringContext, concrete_shape, is_array, lowering_for, prepare_args
+from .checks import RuntimeChecks
+from .registry import LoweringContext, RejectedInput, complex_to_real, concrete_shape, is_array, lowering_for, prepare_args
 
 # Python-level callables that appear in graphs on sizes (SymInt arithmetic) or tuples; they
 # run directly on the concrete values the trace sees.
@@ -102,6 +104,9 @@ class LoweredGraph:
     # graphs): (graph input position, executable result index of the new contents). The
     # results come after the graph's own outputs; CompiledGraph installs them in the inputs.
     mutations: list[tuple[int, int]] = field(default_factory=list)
+    # Run-time index checks (checks.CheckRecord): the executable's LAST result is an int32
+    # code, 0 when all passed, else 1 + the position of the first failed check here.
+    checks: tuple = ()
 
 
 def input_mutations(gm: torch.fx.GraphModule) -> dict:
@@ -284,11 +289,13 @@ def check_rules(gm: torch.fx.GraphModule) -> None:
                 check_rules(sub)  # ops inside loop bodies too
 
 
-def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) -> LoweredGraph:
+def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None,
+                check_indices: bool = True) -> LoweredGraph:
     """Trace `gm` into StableHLO.
 
     example_inputs: FakeTensors / SymInts of the graph's placeholders (their shapes may be
     symbolic); concrete_args: the actual call's values, which fix every symbolic size.
+    check_indices: lower run-time checks of index values (see checks.py).
     """
     check_rules(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -340,6 +347,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
     out_plans: list[OutputPlan] = []
     written = input_mutations(gm)
     mutations: list[tuple[int, int]] = []
+    check_records: list = []
 
     def trace(*arrays):
         env: dict[torch.fx.Node, Any] = {}
@@ -358,7 +366,8 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
         for node, _ in concats:
             env[node] = next(it)
         _bind_constants(constants, env)
-        run_nodes(gm, gm.graph.nodes, env, sizes, seed)
+        checks = RuntimeChecks() if check_indices else None
+        run_nodes(gm, gm.graph.nodes, env, sizes, seed, checks)
         results = []
         out_plans.clear()
         tensor_inputs = {n: i for n, p, i in zip(placeholders, plans, range(len(plans))) if p.kind != "symint"}
@@ -403,20 +412,28 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs, concrete_args=None) ->
         for dst, node in written.items():  # the inputs' new contents, after the outputs
             mutations.append((placeholders.index(dst), len(results)))
             results.append(env[node])
+        check_records.clear()
+        code = checks.code() if checks is not None and checks.records else None
+        if code is not None:  # last: the index checks' verdict
+            check_records.extend(checks.records)
+            results.append(code)
         return results
 
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), warnings.catch_warnings():
+        # A complex value silently cast to real is a wrong answer, never a warning for users.
+        warnings.simplefilter("error", np.exceptions.ComplexWarning)
         lowered = jax.jit(trace, keep_unused=True).lower(*avals)
         text = lowered.as_text()
     return LoweredGraph(text, plans, list(out_plans), arg_shapes, needs_seed, [c for _, c in concats],
-                        list(mutations))
+                        list(mutations), tuple(check_records))
 
 
-def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed) -> dict:
+def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=None) -> dict:
     """Evaluate `nodes` (call_function / get_attr nodes of `gm`, in order) with their rules, on
     the traced jax values in `env` (updated and returned). Placeholders and the output node are
     skipped: the caller binds the first and reads the second. `seed` is the per-call int64 seed
-    or a PRNG key (inside loop bodies: a key folded with the iteration), or None."""
+    or a PRNG key (inside loop bodies: a key folded with the iteration), or None. `checks`: the
+    RuntimeChecks of this trace level, where rules record index checks (None: no checks)."""
     for index, node in enumerate(nodes):
         if node.op in ("placeholder", "output") or node in env:  # bound by the caller
             continue
@@ -436,13 +453,15 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed) -> dict:
         if rule is None:
             raise UnsupportedOpError(node)
         ctx = LoweringContext(node, sizes, seed if (rule.random or rule.subgraphs) else None, index, gm,
-                              env if rule.subgraphs else None)
+                              env if rule.subgraphs else None, checks)
         try:
             args, kwargs = prepare_args(rule, ctx, list(args), dict(kwargs))
             out = rule.fn(ctx, *args, **kwargs)
             env[node] = _check_result(ctx, out)
-        except (LoweringError, UnsupportedOpError):
+        except (LoweringError, UnsupportedOpError, InvalidInputError):
             raise
+        except RejectedInput as e:  # eager rejects these inputs: the user's error, not a rule's
+            raise InvalidInputError(node, str(e)) from None
         except Exception as e:  # a rule bug or an unsupported argument combination
             raise LoweringError(node, e) from e
     return env
@@ -478,5 +497,6 @@ def _fix(ctx, value, meta):
         raise ValueError(f"rule produced shape {tuple(value.shape)}, torch expects {shape}")
     dtype = to_jax_dtype(meta.dtype)
     if value.dtype != dtype:
+        complex_to_real(value, dtype)
         value = jax.lax.convert_element_type(value, dtype)
     return value

@@ -1,17 +1,20 @@
 """Lowering rules: indexing — advanced indexing, gathers, scatters, embeddings.
 
 Negative indices wrap like torch's (jnp's indexing normalises them). Out-of-range indices,
-which torch rejects at run time, are clamped by gathers and dropped by scatters instead.
+which torch rejects at run time and XLA would clamp (gathers) or drop (scatters), are checked
+at run time (`ctx.check_index`, see checks.py) by every op eager checks; `_unsafe_index*`,
+which torch's own decompositions emit with indices known to be in range, are not.
 Boolean-mask indexing that selects elements has a data-dependent shape and is rejected;
 `nonzero` is not registered for the same reason.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
+import torch
 from jax import lax
 from torch.ops import aten
 
-from .registry import register_lowering
+from .registry import RejectedInput, register_lowering
 from .shape import canonical_dim
 
 
@@ -33,6 +36,25 @@ def _index_tuple(indices) -> tuple:
     return tuple(slice(None) if i is None else i for i in indices)
 
 
+_UNCHECKED = {aten._unsafe_index.Tensor, aten._unsafe_index.Tensor_hacked_twin,
+              aten._unsafe_index_put.default, aten._unsafe_index_put.hacked_twin}
+
+
+# Ops that decompose to index_put but, unlike x[i] = v, reject negative indices in eager.
+_NONNEGATIVE_ORIGINS = {"index_add", "index_add_", "index_copy", "index_copy_"}
+
+
+def _check_indices(ctx, x, indices) -> None:
+    """torch's advanced indexing: index k addresses dim k and may be negative down to -size."""
+    if ctx.node.target in _UNCHECKED:
+        return
+    origin = ctx.node.meta.get("original_aten")
+    negative = getattr(origin, "__name__", "").split(".")[0] not in _NONNEGATIVE_ORIGINS
+    for d, index in enumerate(indices):
+        if index is not None:
+            ctx.check_index(index, x.shape[d], negative=negative, dim=d)
+
+
 @register_lowering(
     aten.index.Tensor, aten.index.Tensor_hacked_twin,
     aten._unsafe_index.Tensor, aten._unsafe_index.Tensor_hacked_twin,
@@ -40,6 +62,7 @@ def _index_tuple(indices) -> tuple:
 def _index(ctx, x, indices):
     if any(_is_mask(i) for i in indices):
         raise _mask_error("indexing")
+    _check_indices(ctx, x, indices)
     return x[_index_tuple(indices)]
 
 
@@ -51,6 +74,7 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     values = values.astype(x.dtype)
     if any(_is_mask(i) for i in indices):
         return _masked_put(x, indices, values, accumulate)
+    _check_indices(ctx, x, indices)
     ref = x.at[_index_tuple(indices)]
     if not accumulate:
         return ref.set(values)  # duplicate indices: unspecified winner, as in torch
@@ -85,8 +109,9 @@ def _masked_put(x, indices, values, accumulate):
 @register_lowering(aten.index_select.default)
 def _index_select(ctx, x, dim, index):
     dim = canonical_dim(dim, x.ndim)
-    if x.ndim == 0:
-        return x[jnp.reshape(index, ())]
+    ctx.check_index(index, x.shape[dim] if x.ndim else 1, negative=False, dim=dim)
+    if x.ndim == 0:  # the only valid index is 0: the value, in the index's shape
+        return jnp.reshape(jnp.broadcast_to(x, (index.size,)), ctx.out_shape)
     return x[(slice(None),) * dim + (jnp.reshape(index, (-1,)),)]
 
 
@@ -106,9 +131,16 @@ def _leading_block(src, shape):
 
 @register_lowering(aten.gather.default)
 def _gather(ctx, x, dim, index, sparse_grad=False):
+    _check_dim_index(ctx, x, dim, index)
     if x.ndim == 0:
         return lax.reshape(x, index.shape)  # the only valid index of a 0-d tensor is 0
     return x[_coordinates(index, canonical_dim(dim, x.ndim))]
+
+
+def _check_dim_index(ctx, x, dim, index) -> None:
+    """gather/scatter: every index addresses `dim` of `x`, from 0 (no negative indices)."""
+    dim = canonical_dim(dim, x.ndim)
+    ctx.check_index(index, x.shape[dim] if x.ndim else 1, negative=False, dim=dim)
 
 
 def _scatter_target(x, dim, index):
@@ -119,11 +151,13 @@ def _scatter_target(x, dim, index):
 
 @register_lowering(aten.scatter.src)
 def _scatter_src(ctx, x, dim, index, src):
+    _check_dim_index(ctx, x, dim, index)
     return _scatter_target(x, dim, index).set(_leading_block(src, index.shape).astype(x.dtype))
 
 
 @register_lowering(aten.scatter.value)
 def _scatter_value(ctx, x, dim, index, value):
+    _check_dim_index(ctx, x, dim, index)
     return _scatter_target(x, dim, index).set(jnp.asarray(value, x.dtype))
 
 
@@ -151,6 +185,7 @@ def _reduction_identity(reduce: str, dtype):
 def _scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
     if reduce not in ("sum", "prod", "mean", "amax", "amin"):
         raise ValueError(f"unknown scatter_reduce reduction {reduce!r}")
+    _check_dim_index(ctx, x, dim, index)
     src = _leading_block(src, index.shape).astype(x.dtype)
     if not include_self:
         # torch first overwrites every target with the reduction's identity.
@@ -176,6 +211,7 @@ def _scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
 
 @register_lowering(aten.embedding.default)
 def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    ctx.check_index(indices, weight.shape[0], negative=False, what="embedding index")
     return weight[indices]
 
 
@@ -201,10 +237,16 @@ def _embedding_dense_backward(ctx, grad, indices, num_weights, padding_idx, scal
 def _masked_scatter(ctx, x, mask, source):
     """Selected positions take source's elements in order: the k-th True (row-major) reads
     source.flatten()[k], found with a running count of the mask."""
+    if ctx.arg_meta(1).dtype != torch.bool:
+        raise RejectedInput(f"masked_scatter_ only supports boolean masks, but got mask with dtype "
+                            f"{str(ctx.arg_meta(1).dtype).removeprefix('torch.')}")
     shape = ctx.out_shape
     flat_x = jnp.reshape(jnp.broadcast_to(x, shape), (-1,))
     flat_mask = jnp.reshape(jnp.broadcast_to(mask.astype(jnp.bool_), shape), (-1,))
     flat_src = jnp.reshape(source, (-1,)).astype(x.dtype)
+    selected = jnp.sum(flat_mask.astype(jnp.int64))
+    ctx.check(selected > flat_src.shape[0],
+              f"the mask selects more elements than source has ({flat_src.shape[0]})")
     if flat_src.shape[0] == 0 or flat_x.shape[0] == 0:
         return jnp.reshape(flat_x, shape)  # torch requires an all-False mask here
     position = jnp.cumsum(flat_mask.astype(jnp.int64)) - 1

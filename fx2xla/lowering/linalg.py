@@ -15,7 +15,7 @@ from jax import lax
 
 from torch.ops import aten
 
-from .registry import concrete_shape, register_lowering
+from .registry import RejectedInput, concrete_shape, register_lowering
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -59,8 +59,18 @@ def _is_transposed(ctx, i: int) -> bool:
     return True
 
 
+def _same_dtypes(ctx, *positions) -> None:
+    """Eager's CPU and CUDA matmul kernels refuse operands of different dtypes (an int64 input
+    into a float32 Linear); torch's fake kernels for mm/addmm do not check, so the rule does."""
+    dtypes = [ctx.arg_meta(i).dtype for i in positions]
+    if len(set(dtypes)) > 1:
+        raise RejectedInput("expected m1 and m2 to have the same dtype, but got: "
+                            + " != ".join(str(d).removeprefix("torch.") for d in dtypes))
+
+
 def _matmul(ctx, a, b, lhs: int, rhs: int):
     """a @ b over the last two dims (leading dims batched); args `lhs`/`rhs` of the node."""
+    _same_dtypes(ctx, lhs, rhs)
     n = a.ndim
     ca, cb = n - 1, n - 2
     if _is_transposed(ctx, lhs):  # a = X^T: contract X's row dim instead
@@ -78,6 +88,7 @@ def _mm(ctx, a, b):
 
 @register_lowering(aten.addmm.default)
 def _addmm(ctx, bias, a, b, *, beta=1, alpha=1):
+    _same_dtypes(ctx, 0, 1, 2)
     out = _scaled(_matmul(ctx, a, b, 1, 2), alpha)
     if beta == 0:  # torch ignores `self` entirely (NaN/inf in it do not propagate)
         return out

@@ -790,6 +790,7 @@ def _embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode
     bag = (jnp.searchsorted(offsets[:num_bags], jnp.arange(n, dtype=offsets.dtype), side="right")
            - 1).astype(idx_dtype)
     keep = indices != padding_idx if padding_idx is not None and padding_idx >= 0 else jnp.ones((n,), bool)
+    ctx.check_index(indices, weight.shape[0], negative=False, what="embedding_bag index")
     rows = jnp.take(_opmath(weight), indices, axis=0, mode="clip")
     if per_sample_weights is not None:
         rows = rows * _opmath(per_sample_weights)[:, None]

@@ -34,8 +34,11 @@ def _axes(x, dim, empty_means_all: bool = True) -> tuple[int, ...]:
 
 def _accumulate(ctx, x):
     """`x` cast to the output dtype (torch applies `dtype=` before reducing), then to float32
-    if that is bf16/f16."""
+    if that is bf16/f16. A complex `x` whose reduction is real (var, norm) stays complex at the
+    output's precision: the rule takes its magnitude itself."""
     dtype = ctx.out_dtype
+    if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        dtype = jnp.result_type(dtype, jnp.complex64)
     x = lax.convert_element_type(x, dtype)
     return lax.convert_element_type(x, _F32) if dtype in _REDUCED else x
 
@@ -67,7 +70,8 @@ def _variance(ctx, x, dim, correction, keepdim):
     n = _count(x, axes)
     mean = lax.div(jnp.sum(xa, axis=axes, keepdims=True), jnp.asarray(n, xa.dtype))
     d = lax.sub(xa, mean)
-    ss = jnp.sum(lax.mul(d, d), axis=axes, keepdims=keepdim)
+    sq = lax.mul(d, d) if not jnp.iscomplexobj(d) else lax.add(lax.square(lax.real(d)), lax.square(lax.imag(d)))
+    ss = jnp.sum(sq, axis=axes, keepdims=keepdim)  # complex: the mean of |x - mean|^2
     # torch divides by max(N - correction, 0): inf or NaN when there are too few elements.
     denom = max(n - (1 if correction is None else correction), 0)
     return lax.div(ss, jnp.asarray(denom, ss.dtype))
@@ -193,11 +197,24 @@ def _cumprod(ctx, x, dim, dtype=None):
     return xa if axis is None else lax.cumprod(xa, axis=axis)
 
 
+def _log_add_exp_complex(a, b):
+    """log(exp(a) + exp(b)) for complex a, b, as torch's kernel computes it: factored by the
+    operand with the larger real part; an operand whose real part is -inf adds nothing."""
+    a_big = lax.real(a) >= lax.real(b)
+    hi, lo = jnp.where(a_big, a, b), jnp.where(a_big, b, a)
+    summed = hi + jnp.log1p(jnp.exp(lo - hi))
+    return jnp.where(jnp.isneginf(lax.real(lo)), hi, summed)
+
+
 @register_lowering(aten.logcumsumexp.default)
 def _logcumsumexp(ctx, x, dim):
     xa = _accumulate(ctx, x)
     axis = _scan_axis(xa, dim)
-    return xa if axis is None else lax.cumlogsumexp(xa, axis=axis)
+    if axis is None:
+        return xa
+    if jnp.iscomplexobj(xa):  # cumlogsumexp's max-based rescaling is for real inputs only
+        return lax.associative_scan(_log_add_exp_complex, xa, axis=axis)
+    return lax.cumlogsumexp(xa, axis=axis)
 
 
 def _cum_extreme(x, dim, largest):

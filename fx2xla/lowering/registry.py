@@ -23,6 +23,19 @@ from .dtypes import to_jax_dtype
 PROMOTIONS = (None, "out", "common")
 
 
+class RejectedInput(Exception):
+    """Raised by a rule for inputs eager PyTorch rejects (its message says why, in eager's
+    words); the lowering turns it into fx2xla.InvalidInputError naming the op and source line."""
+
+
+def complex_to_real(x, dtype):
+    """Refuse to drop an imaginary part silently (jax would, with only a ComplexWarning): a
+    rule that lets a complex value reach a real dtype has a bug, which must fail loudly."""
+    if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(f"complex value {x.dtype} would be cast to real {np.dtype(dtype)} "
+                        "(a lowering rule bug: use lax.real/lax.abs explicitly)")
+
+
 @dataclass(frozen=True)
 class LoweringRule:
     fn: Callable
@@ -130,6 +143,37 @@ class LoweringContext:
     index: int = 0
     gm: Any = None  # the GraphModule holding the node (rules with subgraphs read them from it)
     values: Any = None  # node -> traced value of the nodes lowered so far (peephole rules)
+    # The run-time checks of the computation being traced (checks.RuntimeChecks), or None
+    # when checks are off (options={"check_indices": False}).
+    checks: Any = None
+
+    def check_index(self, index, size: int, *, negative: bool, dim: int | None = None,
+                    what: str = "index") -> None:
+        """Record a run-time check that every element of `index` lies in [0, size), or in
+        [-size, size) when `negative` (torch wraps negative indices there). A failure raises
+        fx2xla.IndexOutOfRangeError when the graph runs, as eager raises for that input."""
+        if self.checks is None:
+            return
+        from .checks import out_of_range
+
+        low = -int(size) if negative else 0
+        failed = out_of_range(index, low, int(size))
+        if failed is not None:
+            where = f" for dimension {dim} of size {size}" if dim is not None else f" (size {size})"
+            self.check(failed, f"{what} out of range: every {what} must lie in [{low}, {size}){where}")
+
+    def check(self, failed, message: str) -> None:
+        """Record a run-time check: `failed` (a traced boolean scalar) True raises
+        fx2xla.IndexOutOfRangeError with `message`, the op, its inputs and the source line."""
+        if self.checks is None:
+            return
+        from ..errors import describe_node_inputs, op_name, user_source_line
+        from .checks import CheckRecord
+
+        text = (f"fx2xla: {op_name(self.node)}: {message}\n  inputs: {describe_node_inputs(self.node)}\n"
+                f"  at {user_source_line(self.node)}\n"
+                "  (eager PyTorch rejects this input too; options={'check_indices': False} skips the check)")
+        self.checks.add(CheckRecord(text), failed)
 
     def rng_key(self):
         """A PRNG key for this node: the per-call seed (drawn from torch's default generator,
@@ -213,6 +257,7 @@ def _common_dtype(ctx: LoweringContext) -> np.dtype:
 
 def _cast(x, dtype):
     if is_array(x):
+        complex_to_real(x, dtype)
         return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
     if isinstance(x, (bool, int)) and jnp.issubdtype(dtype, jnp.integer):
         # C-style wrap like torch (u8 > -1 compares with 255), not numpy's OverflowError

@@ -259,3 +259,17 @@ def _sym_stride(ctx, x, dim):
 @register_lowering(aten.sym_storage_offset.default)
 def _sym_storage_offset(ctx, x):
     return _meta_int(ctx, ctx.arg_meta(0).storage_offset())
+
+
+@register_lowering(aten.unfold.default)
+def _unfold(ctx, x, dim, size, step):
+    """Windows of `size` every `step` along `dim`: dim becomes the window count, and a new
+    last dim holds each window (a gather of row indices i * step + j)."""
+    if x.ndim == 0:
+        return jnp.reshape(x, ctx.out_shape)
+    dim = canonical_dim(dim, x.ndim)
+    n = ctx.out_shape[dim]
+    rows = (jnp.arange(n) * step)[:, None] + jnp.arange(size)[None, :]
+    windows = jnp.take(x, jnp.reshape(rows, (-1,)), axis=dim)
+    windows = jnp.reshape(windows, x.shape[:dim] + (n, size) + x.shape[dim + 1:])
+    return jnp.moveaxis(windows, dim + 1, -1)

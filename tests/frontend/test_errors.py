@@ -67,3 +67,32 @@ def test_bad_pjrt_device_is_rejected(monkeypatch):
     compiled = torch.compile(lambda x: x + 1, backend="fx2xla")
     with pytest.raises(Exception, match="PJRT_DEVICE='QPU'"):
         compiled(torch.randn(2))
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", [(torch.int64, torch.float32), (torch.float64, torch.float32),
+                                             (torch.float16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_mixed_dtype_matmuls_raise_like_eager(a_dtype, b_dtype):
+    """Eager's matmul kernels refuse mixed dtypes (an int64 batch into a float32 Linear); so
+    does fx2xla, with a RuntimeError naming the op, both dtypes and the source line."""
+    a = torch.ones(2, 4).to(a_dtype)
+    w = torch.ones(3, 4).to(b_dtype)
+    bias = torch.ones(3).to(b_dtype)
+    for fn in (lambda a, w: a @ w.t(), lambda a, w: torch.nn.functional.linear(a, w),
+               lambda a, w: torch.nn.functional.linear(a, w, bias),
+               lambda a, w: torch.nn.functional.linear(a.unsqueeze(0), w)):
+        with pytest.raises(RuntimeError, match="same dtype"):
+            fn(a, w)
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError) as info:
+            torch.compile(fn, backend="fx2xla", fullgraph=True)(a, w)
+        msg = str(info.value)
+        assert type(info.value).__name__ == "InvalidInputError", msg
+        assert "expected m1 and m2 to have the same dtype" in msg
+        assert str(a_dtype).removeprefix("torch.") in msg and str(b_dtype).removeprefix("torch.") in msg
+        assert "test_errors.py" in msg
+
+
+def test_int64_input_into_linear_module_raises():
+    layer = torch.nn.Linear(4, 2)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.compile(layer, backend="fx2xla")(torch.arange(8).reshape(2, 4))

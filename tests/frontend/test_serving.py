@@ -27,7 +27,7 @@ def test_warmup_then_no_recompile():
             for s in shapes:  # warmed-up shapes run, and match eager
                 ids = torch.randint(0, 50, s)
                 torch.testing.assert_close(compiled(ids), model(ids))
-            with pytest.raises(Exception, match="after warm-up") as info:
+            with pytest.raises(fx2xla.RecompileError, match="after warm-up") as info:
                 compiled(torch.randint(0, 50, (3, 5)))
             assert "[3, 5]" in str(info.value)
         compiled(torch.randint(0, 50, (3, 5)))  # outside the region it compiles again
@@ -35,13 +35,67 @@ def test_warmup_then_no_recompile():
 
 def test_no_recompile_option_allows_only_warmup():
     compiled = torch.compile(lambda x: x.cumsum(0) * 2, backend="fx2xla", options={"no_recompile": True})
-    with pytest.raises(Exception, match="no_recompile"):
+    with pytest.raises(fx2xla.RecompileError, match="no_recompile"):
         compiled(torch.randn(4))
     fx2xla.warmup(compiled, [torch.randn(4), (torch.randn(6),), torch.Size([9])], progress=False)
     x = torch.randn(6)
     torch.testing.assert_close(compiled(x), x.cumsum(0) * 2)
-    with pytest.raises(Exception, match="no_recompile"):
+    with pytest.raises(fx2xla.RecompileError, match="no_recompile"):
         compiled(torch.randn(7))
+
+
+def test_recompile_error_is_itself_and_names_what_changed():
+    """`except fx2xla.RecompileError` catches it (not Dynamo's BackendCompilerFailed), and the
+    message names the input and how it changed: dtype, shape, or a new input."""
+    model = torch.nn.Linear(8, 4)
+    compiled = torch.compile(model, backend="fx2xla", options={"no_recompile": True})
+    fx2xla.warmup(compiled, [torch.randn(2, 8)], progress=False)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+    with pytest.raises(fx2xla.RecompileError) as info:
+        compiled(torch.randn(2, 8, dtype=torch.float64))
+    assert type(info.value) is fx2xla.RecompileError
+    assert "dtype float32 -> float64" in str(info.value) and "L['args'][0]" in str(info.value)
+    with pytest.raises(fx2xla.RecompileError, match=r"shape float32\[2, 8\] -> float32\[3, 8\]"):
+        compiled(torch.randn(3, 8))
+
+
+def test_recompile_error_of_a_dynamic_graph_names_the_shape():
+    compiled = torch.compile(lambda x: x * 2, backend="fx2xla", dynamic=True)
+    compiled(torch.randn(3))
+    with fx2xla.no_recompile(), pytest.raises(fx2xla.RecompileError, match=r"float32\[3\] -> float32\[5\]"):
+        compiled(torch.randn(5))
+
+
+_PUBLIC_ERRORS = """
+import torch, fx2xla
+from torch._dynamo.exc import BackendCompilerFailed
+c = torch.compile(lambda x: x + 1, backend="fx2xla", options={"no_recompile": True})
+try:
+    c(torch.randn(2))
+except BackendCompilerFailed as e:
+    assert isinstance(e.inner_exception, fx2xla.RecompileError), type(e.inner_exception)
+    print("wrapped", type(e.inner_exception).__name__)
+"""
+
+
+def test_errors_private_and_public_paths():
+    """Private path (default): fx2xla's errors derive from Dynamo's pass-through base and reach
+    the user unwrapped. Public fallback (FX2XLA_PUBLIC_ERRORS=1): plain RuntimeErrors, which
+    Dynamo wraps; the fx2xla error is then the wrapper's inner_exception."""
+    import os
+    import subprocess
+    import sys
+
+    from fx2xla.errors import passthrough_base
+
+    assert passthrough_base(public=True) is RuntimeError
+    assert issubclass(passthrough_base(public=False), RuntimeError)
+    assert issubclass(fx2xla.RecompileError, passthrough_base(public=False))
+    env = {**os.environ, "FX2XLA_PUBLIC_ERRORS": "1"}
+    out = subprocess.run([sys.executable, "-c", _PUBLIC_ERRORS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "wrapped RecompileError" in out.stdout
 
 
 @pytest.mark.parametrize("n", [3, 6, 11])

@@ -21,9 +21,9 @@ passes FAILS ("unexpected success"), and so does one failing at an earlier sampl
 recorded, so coverage can only go up.
 
 Commands (from the repository root):
-  default subset (part of `make test`): every op at float32 plus one more of its dtypes
-  (picked by a hash of the op's name), DEFAULT_SAMPLES sample(s) each; ~1300 tests, 4-7 min
-  on 2 busy cores:
+  default subset (part of `make test`): every op at float32, at complex64 where supported,
+  plus one more of its dtypes (picked by a hash of the op's name), DEFAULT_SAMPLES sample(s)
+  each; ~1700 tests, 5-9 min on 2 busy cores:
       .venv/bin/python -m pytest tests/opinfo
   full sweep (slow marker, not in the default run): every op, every dtype, every sample
   (~48k samples, hours on 2 cores; FX2XLA_OPINFO_MAX_SAMPLES=N caps the samples per case):
@@ -50,7 +50,7 @@ import pytest
 import torch
 import torch._dynamo
 
-DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
+DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64, torch.complex128)
 
 # assert_close tolerances per output dtype (integers and bool: exact). XLA fuses and reorders
 # float math, and rounds bf16/f16 intermediates at other points than eager does. A bf16/f16
@@ -62,6 +62,7 @@ TOLERANCES = {
     torch.float16: dict(rtol=1e-3, atol=1e-3),
     torch.float64: dict(rtol=1e-7, atol=1e-7),
     torch.complex64: dict(rtol=1e-4, atol=1e-5),
+    torch.complex128: dict(rtol=1e-7, atol=1e-7),
 }
 
 DEFAULT_SAMPLES = 1  # samples per (op, dtype) in the default run
@@ -158,16 +159,19 @@ def all_cases() -> list[Case]:
 
 
 def default_cases() -> list[Case]:
-    """Every op at float32 (or its first supported dtype) plus one other supported dtype,
-    picked by a hash of its name: each dtype is covered for a fixed share of the ops."""
+    """Every op at float32 (or its first supported dtype), at complex64 where it supports it
+    (complex results are easy to get silently wrong: a dropped imaginary part), plus one other
+    supported dtype picked by a hash of its name: each dtype is covered for a fixed share of
+    the ops."""
     by_op: dict = {}
     for c in all_cases():
         by_op.setdefault(id(c.op), []).append(c)
     cases = []
     for op_cases in by_op.values():
         first = next((c for c in op_cases if c.dtype == torch.float32), op_cases[0])
-        others = [c for c in op_cases if c is not first]
-        cases.append(first)
+        chosen = [first] + [c for c in op_cases if c.dtype == torch.complex64 and c is not first]
+        others = [c for c in op_cases if c not in chosen]
+        cases.extend(chosen)
         if others:
             cases.append(others[zlib.crc32(op_key(first.op).encode()) % len(others)])
     return cases
