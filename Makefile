@@ -8,8 +8,9 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned, so nothing can pull a CUDA build in its place.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch, jax and jaxlib first and pinned (pyproject.toml states ranges): the CPU wheels these
+	# machines test, so nothing can pull a CUDA build or a newer jax in their place.
+	$(PY) -m pip install -q torch==2.13.0 jax==0.10.2 jaxlib==0.10.2
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 

@@ -2,6 +2,7 @@
 
     compiled = torch.compile(model, backend="fx2xla")   # registered by entry point
 """
+from .runtime import client as _client  # noqa: F401  (its memory policy applies before any jax client starts)
 from .errors import Fx2XlaError, IndexOutOfRangeError, InvalidInputError
 from .metrics import metrics, metrics_report
 from .scan import scan, scan_layers

@@ -22,7 +22,8 @@ live_graphs: "weakref.WeakSet" = weakref.WeakSet()
 
 def metrics() -> dict:
     """Counters of this process: graphs, specializations, executable-cache hits and misses
-    (memory and disk), XLA compiles and their seconds, lowering seconds."""
+    (memory and disk), XLA compiles and their seconds, lowering seconds, and the memory XLA
+    holds on each device fx2xla used (`device_memory`)."""
     from .runtime import executable_cache
     from .runtime.executor import disk_cache
 
@@ -49,6 +50,11 @@ def metrics() -> dict:
         disk_dropped=ds.dropped if ds else 0,
         disk_load_seconds=ds.load_seconds if ds else 0.0,
     )
+    from .runtime.client import device_memory, used_devices
+
+    # Per device fx2xla ran on: what XLA holds there ({"bytes_in_use", "peak_bytes_in_use",
+    # "bytes_limit"}; None where the platform does not say).
+    out["device_memory"] = {str(d): device_memory(d) for d in sorted(used_devices, key=str)}
     return out
 
 

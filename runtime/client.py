@@ -1,9 +1,25 @@
-"""Device selection: `PJRT_DEVICE=CPU|CUDA|TPU` (default CPU) picks jaxlib's PJRT client."""
+"""Device selection: `PJRT_DEVICE=CPU|CUDA|TPU` (default CPU) picks jaxlib's PJRT client.
+
+Memory policy: jax's GPU client takes 75% of the GPU when it starts, leaving torch the rest.
+fx2xla shares the GPU with torch, so unless the user set `XLA_PYTHON_CLIENT_PREALLOCATE` (or
+`XLA_PYTHON_CLIENT_MEM_FRACTION` / `XLA_PYTHON_CLIENT_ALLOCATOR`) themselves, it turns the
+preallocation off before any client starts: XLA then allocates what its executables need, as
+they need it. This takes effect only if jax's GPU client was not started before fx2xla was
+imported (a process that used jax on the GPU first keeps jax's defaults).
+"""
 from __future__ import annotations
 
 import functools
 import os
 from dataclasses import dataclass
+
+_USER_MEMORY_SETTINGS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                         "XLA_PYTHON_CLIENT_ALLOCATOR")
+if not any(v in os.environ for v in _USER_MEMORY_SETTINGS):
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+
+# Devices fx2xla compiled for (noted at compile time, never per call): what metrics() reports on.
+used_devices: set = set()
 
 # PJRT_DEVICE values (PyTorch/XLA's spelling) -> jax platform names.
 _PLATFORMS = {"CPU": "cpu", "CUDA": "cuda", "GPU": "cuda", "ROCM": "rocm", "TPU": "tpu"}
@@ -65,3 +81,16 @@ def default_device() -> Device:
     if not 0 <= index < n:
         raise ValueError(f"fx2xla: FX2XLA_DEVICE_INDEX={index} but {platform} has {n} devices")
     return Device(platform, index)
+
+
+def device_memory(device: Device) -> dict:
+    """Memory XLA holds on `device`: the platform's own counters where it reports them (GPU,
+    TPU: bytes in use, peak and limit), else the bytes of the client's live buffers there."""
+    stats = device.jax_device.memory_stats()
+    if stats:
+        return {"bytes_in_use": stats.get("bytes_in_use"), "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+                "bytes_limit": stats.get("bytes_limit")}
+    jax_device = device.jax_device
+    in_use = sum(b.nbytes for b in device.client.live_buffers() if b.device == jax_device) \
+        if hasattr(device.client, "live_buffers") else None
+    return {"bytes_in_use": in_use, "peak_bytes_in_use": None, "bytes_limit": None}

@@ -80,6 +80,9 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
                    use_disk: bool = True):
     """A loaded PJRT executable for `module_text` (StableHLO) on `device`: from memory if this
     process compiled it before, else from the disk cache, else compiled (and stored in both)."""
+    from .client import used_devices
+
+    used_devices.add(device)
     cache = executable_cache if cache is None else cache
     fp = fingerprint(module_text)
     options = _compile_options(device.platform)

@@ -1,6 +1,7 @@
 """Shared fixtures: compile with fx2xla and compare against eager PyTorch."""
 from __future__ import annotations
 
+import operator
 import os
 import tempfile
 
@@ -40,7 +41,32 @@ def assert_matches_eager(fn, *args, tol_scale: float = 1.0, fullgraph: bool = Tr
                              options={"fallback": "error"})
     actual = compiled(*_clone(args), **kwargs)
     _compare(actual, expected, tol_scale)
+    if _layouts(actual) != _layouts(expected):
+        # Strides as eager's, or else as the ones Dynamo's graph promises for its outputs (torch's
+        # meta kernels, which every backend follows, differ from a few eager kernels, e.g. pow of
+        # a Scalar base by a transposed tensor: eager returns it contiguous, meta keeps the layout).
+        promised = _graph_output_layouts(fn, args, kwargs, fullgraph, dynamic)
+        leaves = [_layouts(t) for t in torch.utils._pytree.tree_leaves(actual) if isinstance(t, torch.Tensor)]
+        assert promised is not None and leaves == promised, (leaves, _layouts(expected), promised)
     return actual
+
+
+def _graph_output_layouts(fn, args, kwargs, fullgraph, dynamic):
+    """The layouts of the outputs of Dynamo's graph for `fn` (its fake tensors), or None."""
+    seen = []
+
+    def record(gm, example_inputs):
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        seen.append(tuple(n.meta.get("example_value") if isinstance(n, torch.fx.Node) else n
+                          for n in (out if isinstance(out, (tuple, list)) else [out])))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=record, fullgraph=fullgraph, dynamic=dynamic)(*_clone(args), **kwargs)
+    torch._dynamo.reset()
+    if len(seen) != 1:
+        return None
+    return [_layouts(v) for v in seen[0] if isinstance(v, torch.Tensor)]
 
 
 def _clone(args):
@@ -67,6 +93,71 @@ def _compare(actual, expected, tol_scale):
         torch.testing.assert_close(actual, expected, equal_nan=True, **tolerance(expected.dtype, tol_scale))
         return
     assert actual == expected
+
+
+def run_op(op, *args, **kwargs):
+    """Compile and run a one-node graph calling `op` with fx2xla: for core overloads that
+    AOTAutograd's decompositions never emit (so torch.compile cannot reach them)."""
+    from fx2xla.compiled_graph import CompiledGraph
+    from fx2xla.runtime import default_device
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph, mode, inputs = torch.fx.Graph(), FakeTensorMode(), []
+
+    def placeholder(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        node = graph.placeholder(f"arg{len(inputs)}")
+        node.meta["val"] = mode.from_tensor(a)
+        inputs.append(a)
+        return node
+
+    node = graph.call_function(op, tuple(map(placeholder, args)), {k: placeholder(v) for k, v in kwargs.items()})
+    with mode:
+        node.meta["val"] = op(*torch.fx.node.map_arg(node.args, lambda n: n.meta["val"]),
+                              **torch.fx.node.map_arg(node.kwargs, lambda n: n.meta["val"]))
+    outs = [node]
+    if isinstance(node.meta["val"], (tuple, list)):
+        outs = []
+        for i, v in enumerate(node.meta["val"]):
+            outs.append(graph.call_function(operator.getitem, (node, i)))
+            outs[-1].meta["val"] = v
+    graph.output(tuple(outs))
+    gm = torch.fx.GraphModule({}, graph)
+    fakes = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"]
+    result = CompiledGraph(gm, fakes, default_device(), "run_op")(list(inputs))
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def cuda_available() -> bool:
+    """A CUDA GPU torch can use and jax's CUDA PJRT plugin to run fx2xla's executables on it."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from fx2xla.runtime import get_backend
+
+        return bool(get_backend("cuda").local_devices())
+    except Exception:  # noqa: BLE001  (no plugin installed)
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """`cuda`-marked tests skip on machines without a GPU (run them with `pytest -m cuda`)."""
+    cuda = [item for item in items if "cuda" in item.keywords]
+    if cuda and not cuda_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU and jax's CUDA plugin (PJRT_DEVICE=CUDA pytest -m cuda)")
+        for item in cuda:
+            item.add_marker(skip)
+
+
+def _layouts(x):
+    """The strides that matter, of every tensor in `x`: those of dims longer than 1 (a size-1
+    dim's stride is free; so is the layout of a tensor of at most one element)."""
+    if isinstance(x, torch.Tensor):
+        return tuple(s for n, s in zip(x.shape, x.stride()) if n > 1) if x.numel() > 1 else ()
+    if isinstance(x, (tuple, list)):
+        return tuple(_layouts(v) for v in x)
+    return None
 
 
 @pytest.fixture(autouse=True)

@@ -587,9 +587,11 @@ def _upsample_bilinear2d_default(ctx, x, output_size, align_corners, scales_h=No
 # Attention
 # ---------------------------------------------------------------------------------------------
 
-def _sdpa(q, k, v, attn_mask, is_causal, scale):
+def _sdpa(q, k, v, attn_mask, is_causal, scale, keep=None, dropout_p=0.0):
     """Attention like ATen's CPU flash kernel, in opmath: returns (out, logsumexp). Rows with
-    every key masked give output 0 and logsumexp 0 (the kernel's max -> 0, sum -> 1 rule)."""
+    every key masked give output 0 and logsumexp 0 (the kernel's max -> 0, sum -> 1 rule).
+    `keep`: the dropout mask over the attention weights (True: kept, scaled by 1/(1-p)); the
+    logsumexp is of the weights before dropout, as the fused kernels return it."""
     q, k, v = _opmath(q), _opmath(k), _opmath(v)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group
         k = jnp.repeat(k, q.shape[1] // k.shape[1], axis=1)
@@ -606,8 +608,13 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale):
     p = jnp.exp(s - m)
     total = jnp.sum(p, axis=-1, keepdims=True)
     total = jnp.where(total == 0, jnp.ones((), total.dtype), total)
-    out = dot(p, v, ((3,), (2,)), ((0, 1), (0, 1))) / total
-    return out, (m + jnp.log(total))[..., 0]
+    lse = (m + jnp.log(total))[..., 0]
+    if keep is not None:
+        if dropout_p >= 1:  # every weight dropped, as F.dropout(p=1) does
+            return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype), lse
+        p = jnp.where(keep, p, jnp.zeros((), p.dtype))
+        total = total * jnp.asarray(1.0 - dropout_p, total.dtype)
+    return dot(p, v, ((3,), (2,)), ((0, 1), (0, 1))) / total, lse
 
 
 def _check_no_dropout(dropout_p):
@@ -628,6 +635,119 @@ def _sdpa_flash_cpu_backward(ctx, grad, q, k, v, out, logsumexp, dropout_p, is_c
     # where the kernel's logsumexp would be, so `out` and `logsumexp` are not relied on.
     _check_no_dropout(dropout_p)
     return _vjp(lambda q, k, v: _sdpa(q, k, v, attn_mask, is_causal, scale)[0], (q, k, v), grad)
+
+
+# The fused kernels torch dispatches SDPA to on accelerators (flash, memory-efficient, cuDNN,
+# and the "overrideable" one of out-of-tree devices): all lower to the same attention math. With
+# dropout, the forward draws a seed from the graph's per-call key and returns it where the
+# kernel returns its Philox state; the backward rebuilds the same mask from that seed. Every
+# backward recomputes the weights from q, k, v (the saved out/logsumexp are not needed).
+
+def _dropout_keep(seed, dropout_p, q, k):
+    """The dropout mask of attention weights [B, H, Lq, Lk], a function of the int64 `seed`."""
+    import jax
+
+    from .registry import base_key
+
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return jax.random.bernoulli(base_key(seed), 1.0 - dropout_p, shape)
+
+
+def _new_seed(ctx):
+    """A fresh int64 seed from this node's per-call key (what the forward hands its backward)."""
+    import jax
+
+    return lax.bitcast_convert_type(jax.random.bits(ctx.rng_key(), (), jnp.uint64), jnp.int64)
+
+
+def _attention(q, k, v, bias, is_causal, scale, dropout_p, seed):
+    keep = _dropout_keep(seed, dropout_p, q, k) if dropout_p else None
+    return _sdpa(q, k, v, bias, is_causal, scale, keep, dropout_p)
+
+
+def _attention_grads(grad, q, k, v, bias, is_causal, scale, dropout_p, seed, bias_grad: bool):
+    if bias is not None and bias.ndim < 2:  # the backward's required bias argument, left empty
+        bias = None
+    keep = _dropout_keep(seed, dropout_p, q, k) if dropout_p else None
+    if bias_grad and bias is not None:
+        return _vjp(lambda q, k, v, b: _sdpa(q, k, v, b, is_causal, scale, keep, dropout_p)[0], (q, k, v, bias), grad)
+    grads = _vjp(lambda q, k, v: _sdpa(q, k, v, bias, is_causal, scale, keep, dropout_p)[0], (q, k, v), grad)
+    return (*grads, None)
+
+
+def _fit_last(x, n):
+    """`x` cut or zero-padded along its last dim to length n (padded logsumexp layouts)."""
+    if x.shape[-1] >= n:
+        return x[..., :n]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+
+
+def _philox(ctx, dropout_p):
+    """(seed, offset) int64 scalars: a fresh seed when dropping out, else zeros."""
+    seed = _new_seed(ctx) if dropout_p else jnp.zeros((), jnp.int64)
+    return seed, jnp.zeros((), jnp.int64)
+
+
+@register_lowering(aten._scaled_dot_product_flash_attention.default, random=True)
+def _sdpa_flash(ctx, q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    seed, _ = _philox(ctx, dropout_p)
+    out, lse = _attention(q, k, v, None, is_causal, scale, dropout_p, seed)
+    rng_state = jnp.stack([lax.bitcast_convert_type(seed, jnp.uint64), jnp.zeros((), jnp.uint64)])
+    debug = jnp.zeros(ctx.out[8].shape, out.dtype)
+    return out, lse, None, None, q.shape[2], k.shape[2], rng_state, jnp.zeros((), jnp.uint64), debug
+
+
+@register_lowering(aten._scaled_dot_product_flash_attention_backward.default)
+def _sdpa_flash_backward(ctx, grad, q, k, v, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                         dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    seed = lax.bitcast_convert_type(jnp.reshape(philox_seed, (-1,))[0], jnp.int64)
+    return _attention_grads(grad, q, k, v, None, is_causal, scale, dropout_p, seed, False)[:3]
+
+
+@register_lowering(aten._scaled_dot_product_efficient_attention.default, random=True)
+def _sdpa_efficient(ctx, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+    seed, offset = _philox(ctx, dropout_p)
+    out, lse = _attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
+    return out, _fit_last(lse, ctx.out[1].shape[-1]), seed, offset  # lse padded to 32-row blocks
+
+
+@register_lowering(aten._scaled_dot_product_efficient_attention_backward.default)
+def _sdpa_efficient_backward(ctx, grad, q, k, v, attn_bias, out, logsumexp, philox_seed, philox_offset,
+                             dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+    grads = _attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed,
+                             bool(grad_input_mask[3]))
+    return _masked(grads, grad_input_mask)
+
+
+@register_lowering(aten._scaled_dot_product_cudnn_attention.default, random=True)
+def _sdpa_cudnn(ctx, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                return_debug_mask=False, *, scale=None):
+    seed, offset = _philox(ctx, dropout_p)
+    out, lse = _attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
+    return out, lse[..., None], None, None, q.shape[2], k.shape[2], seed, offset, None
+
+
+@register_lowering(aten._scaled_dot_product_cudnn_attention_backward.default)
+def _sdpa_cudnn_backward(ctx, grad, q, k, v, out, logsumexp, philox_seed, philox_offset, attn_bias,
+                         cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+    return _attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed, False)[:3]
+
+
+@register_lowering(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
+def _sdpa_overrideable(ctx, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                       *, scale=None):
+    seed, offset = _philox(ctx, dropout_p)
+    out, lse = _attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
+    return out, lse, None, None, q.shape[2], k.shape[2], seed, offset, None
+
+
+@register_lowering(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+def _sdpa_overrideable_backward(ctx, grad, q, k, v, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
+                                cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset,
+                                *, scale=None):
+    grads = _attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed,
+                             bool(grad_input_mask[3]))
+    return _masked(grads, grad_input_mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import math
-import operator
 
 import pytest
 import torch
+from conftest import run_op
 
 aten = torch.ops.aten
 # An op without a rule must fail these tests, not fall back to eager ("fx2xla: aten.x has no
@@ -37,40 +37,6 @@ def nonzero(dtype, *shape):
 
 # Special float values that exercise rounding ties, signed zeros and NaN/inf handling.
 SPECIAL = [nan, -0.0, 0.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.7, 2.7, inf, -inf, 1e-3, -7.0]
-
-
-def run_op(op, *args, **kwargs):
-    """Compile and run a one-node graph calling `op` with fx2xla: for core overloads that
-    AOTAutograd's decompositions never emit (so torch.compile cannot reach them)."""
-    from fx2xla.compiled_graph import CompiledGraph
-    from fx2xla.runtime import default_device
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    graph, mode, inputs = torch.fx.Graph(), FakeTensorMode(), []
-
-    def placeholder(a):
-        if not isinstance(a, torch.Tensor):
-            return a
-        node = graph.placeholder(f"arg{len(inputs)}")
-        node.meta["val"] = mode.from_tensor(a)
-        inputs.append(a)
-        return node
-
-    node = graph.call_function(op, tuple(map(placeholder, args)), {k: placeholder(v) for k, v in kwargs.items()})
-    with mode:
-        node.meta["val"] = op(*torch.fx.node.map_arg(node.args, lambda n: n.meta["val"]),
-                              **torch.fx.node.map_arg(node.kwargs, lambda n: n.meta["val"]))
-    outs = [node]
-    if isinstance(node.meta["val"], (tuple, list)):
-        outs = []
-        for i, v in enumerate(node.meta["val"]):
-            outs.append(graph.call_function(operator.getitem, (node, i)))
-            outs[-1].meta["val"] = v
-    graph.output(tuple(outs))
-    gm = torch.fx.GraphModule({}, graph)
-    fakes = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"]
-    result = CompiledGraph(gm, fakes, default_device(), "run_op")(list(inputs))
-    return result[0] if len(result) == 1 else tuple(result)
 
 
 def check_op(op, *args, **kwargs):

@@ -30,7 +30,8 @@ def test_model_matches_eager(name, dtype):
     args = tuple(a.to(dtype) if a.is_floating_point() else a for a in make_inputs())
     with torch.no_grad():
         expected = model(*args)
-        actual = torch.compile(model, backend="fx2xla", fullgraph=True)(*args)
+        # fallback="error": a missing rule fails the test instead of running eagerly.
+        actual = torch.compile(model, backend="fx2xla", fullgraph=True, options={"fallback": "error"})(*args)
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     assert actual.stride() == expected.stride()
     if dtype == torch.bfloat16:
