@@ -2,7 +2,8 @@
 
 Dynamo hands us a graph; AOTAutograd (with the core-ATen decomposition table) turns it into
 forward/backward or inference graphs of core ATen ops; each becomes a CompiledGraph that
-lowers to StableHLO and runs on the PJRT device chosen by `PJRT_DEVICE`.
+lowers to StableHLO and runs on the PJRT device its tensor inputs live on (`PJRT_DEVICE` and
+the `device_index` option override it).
 """
 from __future__ import annotations
 
@@ -82,14 +83,14 @@ def aot_wrappers_needed(meta, graph_inputs: int, dynamo_inputs: int) -> bool:
 
 def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None = None):
     from .compiled_graph import CompiledGraph
-    from .runtime import Device, default_device
+    from .runtime import device_for
 
     from .partition import partitioned_graph, unsupported_nodes
     from .serving import check_compile_allowed
 
-    device = default_device()
-    if options["device_index"] is not None:
-        device = Device(device.platform, int(options["device_index"]))
+    # The device follows the data (PJRT_DEVICE and device_index are explicit overrides).
+    device = device_for([v.device for v in example_inputs if isinstance(v, torch.Tensor)
+                         and not (v.device.type == "cpu" and v.dim() == 0)], options["device_index"])
     name = _graph_name(kind)
     shapes = ", ".join(str(list(v.shape)) for v in example_inputs if isinstance(v, torch.Tensor))
     check_compile_allowed(f"graph {name} ({kind}) for input shapes {shapes}", bool(options["no_recompile"]))

@@ -66,21 +66,63 @@ def platform_from_env() -> str:
     return _PLATFORMS[name]
 
 
-def default_device() -> Device:
-    """The device fx2xla compiles for: `PJRT_DEVICE` picks the platform, `FX2XLA_DEVICE_INDEX`
-    the local device (default 0)."""
-    platform = platform_from_env()
-    index = int(os.environ.get("FX2XLA_DEVICE_INDEX", "0"))
+def _local_device(platform: str, index: int, why: str) -> Device:
+    """Device `index` of `platform`'s client; `why` says what chose it (for the errors)."""
     try:
         n = len(get_backend(platform).local_devices())
     except RuntimeError as e:  # no plugin for that platform installed
-        raise RuntimeError(
-            f"fx2xla: no PJRT client for PJRT_DEVICE={platform!r} ({e}); install the jax "
-            "plugin for it or unset PJRT_DEVICE"
-        ) from e
+        hint = "pip install 'fx2xla[cuda13]' (jax's CUDA plugin)" if platform == "cuda" else "install the jax plugin for it"
+        raise RuntimeError(f"fx2xla: {why} needs jax's {platform!r} PJRT client, which is not available ({e}); "
+                           f"{hint}, or set PJRT_DEVICE to a platform you have") from e
     if not 0 <= index < n:
-        raise ValueError(f"fx2xla: FX2XLA_DEVICE_INDEX={index} but {platform} has {n} devices")
+        raise ValueError(f"fx2xla: device index {index} ({why}) but {platform} has {n} devices")
     return Device(platform, index)
+
+
+def _explicit_index(index: int | None) -> int | None:
+    if index is not None:
+        return int(index)
+    env = os.environ.get("FX2XLA_DEVICE_INDEX")
+    return int(env) if env not in (None, "") else None
+
+
+def default_device(index: int | None = None) -> Device:
+    """The device `PJRT_DEVICE` names (default CPU): device `index`, else `FX2XLA_DEVICE_INDEX`,
+    else 0."""
+    platform = platform_from_env()
+    index = _explicit_index(index)
+    return _local_device(platform, 0 if index is None else index, f"PJRT_DEVICE={platform}")
+
+
+def _platform_of(device) -> str:
+    """The jax platform of a torch device (a ROCm build of torch calls its GPUs "cuda" too)."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        import torch
+
+        return "rocm" if torch.version.hip else "cuda"
+    raise ValueError(f"fx2xla: tensors on {device} have no jax PJRT client to run on; move them to cuda or cpu")
+
+
+def device_for(devices, index: int | None = None) -> Device:
+    """The PJRT device a graph runs on, as Inductor picks it: where its tensors live. `devices`:
+    the torch devices of the graph's tensor inputs (0-d CPU scalars left out: they mix with any
+    device). Tensors on `cuda:N` run on CUDA device N; CPU tensors on the CPU client; tensors on
+    two accelerators are an error. `PJRT_DEVICE`, when set, overrides the platform, and `index`
+    (option device_index) or `FX2XLA_DEVICE_INDEX` the device index."""
+    if os.environ.get("PJRT_DEVICE", "").strip():
+        return default_device(index)
+    accelerators = sorted({d for d in devices if d.type != "cpu"}, key=str)
+    if len(accelerators) > 1:
+        raise ValueError(f"fx2xla: one graph reads tensors on {', '.join(map(str, accelerators))}; "
+                         "eager PyTorch refuses that too: move them to one device")
+    explicit = _explicit_index(index)
+    if not accelerators:
+        return _local_device("cpu", 0 if explicit is None else explicit, "CPU tensors")
+    device = accelerators[0]
+    chosen = (device.index or 0) if explicit is None else explicit
+    return _local_device(_platform_of(device), chosen, f"tensors on {device}")
 
 
 def device_memory(device: Device) -> dict:
