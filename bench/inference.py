@@ -7,8 +7,7 @@ Prints a table of medians and ratios (÷ eager, ÷ Inductor), the first call of 
 tiny graph next to eager, Inductor, Dynamo's own floor and a raw PJRT execute of the same
 executable; writes raw numbers to bench/results/inference.json. The cost of the run-time index
 checks (options={"check_indices": True}, the default) is the column `chk`: fx2xla with checks
-÷ fx2xla without, timed in the same rounds, as the geometric mean of two runs that compile the
-pair in opposite orders (see `index_check_cost`), and per call on a tiny embedding lookup.
+÷ fx2xla without, interleaved in the same rounds, and per call on a tiny embedding lookup.
 """
 from __future__ import annotations
 
@@ -73,27 +72,16 @@ def per_call_overhead(rounds: int) -> dict:
 
 
 def index_check_cost(fn, args: tuple, rounds: int, calls_per_round: int = 1, budget_s: float | None = 30) -> dict:
-    """fx2xla with index checks vs without on `fn`: medians of each in interleaved rounds, twice,
-    compiling the pair in opposite orders. In one process the contender compiled second runs
-    faster (by up to ~25% here, even on identical executables and with separate code objects),
-    so one order alone would measure that, not the checks; the geometric mean of the two
-    ratios cancels it. `ratio` is that mean; `delta_s` the mean difference per call."""
-    import math
-
-    ratios, deltas = [], []
-    for first in ("checked", "unchecked"):
-        torch._dynamo.reset()
-        order = [first, "unchecked" if first == "checked" else "checked"]
-        compiled = {}
-        for name in order:
-            options = {} if name == "checked" else {"check_indices": False}
-            compiled[name] = torch.compile(fn, backend="fx2xla", fullgraph=True, options=options)
-            compiled[name](*args)
-        med = interleaved_medians(compiled, args, rounds=rounds, calls_per_round=calls_per_round, budget_s=budget_s)
-        ratios.append(med["checked"] / med["unchecked"])
-        deltas.append(med["checked"] - med["unchecked"])
-    return {"ratio": math.sqrt(ratios[0] * ratios[1]), "ratio_checked_first": ratios[0],
-            "ratio_unchecked_first": ratios[1], "delta_s": sum(deltas) / 2}
+    """fx2xla with index checks vs without on `fn`, interleaved in balanced orders: `ratio`
+    (checked ÷ unchecked medians) and `delta_s` (the difference per call)."""
+    torch._dynamo.reset()
+    compiled = {"checked": torch.compile(fn, backend="fx2xla", fullgraph=True),
+                "unchecked": torch.compile(fn, backend="fx2xla", fullgraph=True, options={"check_indices": False})}
+    for c in compiled.values():
+        c(*args)
+    med = interleaved_medians(compiled, args, rounds=rounds, calls_per_round=calls_per_round, budget_s=budget_s)
+    return {"ratio": med["checked"] / med["unchecked"], "delta_s": med["checked"] - med["unchecked"],
+            "checked_s": med["checked"], "unchecked_s": med["unchecked"]}
 
 
 def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
@@ -140,9 +128,8 @@ def main() -> None:
         for k in o["wall"]:
             print(f"  {k:34s} {fmt_time(o['wall'][k])} {fmt_time(o['cpu'][k])}")
         e = o["embedding_lookup"]
-        print(f"  index checks on an 8-id embedding lookup: {e['delta_s'] * 1e6:+.1f} us per call, "
-              f"checked/unchecked {e['ratio']:.3f} (compiled first: checked {e['ratio_checked_first']:.3f}, "
-              f"unchecked {e['ratio_unchecked_first']:.3f})")
+        print(f"  index checks on an 8-id embedding lookup: {e['delta_s'] * 1e6:+.1f} us per call "
+              f"({fmt_time(e['checked_s'])} checked vs {fmt_time(e['unchecked_s'])}; ratio {e['ratio']:.3f})")
     header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s}"
     print(header)
     for dt_name in a.dtypes.split(","):
