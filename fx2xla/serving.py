@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import Fx2XlaError
+from .lowering.dtypes import dtype_name
 
 
 class RecompileError(Fx2XlaError):
@@ -95,7 +96,7 @@ class InputSignature:
     def describe(self) -> str:
         if self.dtype is None:
             return "a size"
-        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+        return f"{dtype_name(self.dtype)}{list(self.shape)}"
 
 
 def signature_change(seen: list, new: tuple) -> str:
@@ -111,8 +112,7 @@ def signature_change(seen: list, new: tuple) -> str:
             if o is None or n.dtype is None:
                 continue
             if o.dtype != n.dtype:
-                out.append(f"input {n.name}: dtype {str(o.dtype).removeprefix('torch.')} -> "
-                           f"{str(n.dtype).removeprefix('torch.')}")
+                out.append(f"input {n.name}: dtype {dtype_name(o.dtype)} -> {dtype_name(n.dtype)}")
             elif o.shape != n.shape:
                 out.append(f"input {n.name}: shape {o.describe()} -> {n.describe()}")
         return out or ["the same input signature (something else the guards check changed: a "

@@ -35,8 +35,7 @@ class RuntimeChecks:
     def add(self, record: CheckRecord, failed) -> None:
         """Record a check; `failed` is a traced boolean scalar (True: the check failed)."""
         self.records.append(record)
-        self.codes.append(lax.select(failed, jnp.asarray(len(self.records), CODE_DTYPE),
-                                     jnp.zeros((), CODE_DTYPE)))
+        self.codes.append(lax.select(failed, jnp.asarray(len(self.records), CODE_DTYPE), no_failure()))
 
     def add_code(self, code) -> None:
         """Fold in a nested body's code (a loop's, carried out of it)."""
@@ -51,6 +50,11 @@ class RuntimeChecks:
         if not self.codes:
             return None
         return first_failure(self.codes)
+
+
+def no_failure():
+    """The code of a computation whose checks all passed (or that has none)."""
+    return jnp.zeros((), CODE_DTYPE)
 
 
 def first_failure(codes):

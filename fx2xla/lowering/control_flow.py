@@ -13,7 +13,7 @@ import torch
 import torch.fx
 from jax import lax
 
-from .checks import CODE_DTYPE
+from .checks import first_failure, no_failure
 from .dtypes import to_jax_dtype
 from .graph import run_nodes
 from .registry import base_key, register_lowering
@@ -51,11 +51,7 @@ def _nested(ctx):
 def _merge_code(code, inner):
     """`code` (a carried int32: the first failure so far) updated with `inner`'s checks."""
     body = inner.code() if inner is not None else None
-    return code if body is None else lax.select(code != 0, code, body)
-
-
-def _no_failure():
-    return jnp.zeros((), CODE_DTYPE)
+    return code if body is None else first_failure([code, body])
 
 
 def _hoist_invariants(ctx, body: torch.fx.GraphModule, invariant_inputs: dict, key) -> dict:
@@ -138,7 +134,7 @@ def _scan(ctx, body, init, xs, additional_inputs):
         new = [_like(o, c) for o, c in zip(outs[:n_carry], carry)]
         return (new, _merge_code(code, inner)), outs[n_carry:]
 
-    (carry, code), ys = lax.scan(step, (init, _no_failure()), (jnp.arange(length, dtype=jnp.int32), xs),
+    (carry, code), ys = lax.scan(step, (init, no_failure()), (jnp.arange(length, dtype=jnp.int32), xs),
                                  length=length, reverse=reverse)
     if ctx.checks is not None:
         ctx.checks.add_code(code)
@@ -177,7 +173,7 @@ def _cond(ctx, pred, true_fn, false_fn, operands):
             # Both branches must return identically typed values: torch's meta decides.
             outs = [lax.convert_element_type(jnp.asarray(o), to_jax_dtype(m.dtype))
                     if isinstance(m, torch.Tensor) else o for o, m in zip(outs, meta)]
-            return [*outs, _merge_code(_no_failure(), inner)]
+            return [*outs, _merge_code(no_failure(), inner)]
         return run
 
     pred = jnp.asarray(pred).astype(jnp.bool_).reshape(())
@@ -211,7 +207,7 @@ def _while_loop(ctx, cond_fn, body_fn, carried_inputs, additional_inputs, mutate
         outs = _run_subgraph(ctx, body_fn, [*carry, *extra], k, checks=inner)
         return i + 1, [_like(o, c) for o, c in zip(outs, carry)], _merge_code(code, inner)
 
-    i, carry, code = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), carried, _no_failure()))
+    i, carry, code = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), carried, no_failure()))
     if ctx.checks is not None:
         predicate(i, carry, ctx.checks)  # the last evaluation, which ended the loop
         ctx.checks.add_code(code)

@@ -45,4 +45,9 @@ def to_torch_dtype(dtype) -> torch.dtype:
 
 
 def short_dtype_name(dtype: torch.dtype) -> str:
-    return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
+    return _SHORT.get(dtype, dtype_name(dtype))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`float32` for torch.float32: the name users write, for error messages."""
+    return str(dtype).removeprefix("torch.")

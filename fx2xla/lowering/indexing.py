@@ -14,6 +14,7 @@ import torch
 from jax import lax
 from torch.ops import aten
 
+from .dtypes import dtype_name
 from .registry import RejectedInput, register_lowering
 from .shape import canonical_dim
 
@@ -239,7 +240,7 @@ def _masked_scatter(ctx, x, mask, source):
     source.flatten()[k], found with a running count of the mask."""
     if ctx.arg_meta(1).dtype != torch.bool:
         raise RejectedInput(f"masked_scatter_ only supports boolean masks, but got mask with dtype "
-                            f"{str(ctx.arg_meta(1).dtype).removeprefix('torch.')}")
+                            f"{dtype_name(ctx.arg_meta(1).dtype)}")
     shape = ctx.out_shape
     flat_x = jnp.reshape(jnp.broadcast_to(x, shape), (-1,))
     flat_mask = jnp.reshape(jnp.broadcast_to(mask.astype(jnp.bool_), shape), (-1,))

@@ -15,6 +15,7 @@ from jax import lax
 
 from torch.ops import aten
 
+from .dtypes import dtype_name
 from .registry import RejectedInput, concrete_shape, register_lowering
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -65,7 +66,7 @@ def _same_dtypes(ctx, *positions) -> None:
     dtypes = [ctx.arg_meta(i).dtype for i in positions]
     if len(set(dtypes)) > 1:
         raise RejectedInput("expected m1 and m2 to have the same dtype, but got: "
-                            + " != ".join(str(d).removeprefix("torch.") for d in dtypes))
+                            + " != ".join(dtype_name(d) for d in dtypes))
 
 
 def _matmul(ctx, a, b, lhs: int, rhs: int):

@@ -675,13 +675,6 @@ def _attention_grads(grad, q, k, v, bias, is_causal, scale, dropout_p, seed, bia
     return (*grads, None)
 
 
-def _fit_last(x, n):
-    """`x` cut or zero-padded along its last dim to length n (padded logsumexp layouts)."""
-    if x.shape[-1] >= n:
-        return x[..., :n]
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
-
-
 def _philox(ctx, dropout_p):
     """(seed, offset) int64 scalars: a fresh seed when dropping out, else zeros."""
     seed = _new_seed(ctx) if dropout_p else jnp.zeros((), jnp.int64)
@@ -708,7 +701,7 @@ def _sdpa_flash_backward(ctx, grad, q, k, v, out, logsumexp, cum_seq_q, cum_seq_
 def _sdpa_efficient(ctx, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
     seed, offset = _philox(ctx, dropout_p)
     out, lse = _attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
-    return out, _fit_last(lse, ctx.out[1].shape[-1]), seed, offset  # lse padded to 32-row blocks
+    return out, _fit(lse, ctx.out[1].shape[-1]), seed, offset  # lse padded to 32-row blocks
 
 
 @register_lowering(aten._scaled_dot_product_efficient_attention_backward.default)
@@ -892,8 +885,11 @@ def _col2im(ctx, x, output_size, kernel_size, dilation, padding, stride):
 # ---------------------------------------------------------------------------------------------
 
 def _fit(v, n):
-    """`v` (1-d) cut or zero-padded to length n (the aux outputs' lengths follow torch's meta)."""
-    return v[:n] if v.shape[0] >= n else jnp.pad(v, (0, n - v.shape[0]))
+    """`v` cut or zero-padded along its last dim to length n (aux outputs whose lengths follow
+    torch's meta: embedding_bag's, the efficient attention kernel's padded logsumexp)."""
+    if v.shape[-1] >= n:
+        return v[..., :n]
+    return jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, n - v.shape[-1])])
 
 
 @register_lowering(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
