@@ -5,9 +5,11 @@
 from .runtime import client as _client  # noqa: F401  (its memory policy applies before any jax client starts)
 from .errors import Fx2XlaError, IndexOutOfRangeError, InvalidInputError
 from .metrics import metrics, metrics_report
+from .package import LoadedModel, PackageError, export, load
 from .scan import scan, scan_layers
 from .serving import RecompileError, TensorSpec, no_recompile, warmup
 
 __version__ = "0.1.0"
 __all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError",
-           "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "__version__"]
+           "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "export", "load", "LoadedModel",
+           "PackageError", "__version__"]

@@ -95,12 +95,15 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     shapes = ", ".join(str(list(v.shape)) for v in example_inputs if isinstance(v, torch.Tensor))
     check_compile_allowed(f"graph {name} ({kind}) for input shapes {shapes}", bool(options["no_recompile"]))
     if options["fallback"] == "eager" and unsupported_nodes(gm):
+        from .compiled_graph import static_input_indices
+
         return partitioned_graph(
             gm,
-            lambda sub, examples, sub_name: CompiledGraph(
-                sub, examples, device, f"{name}_{sub_name}", resident_inputs=set(range(len(examples))),
+            lambda sub, examples, sub_name, resident: CompiledGraph(
+                sub, examples, device, f"{name}_{sub_name}", resident_inputs=resident,
                 no_recompile=bool(options["no_recompile"]), check_indices=bool(options["check_indices"]),
             ),
+            static_input_indices(len(example_inputs)),
         )
     buckets = options["batch_buckets"] if kind == "inference" else None  # never pad training
     compiled = CompiledGraph(gm, example_inputs, device, name, no_recompile=bool(options["no_recompile"]),

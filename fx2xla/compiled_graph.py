@@ -5,7 +5,9 @@ only the hand-off, the execute and the output wrapping.
 """
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 import time
 import weakref
 
@@ -13,11 +15,13 @@ import torch
 
 from . import dump
 from .errors import IndexOutOfRangeError
-from .lowering.graph import LoweredGraph, concat_only_inputs, input_mutations, lower_graph
+from .lowering.graph import LoweredGraph, lower_graph
 from .metrics import counters, live_graphs
+from .plan import GraphPlan, build_plan, input_mutations
 from .runtime import Device, compile_module
+from .runtime.client import device_of
 from .runtime.executor import make_launcher, make_traceback_pause, optimized_hlo_text
-from .runtime.handoff import import_tensor
+from .runtime.handoff import make_exporter, make_importer
 
 _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
 
@@ -28,9 +32,10 @@ class _Specialization:
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
                  "mutations", "num_outputs", "checks", "raise_failed", "direct")
 
-    def __init__(self, exe, lowered: LoweredGraph, platform: str = "cpu"):
+    def __init__(self, exe, lowered: LoweredGraph, exports):
+        plan = lowered.plan
         self.exe = exe
-        self.launch = make_launcher(exe)  # bufs -> every output as a torch tensor
+        self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
         self.lowered = lowered
         self.out_plans = lowered.outputs
         self.plain_outputs = all(p.kind == "tensor" and p.inv_perm is None and p.stride is None and not p.views
@@ -41,13 +46,13 @@ class _Specialization:
         self.input_outputs = sorted({p.index for p in self.out_plans if p.kind == "input"})
         # Inputs the graph writes: (input position, result index); their results follow the
         # graph's own outputs, which are the first `num_outputs` results.
-        self.mutations = tuple(lowered.mutations)
-        self.num_outputs = min((r for _, r in self.mutations), default=None)
+        self.mutations = tuple(plan.mutations)
+        self.num_outputs = plan.num_outputs
         if self.mutations:
             self.input_outputs = sorted(set(self.input_outputs) | {i for i, _ in self.mutations})
         # Index checks: the last result is their int32 verdict (see lowering/checks.py).
         self.checks = lowered.checks
-        self.raise_failed = make_check_raiser(platform) if self.checks else None
+        self.raise_failed = make_check_raiser(plan.platform) if self.checks else None
         # The executable's results are the call's results as they are.
         self.direct = self.plain_outputs and not self.mutations and not self.checks
 
@@ -96,6 +101,9 @@ def make_storage_use_count(public: bool | None = None):
 
 
 _storage_use_count = make_storage_use_count()
+# Resident-buffer epochs: each refresh takes a new value (next() on a count is atomic, so two
+# threads refreshing at once never lose an update that must invalidate cached concatenations).
+_epochs = itertools.count(1)
 _SWAPPABLE_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Resident device buffers import a tensor's memory: id(tensor) -> [(graph, resident slot)], so
 # an input whose storage is swapped out drops the buffers that would keep the old memory
@@ -143,7 +151,7 @@ class CompiledGraph:
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
-        from .lowering.graph import check_rules, plan_input
+        from .lowering.graph import check_rules
 
         check_rules(gm)  # unsupported ops fail at compile time, not on the first call
         self.gm = gm
@@ -151,32 +159,36 @@ class CompiledGraph:
         self.no_recompile = no_recompile
         self.check_indices = check_indices
         self.device = device
-        self._jax_device = device.jax_device
         self.example_inputs = list(example_inputs)
-        self.plans = [plan_input(v) for v in self.example_inputs]
-        self._tensor_positions = [i for i, p in enumerate(self.plans) if p.kind != "symint"]
+        resident = resident_inputs if resident_inputs is not None else static_input_indices(len(self.example_inputs))
+        self.plan = plan = build_plan(gm, self.example_inputs, device, resident)
+        self._jax_device = device.jax_device
+        self._torch_device = plan.torch_device
+        self._import_tensor = make_importer(platform=device.platform)
+        self._tensor_positions = [i for i, p in enumerate(plan.inputs) if p.kind != "symint"]
         self.dynamic = any(
             isinstance(v, torch.SymInt)
             or (isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape))
             for v in self.example_inputs
         )
-        resident = resident_inputs if resident_inputs is not None else static_input_indices(len(self.example_inputs))
-        self._resident_positions = [i in resident for i in self._tensor_positions]
         self._resident: list = [None] * len(self._tensor_positions)
-        # Per tensor input, decided once: (arg position, resident slot or -1, plan kind, perm).
+        # Per tensor input, decided once: (arg position, resident slot or -1, kind, perm, move).
         # Inputs only stacked in torch (per-layer weights of a folded scan) never reach the
         # executable: resident ones are only checked for changes, which renew the stack.
-        skipped = concat_only_inputs(gm, self.example_inputs)
-        self._import_steps = [(i, j if self._resident_positions[j] else -1, self.plans[i].kind, self.plans[i].perm)
-                              for j, i in enumerate(self._tensor_positions) if i not in skipped]
+        self._import_steps = [(i, j if plan.inputs[i].resident else -1, plan.inputs[i].kind, plan.inputs[i].perm,
+                               plan.inputs[i].move)
+                              for j, i in enumerate(self._tensor_positions) if plan.inputs[i].passed]
         self._check_steps = [(i, j) for j, i in enumerate(self._tensor_positions)
-                             if i in skipped and self._resident_positions[j]]
+                             if not plan.inputs[i].passed and plan.inputs[i].resident]
+        self._concat_moves = [plan.inputs[group[0]].move for _, group in plan.concats]
+        self._seed_move = "" if plan.torch_device is not None else "pjrt"
         self._specializations: dict = {}
+        self._compile_lock = threading.Lock()
         self._concat_cache: dict = {}  # input positions -> (resident epoch, tensor, buffer)
         # Bumped whenever `_import` refreshes a resident buffer: concatenations of resident
         # inputs stay valid while it is unchanged (no per-member check on the call path).
         self._resident_epoch = 0
-        self._resident_args = {i for j, i in enumerate(self._tensor_positions) if self._resident_positions[j]}
+        self._resident_args = {i for i in self._tensor_positions if plan.inputs[i].resident}
         self._static: _Specialization | None = None
         self._weakself = weakref.ref(self)
         counters.graphs += 1
@@ -208,14 +220,14 @@ class CompiledGraph:
             check_compile_allowed(f"graph {self.name} for input shapes {shapes}", self.no_recompile,
                                   signature_change(seen, signature(self._signature(args))) if seen else "")
         t0 = time.perf_counter()
-        lowered = lower_graph(self.gm, self.example_inputs, args, check_indices=self.check_indices)
+        lowered = lower_graph(self.gm, self.plan, self.example_inputs, args, check_indices=self.check_indices)
         t1 = time.perf_counter()
         exe = compile_module(lowered.module_text, self.device)
         counters.lower_seconds += t1 - t0
         counters.specializations += 1
         suffix = "" if args is None else "_" + "_".join("x".join(map(str, s)) for s, _ in lowered.arg_shapes)[:80]
         dump.write_graph(self.name + suffix, self.gm, lowered.module_text, lambda: optimized_hlo_text(exe))
-        return _Specialization(exe, lowered, self.device.platform)
+        return _Specialization(exe, lowered, result_exports(self.plan, bool(lowered.checks)))
 
     def _signature(self, args):
         return tuple(
@@ -235,7 +247,10 @@ class CompiledGraph:
         key = self._signature(args)
         spec = self._specializations.get(key)
         if spec is None:
-            spec = self._specializations[key] = self._specialize(list(args))
+            with self._compile_lock:  # threads asking for one new shape compile it once
+                spec = self._specializations.get(key)
+                if spec is None:
+                    spec = self._specializations[key] = self._specialize(list(args))
         return spec
 
     def _concat_buffers(self, groups, args) -> list:
@@ -246,14 +261,14 @@ class CompiledGraph:
         cache = self._concat_cache
         epoch = self._resident_epoch
         bufs = []
-        for group in groups:
+        for group, move in zip(groups, self._concat_moves):
             hit = cache.get(group)
             if hit is not None and hit[0] == epoch:
                 bufs.append(hit[2])
                 continue
             with torch.no_grad():
                 stacked = torch.cat([args[i] for i in group])
-            buf = import_tensor(stacked, self._jax_device)
+            buf = self._import_tensor(stacked, self._jax_device) if not move else self._moved(stacked, move)
             valid = epoch if self._resident_args.issuperset(group) else -1
             cache[group] = (valid, stacked, buf)
             bufs.append(buf)
@@ -277,8 +292,10 @@ class CompiledGraph:
         bufs = self._import(args)
         if spec.lowered.input_concats:
             bufs += self._concat_buffers(spec.lowered.input_concats, args)
-        if spec.lowered.needs_seed:  # random ops: a fresh seed from torch's default generator
-            bufs.append(import_tensor(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64), self._jax_device))
+        if spec.lowered.needs_seed:  # random ops: a fresh seed from torch's generator of that device
+            seed = torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=self.plan.seed_device)
+            bufs.append(self._import_tensor(seed, self._jax_device) if not self._seed_move
+                        else self._moved(seed, self._seed_move))
         held = {i: args[i] for i in spec.input_outputs} if spec.input_outputs else None
         if spec.concat_outputs:
             held = {**(held or {}), **self._concat_outputs(spec)}
@@ -317,9 +334,10 @@ class CompiledGraph:
 
     def _import(self, args):
         dev = self._jax_device
+        import_tensor = self._import_tensor
         resident = self._resident
         bufs = []
-        for i, j, kind, perm in self._import_steps:
+        for i, j, kind, perm, move in self._import_steps:
             t = args[i]
             if j >= 0:  # a parameter/buffer: its device buffer stays resident
                 r = resident[j]
@@ -327,23 +345,31 @@ class CompiledGraph:
                 if r is not None and r[0] is t and r[1] == t._version and r[2] == t.data_ptr():
                     bufs.append(r[3])
                     continue
-            if kind == "tensor":
-                buf = import_tensor(t, dev)
-            elif kind == "permuted":
-                buf = import_tensor(t.permute(perm), dev)
-            else:
-                buf = import_tensor(t.contiguous(), dev)
+            dense = t if kind == "tensor" else t.permute(perm) if kind == "permuted" else t.contiguous()
+            buf = import_tensor(dense, dev) if not move else self._moved(dense, move)
             if j >= 0:
                 resident[j] = (t, t._version, t.data_ptr(), buf)
-                self._resident_epoch += 1
+                self._resident_epoch = next(_epochs)
                 self._hold(t, j)
             bufs.append(buf)
         for i, j in self._check_steps:
             t, r = args[i], resident[j]
             if r is None or r[0] is not t or r[1] != t._version or r[2] != t.data_ptr():
                 resident[j] = (t, t._version, t.data_ptr(), None)
-                self._resident_epoch += 1
+                self._resident_epoch = next(_epochs)
         return bufs
+
+    def _moved(self, t: torch.Tensor, move: str):
+        """The device buffer of `t`, which lives on another device than the executable's (see
+        plan.MOVES): moved in torch, or imported on its own device and copied by PJRT."""
+        if move == "torch":
+            return self._import_tensor(t.to(self._torch_device), self._jax_device)
+        import jax
+
+        own = device_of(t.device)
+        buf = jax.device_put(make_importer(platform=own.platform)(t, own.jax_device), self._jax_device)
+        # The copy reads `t`'s memory asynchronously: done before torch may write `t` again.
+        return buf.block_until_ready()
 
     def _drop_resident(self, slot: int, t: torch.Tensor) -> None:
         """Forget resident slot `slot` if it still imports `t` (whose storage was swapped out):
@@ -351,7 +377,7 @@ class CompiledGraph:
         r = self._resident[slot]
         if r is not None and r[0] is t:
             self._resident[slot] = None
-            self._resident_epoch += 1
+            self._resident_epoch = next(_epochs)
 
     def _hold(self, t: torch.Tensor, slot: int) -> None:
         """Record that resident slot `slot` imports `t`'s memory (see install_input)."""
@@ -385,6 +411,30 @@ class CompiledGraph:
                 t = op(t, *op_args)
             results.append(t)
         return results
+
+
+def result_exports(plan: GraphPlan, checks: bool) -> list:
+    """Per executable result, the function that hands it to torch on the device its output
+    lives on (see plan.MOVES); the index-check code, when `checks`, stays on the device."""
+    platform, index = plan.device.platform, plan.device.index
+    export = make_exporter(platform=platform, index=index)
+
+    def moved(r):
+        if not r.move:
+            return export
+        if r.move == "torch":
+            home = r.device
+            return lambda a: export(a).to(home)
+        import jax
+
+        own = device_of(r.device)
+        own_export = make_exporter(platform=own.platform, index=own.index)
+        return lambda a: own_export(jax.device_put(a, own.jax_device))
+
+    if not any(r.move for r in plan.results):
+        return export  # one exporter for every result: the launcher's fastest form
+    exports = [moved(r) for r in plan.results]
+    return exports + [export] if checks else exports
 
 
 def _restride(t: torch.Tensor, stride) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .errors import user_source_line
-from .lowering.graph import PYTHON_OPS
+from .lowering.registry import PYTHON_OPS
 from .lowering.registry import lowering_for
 
 _warned: set = set()
@@ -69,9 +69,11 @@ def _warn_fallback(nodes) -> None:
         )
 
 
-def partitioned_graph(gm: torch.fx.GraphModule, compile_subgraph):
+def partitioned_graph(gm: torch.fx.GraphModule, compile_subgraph, resident: set[int] | None = None):
     """A boxed callable running `gm` as XLA subgraphs (built by `compile_subgraph(sub_gm,
-    example_inputs, name)`) with eager islands between them."""
+    example_inputs, name, resident_inputs)`) with eager islands between them. `resident`: the
+    positions of `gm`'s inputs that are parameters/buffers; a subgraph keeps device buffers
+    across calls for those of its inputs alone, never for intermediates (new every call)."""
     from .metrics import counters
 
     eager = unsupported_nodes(gm)
@@ -83,6 +85,8 @@ def partitioned_graph(gm: torch.fx.GraphModule, compile_subgraph):
         # A partition of nothing but size arithmetic is cheaper in Python.
         if any(n.target not in PYTHON_OPS for n in p.nodes)
     ]
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    static = {name for i, name in enumerate(placeholders) if i in (resident or ())}
     fused = partitioner.fuse_partitions(partitions, prefix="xla_")
     for node in list(fused.graph.nodes):
         if node.op != "call_module" or not node.target.startswith("xla_"):
@@ -91,7 +95,9 @@ def partitioned_graph(gm: torch.fx.GraphModule, compile_subgraph):
         examples = [a.meta["val"] for a in node.args]
         out_node = next(n for n in sub.graph.nodes if n.op == "output")
         single = not isinstance(out_node.args[0], (tuple, list))
-        compiled = compile_subgraph(sub, examples, node.target)
+        # (fuse_partitions copies the graph: its placeholders are known by name.)
+        sub_resident = {i for i, a in enumerate(node.args) if a.op == "placeholder" and a.name in static}
+        compiled = compile_subgraph(sub, examples, node.target, sub_resident)
         delattr(fused, node.target)
         fused.add_module(node.target, XlaIsland(compiled, single))
     fused.recompile()

@@ -25,13 +25,24 @@ class RecompileError(Fx2XlaError):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A shape and dtype to warm up with; the input is made of zeros (valid token ids too)."""
+    """A shape and dtype to warm up with; the input is made of zeros (valid token ids too).
+    device: where it is made; None: where the model's parameters live (else the CPU)."""
 
     shape: tuple
     dtype: torch.dtype = torch.float32
+    device: torch.device | str | None = None
 
-    def materialize(self) -> torch.Tensor:
-        return torch.zeros(tuple(self.shape), dtype=self.dtype)
+    def materialize(self, device=None) -> torch.Tensor:
+        return torch.zeros(tuple(self.shape), dtype=self.dtype, device=self.device or device)
+
+
+def _model_device(compiled):
+    """The device of the first parameter or buffer of a compiled module (None otherwise)."""
+    module = getattr(compiled, "_orig_mod", compiled)
+    if isinstance(module, torch.nn.Module):
+        for t in (*module.parameters(), *module.buffers()):
+            return t.device
+    return None
 
 
 class _State(threading.local):
@@ -122,14 +133,15 @@ def signature_change(seen: list, new: tuple) -> str:
     return ", ".join(best[:4]) + (f" and {len(best) - 4} more" if len(best) > 4 else "")
 
 
-def _as_call(item):
+def _as_call(item, device=None):
     """A warm-up item -> (args, kwargs): a tensor, a TensorSpec, a torch.Size (float32 zeros),
-    a tuple/list of those (positional arguments) or a dict (keyword arguments)."""
+    a tuple/list of those (positional arguments) or a dict (keyword arguments). Zeros are made
+    on `device` (a TensorSpec's own device first)."""
     def one(x):
         if isinstance(x, TensorSpec):
-            return x.materialize()
+            return x.materialize(device)
         if isinstance(x, torch.Size):
-            return torch.zeros(x)
+            return torch.zeros(x, device=device)
         return x
 
     if isinstance(item, dict):
@@ -139,16 +151,18 @@ def _as_call(item):
     return (one(item),), {}
 
 
-def warmup(compiled, inputs, progress: bool = True) -> dict:
+def warmup(compiled, inputs, progress: bool = True, device=None) -> dict:
     """Compile (or load from the disk cache) `compiled` for every input signature in `inputs`
     before traffic arrives, running it once on each. Returns what it took: signatures, XLA
-    compiles, disk-cache loads and seconds."""
+    compiles, disk-cache loads and seconds. TensorSpec/torch.Size inputs are made on `device`,
+    by default where the model's parameters live (a CUDA model warms up on its GPU)."""
     from tqdm.auto import tqdm
 
     from .metrics import metrics
 
     before, t0 = metrics(), time.perf_counter()
     items = list(inputs)
+    device = device if device is not None else _model_device(compiled)
     _state.warming_up += 1
     try:
         # Dynamo tries its newest graph first: once a later shape made a graph dynamic, earlier
@@ -157,7 +171,7 @@ def warmup(compiled, inputs, progress: bool = True) -> dict:
             seen = metrics()["specializations"] + metrics()["graphs"]
             desc = "fx2xla warm-up" if attempt == 0 else "fx2xla warm-up (dynamic graphs)"
             for item in tqdm(items, desc=desc, unit="shape", disable=not progress):
-                args, kwargs = _as_call(item)
+                args, kwargs = _as_call(item, device)
                 compiled(*args, **kwargs)
             if metrics()["specializations"] + metrics()["graphs"] == seen:
                 break

@@ -55,6 +55,31 @@ class Device:
     def __str__(self) -> str:
         return f"{self.platform}:{self.index}"
 
+    @property
+    def torch_device(self):
+        """This device as torch names it, or None where this torch cannot hold tensors there
+        (a CPU build of torch beside jax's CUDA plugin)."""
+        import torch
+
+        if self.platform == "cpu":
+            return torch.device("cpu")
+        if self.platform in ("cuda", "rocm") and torch.cuda.is_available():
+            return torch.device("cuda", self.index)
+        return None
+
+    def holds(self, device) -> bool:
+        """Whether torch tensors on `device` (a torch.device) live on this PJRT device."""
+        if device.type == "cpu":
+            return self.platform == "cpu"
+        return device.type == "cuda" and self.platform in ("cuda", "rocm") and (device.index or 0) == self.index
+
+
+def device_of(device) -> Device:
+    """The PJRT device that holds torch tensors on `device` (cpu -> CPU 0, cuda:N -> CUDA N)."""
+    if device.type == "cpu":
+        return Device("cpu", 0)
+    return Device(_platform_of(device), device.index or 0)
+
 
 def platform_from_env() -> str:
     name = os.environ.get("PJRT_DEVICE", "CPU").strip().upper()

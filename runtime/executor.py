@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 
 from .cache import ExecutableCache, executable_cache, fingerprint
@@ -131,6 +132,13 @@ def optimized_hlo_text(exe) -> str:
 
 def _public_launcher(exe, export):
     execute = exe.execute
+    if not callable(export):  # one export per result
+        exports = export
+
+        def launch_public(bufs: list) -> list:
+            return [e(o) for e, o in zip(exports, execute(bufs))]
+
+        return launch_public
 
     def launch_public(bufs: list) -> list:
         return [export(o) for o in execute(bufs)]
@@ -158,12 +166,13 @@ def _private_launcher(exe, export):
         if handlers is not None:
             return execute_sharded(bufs).consume_with_handlers(handlers)
         outs = execute(bufs)  # the first call: public, and it tells the outputs' avals
+        exports = [export] * len(outs) if callable(export) else export
         try:
-            handlers = [make_handler(o.aval, o.sharding, committed=True, _skip_checks=True).wrap(export)
-                        for o in outs]
+            handlers = [make_handler(o.aval, o.sharding, committed=True, _skip_checks=True).wrap(e)
+                        for o, e in zip(outs, exports)]
         except Exception:  # an output jaxlib's handler refuses: plain callables, still batched
-            handlers = [lambda shards: export(shards[0])] * len(outs)
-        return [export(o) for o in outs]
+            handlers = [lambda shards, e=e: e(shards[0]) for e in exports]
+        return [e(o) for e, o in zip(exports, outs)]
 
     return launch_private
 
@@ -171,24 +180,39 @@ def _private_launcher(exe, export):
 def _private_traceback_pause():
     """jaxlib records the Python stack on every array it creates; for the hand-off's arrays
     (never seen by users) that is ~2 µs a call, ~10 µs under Dynamo's deeper stack. Returns
-    (pause, resume) over jaxlib's global switch, or None if absent. `pause()` is True when it
-    turned recording off; only then does the caller `resume()`, so concurrent callers never
-    leave it off (at worst another thread's arrays miss a traceback for a moment)."""
+    (pause, resume) over jaxlib's switch, or None if absent. `pause()` is True when the call
+    runs paused; only then does the caller `resume()`.
+
+    The switch is process-global, and jaxlib reads it more than once inside one execute (it
+    sets up a traceback "user context" when recording is on, and demands one when it is on):
+    flipped by one thread while another executes, that thread fails with "a null user
+    context". So it is flipped under a count: off when the first paused call starts, back on
+    when the last one in flight ends, so every concurrent call of ours runs with it off from
+    start to end. jax code of the user's own running in another thread at that moment could
+    still see it flip; FX2XLA_PUBLIC_EXECUTE=1 (no pause, ~2-10 µs a call) rules that out."""
     try:
         from jax._src.lib import _jax
 
         enabled, set_enabled = _jax.tracebacks_enabled, _jax.set_tracebacks_enabled
     except (ImportError, AttributeError):
         return None
+    lock = threading.Lock()
+    in_flight = [0]  # paused calls running now
 
     def pause_private() -> bool:
-        if enabled():
-            set_enabled(False)
-            return True
-        return False
+        with lock:
+            if not in_flight[0]:
+                if not enabled():  # the user turned recording off: leave the switch alone
+                    return False
+                set_enabled(False)
+            in_flight[0] += 1
+        return True
 
     def resume_private() -> None:
-        set_enabled(True)
+        with lock:
+            in_flight[0] -= 1
+            if not in_flight[0]:
+                set_enabled(True)
 
     return pause_private, resume_private
 
@@ -211,7 +235,8 @@ def make_traceback_pause(public: bool | None = None):
 
 def make_launcher(exe, export=None, public: bool | None = None):
     """`launch(bufs) -> list of torch.Tensor`: execute a single-device executable on PJRT
-    buffers and hand every output back with `export` (default: `handoff.export_array`)."""
+    buffers and hand every output back with `export` (default: `handoff.export_array`), or
+    with `export[i]` for output i when it is a list (outputs that go to different devices)."""
     export = export_array if export is None else export
     private = None if _use_public(public, "FX2XLA_PUBLIC_EXECUTE") else _private_launcher(exe, export)
     return private or _public_launcher(exe, export)

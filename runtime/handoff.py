@@ -1,8 +1,17 @@
 """Zero-copy tensor hand-off between torch and PJRT buffers through DLPack.
 
 The fast paths are private jaxlib calls; each sits behind one small function here
-(`_private_importer`, `_private_exporter`), with jax's public DLPack API as the fallback.
-`FX2XLA_PUBLIC_DLPACK=1` forces the public paths.
+(`_private_importer`, `_private_exporter`, and their CUDA twins), with jax's public DLPack API
+as the fallback. `FX2XLA_PUBLIC_DLPACK=1` forces the public paths.
+
+On CUDA the hand-off is stream-ordered and never blocks the host, as DLPack's stream protocol
+prescribes (jax's own `from_dlpack` / `torch.from_dlpack` do the same):
+- in: torch makes jax's stream for external buffers wait on torch's current stream (an event,
+  device-side), and the buffer jax builds is defined on that stream, so XLA reads an input only
+  after the torch kernels that wrote it;
+- out: jax makes torch's current stream wait on the result's definition event, so torch's next
+  kernels read an output only after XLA wrote it. Without a stream, jax would block the host
+  until the result is ready: a host sync per executable per call.
 """
 from __future__ import annotations
 
@@ -68,23 +77,125 @@ def _public_exporter():
     return export_public
 
 
+def _torch_stream_private(index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _torch_stream_public(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def make_torch_stream(public: bool | None = None):
+    """`stream(index) -> int`: the handle of torch's current CUDA stream on device `index`
+    (torch's private raw getter, ~0.2 µs; public fallback `torch.cuda.current_stream`)."""
+    if not _use_public(public) and hasattr(torch._C, "_cuda_getCurrentRawStream"):
+        return _torch_stream_private
+    return _torch_stream_public
+
+
+def _dlpack_stream(handle: int) -> int:
+    # DLPack spells CUDA's legacy default stream 1 (0 means "no stream" to some consumers).
+    return handle or 1
+
+
+_ready_streams: dict = {}
+
+
+def _ready_stream(jax_device) -> int | None:
+    """jax's stream on `jax_device` that an imported buffer is defined on (once per device)."""
+    key = id(jax_device)
+    if key not in _ready_streams:
+        try:
+            _ready_streams[key] = jax_device.get_stream_for_external_ready_events()
+        except Exception as e:  # noqa: BLE001  a platform without external streams
+            if "UNIMPLEMENTED" not in str(e):
+                raise
+            _ready_streams[key] = None
+    return _ready_streams[key]
+
+
+def _private_cuda_importer():
+    """jaxlib's direct DLPack import with DLPack's stream protocol (see the module doc)."""
+    try:
+        from jax._src.lib import _jax
+
+        fn = _jax.dlpack_managed_tensor_to_buffer
+    except (ImportError, AttributeError):
+        return None
+
+    def import_cuda_private(t: torch.Tensor, device):
+        stream = _ready_stream(device)
+        return fn(t.__dlpack__(stream=stream), device, stream, None, None)
+
+    return import_cuda_private
+
+
+def _public_cuda_importer():
+    import jax
+    import jax.dlpack
+
+    def import_cuda_public(t: torch.Tensor, device):
+        with jax.enable_x64(True):  # jax.dlpack.from_dlpack syncs torch's stream itself
+            a = jax.dlpack.from_dlpack(t)
+        return a if a.devices() == {device} else jax.device_put(a, device)
+
+    return import_cuda_public
+
+
+def _private_cuda_exporter(index: int):
+    try:
+        from jax._src.lib import _jax
+
+        fn = _jax.buffer_to_dlpack_managed_tensor
+    except (ImportError, AttributeError):
+        return None
+    from_capsule = getattr(torch._C, "_from_dlpack", _from_capsule)
+    stream = make_torch_stream()
+
+    def export_cuda_private(a) -> torch.Tensor:
+        # torch's current stream waits (device-side) for the result: no host sync.
+        return from_capsule(fn(a, stream=_dlpack_stream(stream(index))))
+
+    return export_cuda_private
+
+
+def _public_cuda_exporter(index: int):
+    def export_cuda_public(a) -> torch.Tensor:
+        return torch.from_dlpack(a)  # passes torch's current stream to jax's __dlpack__
+
+    return export_cuda_public
+
+
 def _use_public(public: bool | None, switch: str = "FX2XLA_PUBLIC_DLPACK") -> bool:
     if public is None:
         return os.environ.get(switch, "") not in ("", "0")
     return public
 
 
-def make_importer(public: bool | None = None):
+def _gpu(platform: str) -> bool:
+    return platform in ("cuda", "rocm")
+
+
+def make_importer(public: bool | None = None, platform: str = "cpu"):
     """`import_tensor(t, jax_device) -> jax.Array`, sharing memory with `t` where possible
-    (a copy when `t` is not 64-byte aligned). `t` must be dense and row-major; callers make
-    it so with a plan decided once per graph, not per call."""
+    (a copy when `t` is not 64-byte aligned). `t` must be dense and row-major, and live on
+    `jax_device` (a CPU tensor given to a GPU device would hand XLA a host pointer as a device
+    buffer): callers make it so with a plan decided once per graph, not per call. `platform`:
+    that of the devices it will import to ("cuda"/"rocm": stream-ordered)."""
+    if _gpu(platform):
+        private = None if _use_public(public) else _private_cuda_importer()
+        return private or _public_cuda_importer()
     private = None if _use_public(public) else _private_importer()
     return private or _public_importer()
 
 
-def make_exporter(public: bool | None = None):
-    """`export_array(a) -> torch.Tensor` sharing the PJRT buffer's memory; it waits for a
-    result that is still being computed."""
+def make_exporter(public: bool | None = None, platform: str = "cpu", index: int = 0):
+    """`export_array(a) -> torch.Tensor` sharing the PJRT buffer's memory. CPU: it waits for a
+    result that is still being computed. CUDA (device `index`): torch's current stream waits
+    for it instead, and the host goes on."""
+    if _gpu(platform):
+        private = None if _use_public(public) else _private_cuda_exporter(index)
+        return private or _public_cuda_exporter(index)
     private = None if _use_public(public) else _private_exporter()
     return private or _public_exporter()
 

@@ -59,8 +59,7 @@ def _hoist_invariants(ctx, body: torch.fx.GraphModule, invariant_inputs: dict, k
     inputs (attention masks and what is derived from them): XLA's loop-invariant code motion
     leaves size-inflating ops (broadcasts, iota masks) in the loop, unrolled layers share them.
     Returns their values (plus `invariant_inputs`) for `_run_subgraph(known=...)`."""
-    from .graph import PYTHON_OPS
-    from .registry import lowering_for
+    from .registry import PYTHON_OPS, lowering_for
 
     invariant = set(invariant_inputs)
     hoisted = []

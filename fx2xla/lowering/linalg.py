@@ -27,8 +27,23 @@ def accumulation_dtype(dtype):
 
 
 def matmul_precision(dtype):
-    # Full-precision float32 (no TF32/bf16 passes on backends that would otherwise use them).
-    return lax.Precision.HIGHEST if jnp.issubdtype(dtype, jnp.floating) else None
+    """The dot precision torch would use for `dtype` on the platform being lowered for. CPU:
+    HIGHEST (XLA:CPU computes float32 dots in float32 whatever it says). GPUs: float32 follows
+    `torch.get_float32_matmul_precision()` as Inductor and cuBLAS do ("highest": float32;
+    "high"/"medium": TF32 or bf16 passes, XLA's DEFAULT); bf16/f16 dots use the tensor cores at
+    DEFAULT (HIGHEST would make XLA upcast them to float32 GEMMs). Read when a graph is
+    lowered: a later change of torch's setting applies to graphs compiled after it."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    from .registry import current_platform
+
+    if current_platform() == "cpu":
+        return lax.Precision.HIGHEST
+    if jnp.dtype(dtype) in _HALF:
+        return lax.Precision.DEFAULT
+    import torch
+
+    return lax.Precision.HIGHEST if torch.get_float32_matmul_precision() == "highest" else lax.Precision.DEFAULT
 
 
 def dot(a, b, contract, batch=((), ())):

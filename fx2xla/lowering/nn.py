@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import torch
 from torch.ops import aten
 
 from .linalg import accumulation_dtype, dot, matmul_precision
-from .registry import register_lowering
+from .dtypes import to_jax_dtype
+from .registry import concrete_shape, register_lowering
 from .shape import canonical_dim
 
 
@@ -726,6 +728,13 @@ def _sdpa_cudnn_backward(ctx, grad, q, k, v, out, logsumexp, philox_seed, philox
     return _attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed, False)[:3]
 
 
+@register_lowering(aten.scaled_dot_product_attention.default, random=True)
+def _sdpa_composite(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    # The composite op itself: torch.export keeps it (AOTAutograd decomposes it to a fused one).
+    seed = _new_seed(ctx) if dropout_p else None
+    return _attention(q, k, v, attn_mask, is_causal, scale, dropout_p, seed)[0]
+
+
 @register_lowering(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
 def _sdpa_overrideable(ctx, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                        *, scale=None):
@@ -741,6 +750,128 @@ def _sdpa_overrideable_backward(ctx, grad, q, k, v, attn_bias, grad_input_mask, 
     grads = _attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed,
                              bool(grad_input_mask[3]))
     return _masked(grads, grad_input_mask)
+
+
+# On CUDA, XLA's cuDNN fused attention (jax.nn.dot_product_attention, implementation "cudnn")
+# where cuDNN takes the inputs: bf16/f16, no dropout, and, in the forward, only the attention
+# output read (the logsumexp the backward ops take is not among cuDNN's public outputs; the
+# backward recomputes from q, k, v anyway). Everything else falls back to the math above.
+
+def _cudnn_attention(q, k, v, bias, is_causal, scale):
+    """cuDNN attention on torch's [B, H, L, D] layout, or None where cuDNN does not take these
+    inputs (dtype, head dim, sequence lengths, no cuDNN in this process)."""
+    import jax
+
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return None
+    if (is_causal and q.shape[2] != k.shape[2]) or (bias is not None and bias.ndim < 2):
+        return None
+    mask = None
+    if bias is not None:
+        full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        bias = jnp.broadcast_to(bias, full)
+        if bias.dtype == jnp.bool_:
+            mask, bias = bias, None
+        else:
+            bias = bias.astype(q.dtype)
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, H, L, D] <-> [B, L, H, D]
+    try:
+        out = jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, mask=mask, scale=scale,
+                                           is_causal=bool(is_causal), implementation="cudnn")
+    except (RuntimeError, ValueError, NotImplementedError, TypeError):
+        return None
+    return t(out)
+
+
+def _cudnn_grads(grad, q, k, v, bias, is_causal, scale):
+    """(dq, dk, dv) through cuDNN's fused backward, or None where cuDNN does not apply."""
+    if _cudnn_attention(q, k, v, bias, is_causal, scale) is None:
+        return None
+    out, pull = jax.vjp(lambda q, k, v: _cudnn_attention(q, k, v, bias, is_causal, scale), q, k, v)
+    return pull(grad.astype(out.dtype))
+
+
+def _only_output_read(node) -> bool:
+    """Whether the attention output (item 0) is the only result of `node` anything reads."""
+    import operator
+
+    return all(u.target is operator.getitem and u.args[1] == 0 for u in node.users)
+
+
+def _unread_extras(ctx, out):
+    """`out` plus stand-ins for the extra results of a fused-attention node that nothing reads
+    (zeros of their shapes, their sizes, None)."""
+    extras = []
+    for meta in ctx.out[1:]:
+        if isinstance(meta, torch.Tensor):
+            extras.append(jnp.zeros(concrete_shape(meta.shape, ctx.sizes), to_jax_dtype(meta.dtype)))
+        elif isinstance(meta, torch.SymInt):
+            extras.append(ctx.sizes(meta))
+        else:
+            extras.append(meta)
+    return (out, *extras)
+
+
+def _cuda_attention_rule(op, generic, parse):
+    """A CUDA rule for fused-attention forward `op`: cuDNN where it applies, else `generic`.
+    parse(*args, **kwargs) -> (q, k, v, bias, dropout_p, is_causal, scale)."""
+    @register_lowering(op, random=True, platform="cuda")
+    def rule(ctx, *args, **kwargs):
+        q, k, v, bias, dropout_p, is_causal, scale = parse(*args, **kwargs)
+        single = not isinstance(ctx.out, (tuple, list))  # the composite op: the output alone
+        if not dropout_p and (single or _only_output_read(ctx.node)):
+            out = _cudnn_attention(q, k, v, bias, is_causal, scale)
+            if out is not None:
+                return out if single else _unread_extras(ctx, out)
+        return generic(ctx, *args, **kwargs)
+
+    return rule
+
+
+def _cuda_attention_backward_rule(op, generic, parse):
+    """A CUDA rule for fused-attention backward `op`. parse(*args, **kwargs) -> (grad, q, k, v,
+    bias, dropout_p, is_causal, scale, outputs wanted (dq, dk, dv, dbias))."""
+    @register_lowering(op, platform="cuda")
+    def rule(ctx, *args, **kwargs):
+        grad, q, k, v, bias, dropout_p, is_causal, scale, wanted = parse(*args, **kwargs)
+        if not dropout_p and (len(wanted) < 4 or not wanted[3]):
+            grads = _cudnn_grads(grad, q, k, v, bias, is_causal, scale)
+            if grads is not None:
+                grads = tuple(g if w else None for g, w in zip(grads, wanted))
+                return grads if len(ctx.out) == 3 else (*grads, None)
+        return generic(ctx, *args, **kwargs)
+
+    return rule
+
+
+_cuda_attention_rule(
+    aten._scaled_dot_product_flash_attention.default, _sdpa_flash,
+    lambda q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None:
+        (q, k, v, None, dropout_p, is_causal, scale))
+_cuda_attention_rule(
+    aten._scaled_dot_product_efficient_attention.default, _sdpa_efficient,
+    lambda q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None:
+        (q, k, v, attn_bias, dropout_p, is_causal, scale))
+_cuda_attention_rule(
+    aten._scaled_dot_product_cudnn_attention.default, _sdpa_cudnn,
+    lambda q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+    scale=None: (q, k, v, attn_bias, dropout_p, is_causal, scale))
+_cuda_attention_rule(
+    aten.scaled_dot_product_attention.default, _sdpa_composite,
+    lambda q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False:
+        (q, k, v, attn_mask, dropout_p, is_causal, scale))
+_cuda_attention_backward_rule(
+    aten._scaled_dot_product_flash_attention_backward.default, _sdpa_flash_backward,
+    lambda grad, q, k, v, out, lse, cq, ck, mq, mk, dropout_p, is_causal, seed, offset, *, scale=None:
+        (grad, q, k, v, None, dropout_p, is_causal, scale, [True, True, True]))
+_cuda_attention_backward_rule(
+    aten._scaled_dot_product_efficient_attention_backward.default, _sdpa_efficient_backward,
+    lambda grad, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal=False, *,
+    scale=None: (grad, q, k, v, attn_bias, dropout_p, is_causal, scale, [bool(m) for m in grad_input_mask]))
+_cuda_attention_backward_rule(
+    aten._scaled_dot_product_cudnn_attention_backward.default, _sdpa_cudnn_backward,
+    lambda grad, q, k, v, out, lse, seed, offset, attn_bias, cq, ck, mq, mk, dropout_p, is_causal, *, scale=None:
+        (grad, q, k, v, attn_bias, dropout_p, is_causal, scale, [True, True, True]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,10 @@ node. Type promotion and broadcasting are decided here, by the decorator, never 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -15,6 +19,16 @@ import torch
 from jax import lax
 
 from .dtypes import to_jax_dtype
+
+# Python-level callables that appear in graphs on sizes (SymInt arithmetic) or tuples; they
+# run directly on the concrete values the trace sees.
+PYTHON_OPS = {
+    operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
+    operator.truediv, operator.mod, operator.pow, operator.neg, operator.eq, operator.ne,
+    operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_,
+    operator.not_, math.ceil, math.floor, math.sqrt, math.trunc, abs, max, min, int, float,
+    torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_sqrt,
+}
 
 # How a rule's tensor/scalar arguments are cast before the rule runs.
 #  None          : untouched
@@ -48,6 +62,9 @@ class LoweringRule:
 
 
 LOWERINGS: dict[torch._ops.OpOverload, LoweringRule] = {}
+# Rules for one platform only ("cuda", "cpu", ...), tried before the generic ones, as JAX's
+# `mlir.register_lowering(..., platform=)`: e.g. cuDNN's fused attention on CUDA.
+PLATFORM_LOWERINGS: dict[tuple, LoweringRule] = {}
 # Rules for ops that only exist once some torch module defines them (e.g. "prims.fma.default").
 LOWERINGS_BY_NAME: dict[str, LoweringRule] = {}
 
@@ -59,7 +76,7 @@ def _overloads(op) -> list:
 
 
 def register_lowering(*ops, promote: str | None = None, broadcast: bool = False, random: bool = False,
-                     subgraphs: Callable | None = None):
+                     subgraphs: Callable | None = None, platform: str | None = None):
     """Register `fn` as the lowering of `ops` (overloads, or packets = all their overloads).
 
     promote: see PROMOTIONS. broadcast: tensor and scalar arguments are broadcast to the
@@ -71,6 +88,10 @@ def register_lowering(*ops, promote: str | None = None, broadcast: bool = False,
     def deco(fn):
         rule = LoweringRule(fn, promote, broadcast, random, subgraphs)
         for op in ops:
+            if platform is not None:
+                for ov in _overloads(op):
+                    PLATFORM_LOWERINGS[(ov, platform)] = rule
+                continue
             if isinstance(op, str):
                 LOWERINGS_BY_NAME[op] = rule
                 continue
@@ -81,7 +102,30 @@ def register_lowering(*ops, promote: str | None = None, broadcast: bool = False,
     return deco
 
 
-def lowering_for(op) -> LoweringRule | None:
+_platform: contextvars.ContextVar = contextvars.ContextVar("fx2xla_lowering_platform", default="cpu")
+
+
+def current_platform() -> str:
+    """The platform the module being traced is lowered for (set by lower_graph)."""
+    return _platform.get()
+
+
+@contextlib.contextmanager
+def lowering_platform(platform: str):
+    """Lower for `platform` inside this block (per thread: each trace has its own)."""
+    token = _platform.set(platform)
+    try:
+        yield
+    finally:
+        _platform.reset(token)
+
+
+def lowering_for(op, platform: str | None = None) -> LoweringRule | None:
+    """The rule for `op`: `platform`'s own if it has one, else the generic one."""
+    if platform is not None and PLATFORM_LOWERINGS:
+        rule = PLATFORM_LOWERINGS.get((op, platform))
+        if rule is not None:
+            return rule
     rule = LOWERINGS.get(op)
     if rule is None and LOWERINGS_BY_NAME:
         rule = LOWERINGS_BY_NAME.get(str(op))
@@ -115,6 +159,11 @@ class LoweringContext:
     def out(self) -> Any:
         """The node's meta value (FakeTensor, tuple of them, or SymInt)."""
         return self.node.meta.get("val")
+
+    @property
+    def platform(self) -> str:
+        """The platform the module is lowered for ("cpu", "cuda", ...)."""
+        return current_platform()
 
     @property
     def out_dtype(self) -> np.dtype:

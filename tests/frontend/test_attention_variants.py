@@ -162,3 +162,23 @@ def test_dropout_mask_is_consistent_between_forward_and_backward(variant):
     again = forward(q, k, v, p)[0]
     other = forward(q, k, v, p)[0]
     assert torch.equal(again, a) and not torch.equal(other, a)
+
+
+@pytest.mark.parametrize("causal, mask, gqa", [(False, None, False), (True, None, False), (False, "bool", False),
+                                               (False, "float", True)])
+def test_composite_sdpa_op_matches_eager(causal, mask, gqa):
+    """aten.scaled_dot_product_attention itself (torch.export keeps it; AOTAutograd decomposes
+    it first): float32 rtol 1e-4 / atol 1e-5 against eager."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 16)
+    k = torch.randn(2, 2 if gqa else 4, 8, 16)
+    v = torch.randn_like(k)
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.rand(2, 1, 8, 8) > 0.3
+    elif mask == "float":
+        attn_mask = torch.randn(8, 8)
+    op = torch.ops.aten.scaled_dot_product_attention.default
+    expected = op(q, k, v, attn_mask, 0.0, causal, enable_gqa=gqa)
+    actual = run_op(op, q, k, v, attn_mask, 0.0, causal, enable_gqa=gqa)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-import fx2xla.lowering.graph as lowering_graph
+import fx2xla.plan as plan_module
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_small_input_independent_values_become_literals(dump_dir):
 
 
 def test_large_values_stay_computations(dump_dir, monkeypatch):
-    monkeypatch.setattr(lowering_graph, "CONSTANT_FOLD_MAX_ELEMENTS", 8)
+    monkeypatch.setattr(plan_module, "CONSTANT_FOLD_MAX_ELEMENTS", 8)
     f = _masked_scores(16)  # aranges of 16, a mask of 256: all above 8
     x = torch.randn(2, 16, 16)
     got, pos = _compile(f)(x)
@@ -100,7 +100,7 @@ def test_folding_a_gpt2_mask_removes_kernels():
     model = LogitsOnly(gpt2(layers=2, hidden=64)).eval()
     ids = token_ids(2, 32)
     seen = []
-    real = lowering_graph.constant_values
+    real = plan_module.constant_values
 
     def spy(gm):
         out = real(gm)
@@ -109,9 +109,9 @@ def test_folding_a_gpt2_mask_removes_kernels():
 
     with torch.no_grad():
         try:
-            lowering_graph.constant_values = spy
+            plan_module.constant_values = spy
             got = _compile(model)(ids)
         finally:
-            lowering_graph.constant_values = real
+            plan_module.constant_values = real
         torch.testing.assert_close(got, model(ids), rtol=1e-4, atol=1e-4)
     assert seen and max(seen) >= 5, seen  # arange, indices, compares, the mask expand

@@ -140,3 +140,19 @@ def test_batch_buckets_pad_and_share_executables():
             torch.testing.assert_close(out, model(xb), rtol=1e-4, atol=1e-5)
         # 3 shares bucket 4 (compiled already for the first call, batch 2); 5-8 share bucket 8.
         assert fx2xla.metrics()["specializations"] - before == 1
+
+
+def test_warmup_zeros_are_made_where_the_model_lives():
+    """TensorSpec / torch.Size warm-up inputs are made on the model's parameters' device (a
+    CUDA model warms up on its GPU); a TensorSpec's own device wins. ("meta" stands in for a
+    GPU here: only where the zeros are made is under test.)"""
+    from fx2xla.serving import _as_call, _model_device
+
+    meta = torch.device("meta")
+    (a, b), _ = _as_call((fx2xla.TensorSpec((2, 3), torch.int64), torch.Size([4])), meta)
+    assert (a.device, a.dtype, tuple(a.shape)) == (meta, torch.int64, (2, 3)) and b.device == meta
+    (c,), _ = _as_call(fx2xla.TensorSpec((2,), device="cpu"), meta)
+    assert c.device == torch.device("cpu") and torch.equal(c, torch.zeros(2))
+    assert _model_device(torch.nn.Linear(2, 2, device="meta")) == meta
+    assert _model_device(torch.compile(torch.nn.Linear(2, 2), backend="fx2xla")) == torch.device("cpu")
+    assert _model_device(lambda x: x) is None

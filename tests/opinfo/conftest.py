@@ -14,6 +14,6 @@ def _rules_not_constant_folding(monkeypatch):
     """Factory ops' samples (arange, full, eye, linspace ...) take no tensor input, so their
     whole graph is input-independent and the lowering would fold it into a literal computed
     by torch. The sweep tests the lowering rules themselves: no folding here."""
-    import fx2xla.lowering.graph as lowering_graph
+    import fx2xla.plan as plan
 
-    monkeypatch.setattr(lowering_graph, "CONSTANT_FOLD_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(plan, "CONSTANT_FOLD_MAX_ELEMENTS", 0)

@@ -1,0 +1,459 @@
+"""Export a model to a package, and load it with no tracing.
+
+    fx2xla.export(model, (ids,), "gpt2.fx2xla")     # torch.export -> the same lowering -> StableHLO
+    run = fx2xla.load("gpt2.fx2xla")                # no Dynamo, no AOTAutograd, no lowering
+    logits = run(ids)
+
+A package is a folder:
+    manifest.json         format and version, the versions that built it, the calling
+                          convention (inputs, outputs, written buffers, index checks), sha256 of
+                          every other file
+    weights.safetensors   parameters, buffers and constant tensors, by their names
+    module.stablehlo      the portable StableHLO artifact (versioned MLIR bytecode): what any
+                          jaxlib that reads its version compiles from
+    executable-<key>.bin  the compiled executable for the device and jaxlib it was built with
+
+`load` deserializes the executable when one fits the device and jaxlib, else compiles the
+portable module (through the disk cache, so once per machine). Shapes are static: the package
+serves the example inputs' shapes and dtypes, and says so when a call differs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .errors import Fx2XlaError
+
+FORMAT = "fx2xla-package"
+FORMAT_VERSION = 1
+_MANIFEST = "manifest.json"
+_WEIGHTS = "weights.safetensors"
+_MODULE = "module.stablehlo"
+
+
+class PackageError(Fx2XlaError, ValueError):
+    """A package that cannot be loaded: foreign, from a newer format, corrupted, or called with
+    inputs it was not built for."""
+
+
+def _export_table() -> dict:
+    """AOTAutograd's decomposition table minus the attention entries: torch.export keeps the
+    composite SDPA op (which has its own rule), and its math decomposition re-traced here
+    gives the attention output other strides than the model's later views expect."""
+    from .decompositions import decomposition_table
+
+    return {k: v for k, v in decomposition_table().items() if "dot_product" not in str(k)}
+
+
+def _executable_key(device, platform_version: str) -> str:
+    import jaxlib
+
+    raw = f"{jaxlib.version.__version__}|{device.platform}|{device.kind}|{platform_version}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _target_version() -> str:
+    """The StableHLO version to write: ~12 weeks old, so a jaxlib of the last three months reads it."""
+    from jaxlib.mlir.dialects import stablehlo
+
+    return stablehlo.get_version_from_compatibility_requirement(stablehlo.StablehloCompatibilityRequirement.WEEK_12)
+
+
+def _portable_private(module_text: str) -> tuple[str, bytes]:
+    # jaxlib's serializer (jax.export's), which also legalizes CHLO ops (chlo.square, ...).
+    from jax._src.lib import _jax
+
+    return "portable", _jax.mlir.serialize_portable_artifact(module_text, _target_version(), False)
+
+
+def _portable_public(module_text: str) -> tuple[str, bytes]:
+    # The public StableHLO serializer refuses CHLO ops; such modules are kept as MLIR text,
+    # which PJRT compiles as well, though only a jaxlib that parses this one's text can.
+    from jaxlib.mlir.dialects import stablehlo
+
+    try:
+        return "portable", stablehlo.serialize_portable_artifact_str(module_text, _target_version())
+    except Exception:  # noqa: BLE001
+        return "text", module_text.encode()
+
+
+def portable_module(module_text: str, public: bool | None = None) -> tuple[str, bytes]:
+    """(format, bytes): the module as a versioned StableHLO portable artifact ("portable"),
+    or as MLIR text ("text") where only that is possible. Private jaxlib serializer first;
+    `FX2XLA_PUBLIC_EXPORT=1` (or `public=True`) forces the public path."""
+    if public is None:
+        public = os.environ.get("FX2XLA_PUBLIC_EXPORT", "") not in ("", "0")
+    if not public:
+        try:
+            return _portable_private(module_text)
+        except (ImportError, AttributeError):
+            pass
+    return _portable_public(module_text)
+
+
+def _json_value(v):
+    if isinstance(v, (tuple, list)):
+        return [_json_value(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    raise PackageError(f"fx2xla.export: an output or view argument {v!r} ({type(v).__name__}) cannot be stored")
+
+
+def _from_json(v):
+    if isinstance(v, list):
+        return [_from_json(x) for x in v]
+    if isinstance(v, dict) and "dtype" in v:
+        return getattr(torch, v["dtype"])
+    return v
+
+
+def _op_name(op) -> str:
+    return f"{op.namespace}.{op._schema.name.split('::')[1]}.{op._overloadname}"
+
+
+def _op(name: str):
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=None,
+           check_indices: bool = True) -> str:
+    """Export `model` at `example_inputs` (positional tensors) through `torch.export`, lower it
+    with fx2xla's rules for the device its parameters live on, compile it, and write a package
+    to the folder `path` (created; an existing package there is replaced). Returns `path`."""
+    import safetensors.torch
+
+    from . import lowering  # noqa: F401  (registers the rules)
+    from .lowering.graph import lower_graph
+    from .plan import build_plan
+    from .runtime import device_for
+    from .runtime.executor import _compile_options
+
+    if dynamic_shapes is not None:
+        raise NotImplementedError("fx2xla.export: dynamic_shapes are not supported yet; export one package per "
+                                  "input shape (a package serves the example inputs' shapes)")
+    example_inputs = tuple(example_inputs)
+    if not all(isinstance(x, torch.Tensor) for x in example_inputs):
+        raise TypeError("fx2xla.export: example_inputs must be a tuple of tensors (the model's positional inputs)")
+    t0 = time.perf_counter()
+    program = torch.export.export(model, example_inputs).run_decompositions(_export_table())
+    gm = program.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = [n.meta["val"] for n in placeholders]
+    signature = program.graph_signature
+    state = {**program.state_dict, **program.constants}
+    inputs, weights, shared = [], {}, {}
+    for spec, node in zip(signature.input_specs, placeholders):
+        kind = spec.kind.name.lower()  # parameter, buffer, constant_tensor, user_input, ...
+        if kind == "user_input":
+            inputs.append({"kind": "user", "name": node.name})
+            continue
+        if kind not in ("parameter", "buffer", "constant_tensor"):
+            raise PackageError(f"fx2xla.export: graph input {node.name} of kind {kind} is not supported")
+        tensor = state[spec.target].detach()
+        # Tied weights (an LM head sharing the embedding) are stored once.
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        stored = shared.setdefault(key, spec.target)
+        if stored == spec.target:
+            weights[spec.target] = tensor.contiguous()
+        inputs.append({"kind": kind, "name": spec.target, "weight": stored})
+    device = device_for([v.device for v in fakes if isinstance(v, torch.Tensor) and not (v.device.type == "cpu" and v.dim() == 0)])
+    resident = {i for i, spec in enumerate(inputs) if spec["kind"] != "user"}
+    plan = build_plan(gm, fakes, device, resident)
+    if plan.concats:
+        raise PackageError("fx2xla.export: graphs that concatenate their inputs in torch are not supported")
+    lowered = lower_graph(gm, plan, fakes, check_indices=check_indices)
+    # Compiled afresh, not taken from the caches: an executable that was itself deserialized
+    # (the disk cache's) serializes without its object code on XLA:CPU.
+    exe = device.client.compile_and_load(lowered.module_text, [device.jax_device], _compile_options(device.platform))
+    for spec, fake, p in zip(inputs, fakes, plan.inputs):
+        spec.update(dtype=str(fake.dtype).removeprefix("torch."), shape=list(fake.shape), layout=p.kind,
+                    perm=list(p.perm) if p.perm is not None else None)
+    outputs = [{"kind": o.kind, "index": o.index, "inv_perm": _json_value(o.inv_perm), "stride": _json_value(o.stride),
+                "value": _json_value(o.value), "views": [[_op_name(op), _json_value(args)] for op, args in o.views]}
+               for o in lowered.outputs]
+    # Inputs the graph writes (BatchNorm statistics, counters, caches; user inputs written in
+    # place): torch.export returns their new contents as leading outputs, which the loaded
+    # model installs in them after each call instead of returning them.
+    position = {spec["name"]: i for i, spec in enumerate(inputs)}  # buffer FQNs, user input names
+    written = []
+    for j, spec in enumerate(signature.output_specs):
+        kind = spec.kind.name.lower()
+        if kind in ("buffer_mutation", "user_input_mutation"):
+            written.append([position[spec.target], j])
+        elif kind != "user_output":
+            raise PackageError(f"fx2xla.export: a graph output of kind {kind} is not supported")
+    mutations = [list(m) for m in plan.mutations]
+
+    os.makedirs(path, exist_ok=True)
+    for old in os.listdir(path):
+        if old == _MANIFEST or old == _WEIGHTS or old == _MODULE or old.startswith("executable-"):
+            os.remove(os.path.join(path, old))
+    safetensors.torch.save_file({k: v.cpu() for k, v in weights.items()}, os.path.join(path, _WEIGHTS))
+    module_format, module_bytes = portable_module(lowered.module_text)
+    with open(os.path.join(path, _MODULE), "wb") as f:
+        f.write(module_bytes)
+    key = _executable_key(device, device.client.platform_version)
+    exe_file = f"executable-{key}.bin"
+    with open(os.path.join(path, exe_file), "wb") as f:
+        f.write(device.client.serialize_executable(exe))
+    import jax
+    import jaxlib
+
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "built_with": {"fx2xla": _version(), "torch": torch.__version__, "jax": jax.__version__,
+                       "jaxlib": jaxlib.version.__version__},
+        "platform": device.platform, "device_kind": device.kind, "module_format": module_format,
+        "executables": {key: exe_file},
+        "compile_options": _compile_options(device.platform).SerializeAsString().hex(),
+        "inputs": inputs, "outputs": outputs, "mutations": mutations, "written_outputs": written, "seed": plan.seed,
+        "num_results": len(plan.results), "checks": [r.message for r in lowered.checks],
+        "export_seconds": time.perf_counter() - t0,
+        "files": {},
+    }
+    for name in (_WEIGHTS, _MODULE, exe_file):
+        manifest["files"][name] = {"sha256": _sha256(os.path.join(path, name)),
+                                   "bytes": os.path.getsize(os.path.join(path, name))}
+    with open(os.path.join(path, _MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return path
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+@dataclass(frozen=True)
+class _OutputPlan:
+    kind: str
+    index: int
+    inv_perm: tuple | None
+    stride: tuple | None
+    value: object
+    views: tuple
+
+
+def _read_manifest(path: str) -> dict:
+    file = os.path.join(path, _MANIFEST)
+    if not os.path.isfile(file):
+        raise PackageError(f"fx2xla.load: {path!r} is not an fx2xla package (no {_MANIFEST})")
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PackageError(f"fx2xla.load: {file} is unreadable ({e}): a corrupted package") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise PackageError(f"fx2xla.load: {path!r} is not an fx2xla package (format {manifest.get('format')!r})"
+                           if isinstance(manifest, dict) else f"fx2xla.load: {path!r} is not an fx2xla package")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise PackageError(f"fx2xla.load: {path!r} has package format version {version!r}; this fx2xla "
+                           f"({_version()}) reads versions up to {FORMAT_VERSION}: upgrade fx2xla")
+    return manifest
+
+
+def _check_file(path: str, name: str, entry: dict, full: bool) -> str:
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        raise PackageError(f"fx2xla.load: {file} is missing: a corrupted package")
+    if os.path.getsize(file) != entry["bytes"] or (full and _sha256(file) != entry["sha256"]):
+        raise PackageError(f"fx2xla.load: {file} does not match the checksum in {_MANIFEST}: a corrupted package")
+    return file
+
+
+class LoadedModel:
+    """A package ready to run: `model(*tensors) -> output(s)`, as the exported model returned
+    them. Thread-safe: any number of threads may call it."""
+
+    def __init__(self, path: str, verify: bool = True):
+        import safetensors.torch
+
+        from .compiled_graph import make_check_raiser
+        from .lowering.checks import CheckRecord
+        from .runtime.executor import _compile_options, make_launcher
+        from .runtime.handoff import make_importer
+
+        t0 = time.perf_counter()
+        manifest = _read_manifest(path)
+        self.path = path
+        self.manifest = manifest
+        files = manifest["files"]
+        # The weights' size is checked always, their sha256 with verify (it reads every byte).
+        weights_file = _check_file(path, _WEIGHTS, files[_WEIGHTS], verify)
+        module_file = _check_file(path, _MODULE, files[_MODULE], True)
+        self.device = device = _load_device(manifest["platform"])
+        torch_device = device.torch_device
+        if torch_device is None:
+            raise PackageError(f"fx2xla.load: torch has no tensors on {device}; load the package on a device torch uses")
+        try:
+            weights = safetensors.torch.load_file(weights_file, device=str(torch_device))
+        except Exception as e:  # noqa: BLE001  a truncated or foreign file
+            raise PackageError(f"fx2xla.load: {weights_file} is unreadable ({e}): a corrupted package") from None
+        self._inputs = manifest["inputs"]
+        self._user = [i for i, spec in enumerate(self._inputs) if spec["kind"] == "user"]
+        self._dtypes = {i: getattr(torch, spec["dtype"]) for i, spec in enumerate(self._inputs)}
+        self._shapes = {i: tuple(spec["shape"]) for i, spec in enumerate(self._inputs)}
+        self._import = make_importer(platform=device.platform)
+        self._jax_device = device.jax_device
+        self._held = {}  # input position -> its torch tensor (weights; outputs may be views of them)
+        self._resident = {}  # input position -> device buffer
+        for i, spec in enumerate(self._inputs):
+            if spec["kind"] != "user":
+                t = weights[spec["weight"]]
+                self._held[i] = t
+                self._resident[i] = self._import(_layout(t, spec), self._jax_device)
+        exe = None
+        name = manifest["executables"].get(_executable_key(device, device.client.platform_version))
+        if name is not None:
+            exe_file = _check_file(path, name, files[name], True)
+            try:
+                with open(exe_file, "rb") as f:
+                    exe = device.client.deserialize_executable(f.read(), [device.jax_device],
+                                                               _compile_options(device.platform))
+            except Exception:  # noqa: BLE001  built by an XLA this one cannot load: compile instead
+                exe = None
+        self.compiled_from_module = exe is None
+        if exe is None:
+            with open(module_file, "rb") as f:
+                blob = f.read()
+            exe = _compile_portable(blob if manifest.get("module_format") == "portable" else blob.decode(), device)
+        self._exe = exe
+        self._launch = make_launcher(exe, _exporter(device))
+        self._outputs = [_OutputPlan(o["kind"], o["index"], _tuple(o["inv_perm"]), _tuple(o["stride"]),
+                                     _from_json(o["value"]), tuple((_op(name), tuple(_from_json(args)))
+                                                                   for name, args in o["views"]))
+                         for o in manifest["outputs"]]
+        self._mutations = [tuple(m) for m in manifest["mutations"]]
+        self._written = [tuple(m) for m in manifest.get("written_outputs", [])]
+        self._written_outputs = {j for _, j in self._written}
+        self._num_results = manifest["num_results"]
+        self._seed = manifest["seed"]
+        self._checks = [CheckRecord(m) for m in manifest["checks"]]
+        self._raise_failed = make_check_raiser(device.platform) if self._checks else None
+        self._lock = threading.Lock()
+        self.load_seconds = time.perf_counter() - t0
+
+    def __repr__(self) -> str:
+        sig = ", ".join(f"{self._inputs[i]['name']}: {self._inputs[i]['dtype']}{list(self._shapes[i])}" for i in self._user)
+        return f"fx2xla.LoadedModel({self.path!r}, ({sig}) on {self.device})"
+
+    def _check_args(self, args) -> None:
+        if len(args) != len(self._user):
+            raise PackageError(f"fx2xla: the package {self.path!r} takes {len(self._user)} tensor input(s), got {len(args)}")
+        for a, i in zip(args, self._user):
+            spec = self._inputs[i]
+            if not isinstance(a, torch.Tensor):
+                raise PackageError(f"fx2xla: input {spec['name']} must be a tensor, got {type(a).__name__}")
+            if a.dtype != self._dtypes[i] or tuple(a.shape) != self._shapes[i]:
+                raise PackageError(
+                    f"fx2xla: input {spec['name']} is {str(a.dtype).removeprefix('torch.')}{list(a.shape)}; the package "
+                    f"{self.path!r} was exported for {spec['dtype']}{list(self._shapes[i])} (a package serves the "
+                    "example inputs' shapes: export another for this shape)")
+
+    def __call__(self, *args):
+        from .compiled_graph import CompiledGraph, install_input
+
+        self._check_args(args)
+        device = self.device.torch_device
+        bufs = []
+        user = iter(args)
+        resident = self._resident
+        for i, spec in enumerate(self._inputs):
+            if i in resident:
+                bufs.append(resident[i])
+                continue
+            t = next(user)
+            if not self.device.holds(t.device):
+                t = t.to(device)
+            bufs.append(self._import(_layout(t, spec), self._jax_device))
+        if self._seed:
+            seed = torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=device)
+            bufs.append(self._import(seed, self._jax_device))
+        outs = self._launch(bufs)
+        if self._checks:
+            self._raise_failed(outs.pop(), self._checks)
+        held = dict(self._held)
+        held.update({i: a for i, a in zip(self._user, args)})
+        if self._mutations:
+            with self._lock, torch.no_grad():  # a written buffer: its new contents serve the next call
+                for i, r in self._mutations:
+                    install_input(self._held[i], outs[r])
+                    resident[i] = self._import(_layout(self._held[i], self._inputs[i]), self._jax_device)
+            del outs[min(r for _, r in self._mutations):]
+        results = CompiledGraph._wrap_outputs(self, outs, held)
+        if self._written:
+            with self._lock, torch.no_grad():
+                for i, j in self._written:
+                    dst = self._held[i] if i in self._held else held[i]
+                    install_input(dst, results[j])
+                    if i in resident:
+                        resident[i] = self._import(_layout(dst, self._inputs[i]), self._jax_device)
+            results = [r for j, r in enumerate(results) if j not in self._written_outputs]
+        return results[0] if len(results) == 1 else tuple(results)
+
+    @property
+    def out_plans(self):  # what CompiledGraph._wrap_outputs reads
+        return self._outputs
+
+
+def _tuple(v):
+    return tuple(v) if v is not None else None
+
+
+def _layout(t: torch.Tensor, spec: dict) -> torch.Tensor:
+    if spec["layout"] == "permuted":
+        return t.permute(spec["perm"]).contiguous()
+    return t.contiguous()
+
+
+def _exporter(device):
+    from .runtime.handoff import make_exporter
+
+    return make_exporter(platform=device.platform, index=device.index)
+
+
+def _compile_portable(blob, device):
+    from .runtime.executor import _compile_options
+
+    return device.client.compile_and_load(blob, [device.jax_device], _compile_options(device.platform))
+
+
+def _load_device(platform: str):
+    """The device to load on: PJRT_DEVICE when set, else the platform the package was built
+    for, falling back to the CPU when that platform is absent here."""
+    from .runtime import default_device
+    from .runtime.client import _local_device
+
+    if os.environ.get("PJRT_DEVICE", "").strip():
+        return default_device()
+    try:
+        return _local_device(platform, 0, f"a package built for {platform}")
+    except (RuntimeError, ValueError):
+        return _local_device("cpu", 0, "the CPU fallback")
+
+
+def load(path: str, verify: bool = True) -> LoadedModel:
+    """Load a package written by `fx2xla.export`: a callable taking the same positional
+    tensors. No Dynamo, AOTAutograd or lowering runs; the executable is deserialized when one
+    fits this device and jaxlib, else compiled from the portable StableHLO. `verify` checks
+    the weights' sha256 too (reads them twice)."""
+    return LoadedModel(path, verify)

@@ -1,0 +1,383 @@
+"""One explicit plan per graph: how every input reaches the executable, where every value lives,
+what the executable returns and how each result becomes the call's output.
+
+`build_plan` reads only the FX graph, its example inputs (FakeTensors: shapes, strides, dtypes,
+devices) and the PJRT device chosen for it; nothing here traces. `lower_graph` emits a module FOR
+a plan, and `CompiledGraph` executes one. Every tensor value the plan names carries its torch
+device, and room for a sharding (filled by the SPMD passes).
+
+Devices: a graph runs on one PJRT device. An input that lives elsewhere (a CPU 0-d scalar beside
+CUDA tensors; CPU tensors under an explicit `PJRT_DEVICE=CUDA`) is moved first, never handed to
+the executable as is: a host pointer given to a GPU executable as a device buffer is the crash
+of issue 12. Results go back to the device their output lives on in eager PyTorch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from .lowering.registry import PYTHON_OPS, lowering_for
+from .runtime.client import Device
+
+# How a value crosses between its own device and the executable's:
+#  ""      it lives on the executable's device: zero-copy hand-off
+#  "torch" moved in torch first (`t.to(device)`): the executable's device is one torch has
+#  "pjrt"  handed to its own device's PJRT client, then copied by PJRT (torch has no tensors on
+#          the executable's device, e.g. a CPU build of torch beside jax's CUDA plugin)
+MOVES = ("", "torch", "pjrt")
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    """How one graph input reaches the executable.
+
+    kind: "tensor" (passed as is), "permuted" (passed as `t.permute(perm)`, a dense view of a
+    non-row-major tensor, and permuted back in the graph), "contiguous" (copied dense first),
+    "symint" (a size: specialises the executable, not passed).
+    """
+
+    kind: str
+    perm: tuple[int, ...] | None = None
+    device: torch.device | None = None  # where the tensor lives (None: a size)
+    move: str = ""  # see MOVES
+    resident: bool = False  # a parameter/buffer: its device buffer is kept across calls
+    passed: bool = True  # reaches the executable (False: a size, or read only by a concatenation)
+    sharding: Any = None
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """How one graph output is produced.
+
+    kind: "tensor" (executable result `index`, then `.permute(inv_perm)` if set, or restrided
+    to `stride` if set, then `views` replayed), "const" (a Python value fixed at lowering time,
+    e.g. a size or None; `value` may be a SymInt, resolved per specialization), "input" (below),
+    "concat" (the torch-side concatenation `index` of `GraphPlan.concats`, then `views`).
+    """
+
+    kind: str
+    index: int = -1
+    inv_perm: tuple[int, ...] | None = None
+    stride: tuple[int, ...] | None = None
+    value: Any = None
+    # kind "input": graph input `index` itself, or a view of it replayed in torch with `views`
+    # ((aten view op, args) pairs): no copy through the executable (e.g. saved activations).
+    views: tuple = ()
+    device: torch.device | None = None  # where eager PyTorch puts this output
+
+
+@dataclass(frozen=True)
+class ResultPlan:
+    """One result of the executable: the value of graph node `node`, transposed by `perm` in
+    the graph when set (a non-row-major output leaves as a dense permutation), exported to
+    `device` (moved there by `move`, see MOVES)."""
+
+    node: torch.fx.Node
+    perm: tuple[int, ...] | None = None
+    device: torch.device | None = None
+    move: str = ""
+    sharding: Any = None
+
+
+@dataclass
+class GraphPlan:
+    """The calling convention of one graph on one device, decided once."""
+
+    device: Device  # the PJRT device the executable runs on
+    torch_device: torch.device | None  # the same device as torch names it (None: torch has none)
+    inputs: list[InputPlan]
+    # Concatenations of graph inputs along dim 0 (weights stacked for a scan), done in torch
+    # before the call and passed as extra executable inputs after the graph's tensors:
+    # (cat node, graph input positions). The caller keeps each while its inputs are unchanged.
+    concats: list[tuple[torch.fx.Node, tuple[int, ...]]]
+    seed: bool  # random ops: one more executable input, an int64 seed drawn by torch per call
+    seed_device: torch.device | None  # where the seed is drawn (the executable's device if torch has it)
+    results: list[ResultPlan]  # the executable's results, in order (before the index-check code)
+    outputs: list[OutputPlan]
+    # Graph inputs the graph writes (AOTAutograd's `copy_(input, new)` kept in inference
+    # graphs): (graph input position, result index of the new contents). Their results follow
+    # the outputs' own; CompiledGraph installs them in the inputs.
+    mutations: list[tuple[int, int]]
+    constants: dict = field(default_factory=dict)  # input-independent nodes -> values (literals)
+
+    @property
+    def platform(self) -> str:
+        return self.device.platform
+
+    @property
+    def num_outputs(self) -> int:
+        """Results before the written inputs' new contents."""
+        return min((r for _, r in self.mutations), default=len(self.results))
+
+
+# View ops whose result an output may be rebuilt with in torch, zero-copy, from a graph input
+# (not expand: its overlapping elements could not be written to in place afterwards).
+_VIEW_OPS = {
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default,
+    torch.ops.aten.t.default, torch.ops.aten.transpose.int,
+    torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+    torch.ops.aten.diagonal.default,
+}
+
+
+def _view_chain(node):
+    """(base node, ((view op, args), ...)): `node` as a chain of view ops with static arguments
+    applied to `base` (no views: `node` itself)."""
+    views = []
+    while node.op == "call_function" and node.target in _VIEW_OPS and not node.kwargs:
+        src, *rest = node.args
+        if not isinstance(src, torch.fx.Node) or any(
+            isinstance(a, torch.fx.Node) or (isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a))
+            for a in rest
+        ):
+            break
+        views.append((node.target, tuple(rest)))
+        node = src
+    return node, tuple(reversed(views))
+
+
+def input_mutations(gm: torch.fx.GraphModule) -> dict:
+    """placeholder node -> the last `aten.copy_` node writing it (AOTAutograd's in-graph
+    write-back of a mutated input)."""
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "placeholder":
+            found[node.args[0]] = node
+    return found
+
+
+def dense_permutation(shape, stride) -> tuple[int, ...] | None:
+    """The permutation `perm` such that `t.permute(perm)` is row-major contiguous, if `t` is
+    dense (no gaps, no overlap); None otherwise. Identity means already contiguous."""
+    dims = [d for d in range(len(shape))]
+    perm = tuple(sorted(dims, key=lambda d: -stride[d]))  # stable: ties keep their order
+    expected = 1
+    for d in reversed(perm):
+        if shape[d] != 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    return perm
+
+
+def is_identity(perm) -> bool:
+    return perm == tuple(range(len(perm)))
+
+
+def inverse(perm):
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+def symbolic(shape) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in shape)
+
+
+def plan_input(val) -> InputPlan:
+    """The layout half of an input's plan (kind, perm), from its example value alone."""
+    if isinstance(val, torch.SymInt) or isinstance(val, (int, float, bool)):
+        return InputPlan("symint", passed=False)
+    if not isinstance(val, torch.Tensor):
+        raise TypeError(f"fx2xla: unsupported graph input {val!r}")
+    shape, stride = val.shape, val.stride()
+    if any(isinstance(s, torch.SymInt) for s in list(shape) + list(stride)):
+        return InputPlan("contiguous")
+    if val.numel() <= 1 or val.is_contiguous():
+        return InputPlan("tensor")
+    perm = dense_permutation(tuple(shape), tuple(stride))
+    if perm is not None and not is_identity(perm):
+        return InputPlan("permuted", perm)
+    return InputPlan("contiguous")
+
+
+def _input_concats(gm, placeholders, plans) -> list:
+    """(cat node, graph input positions) for each `aten.cat(inputs, 0)` whose operands are all
+    dense graph inputs of one shape and dtype (weights stacked by scan-folding): computing it in
+    torch once per weight update beats a concatenation inside every call (and its kernels)."""
+    index = {n: i for i, n in enumerate(placeholders)}
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+            continue
+        tensors = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if dim != 0 or len(tensors) < 2 or not all(isinstance(t, torch.fx.Node) and t in index for t in tensors):
+            continue
+        metas = [t.meta.get("val") for t in tensors]
+        if not all(isinstance(m, torch.Tensor) and m.dim() > 0 and not symbolic(m.shape) for m in metas):
+            continue
+        if len({(tuple(m.shape), m.dtype, m.device) for m in metas}) != 1 \
+                or any(plans[index[t]].kind != "tensor" for t in tensors):
+            continue
+        found.append((node, tuple(index[t] for t in tensors)))
+    return found
+
+
+def _read_only_by(placeholders, concats) -> set[int]:
+    nodes = {node for node, _ in concats}
+    if not nodes:
+        return set()
+    return {i for i, n in enumerate(placeholders) if n.users and all(u in nodes for u in n.users)}
+
+
+def concat_only_inputs(gm: torch.fx.GraphModule, example_inputs) -> set[int]:
+    """Graph input positions read only by input concatenations (per-layer weights of a folded
+    scan, stacked in torch before the call): the executable never sees them, so they are not
+    passed to it (at depth that is hundreds of parameters fewer to lower and compile)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return _read_only_by(placeholders, _input_concats(gm, placeholders, [plan_input(v) for v in example_inputs]))
+
+
+# Input-independent values (shape-derived masks, position ids) up to this many elements are
+# computed once, in torch, when the graph is planned, and reach XLA as literals: no kernel to
+# compile for them, no work per call. Larger ones stay computations (a literal that size
+# bloats the module text, which is also the cache key).
+CONSTANT_FOLD_MAX_ELEMENTS = 1 << 16
+_NO_FOLD = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+            torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+            torch.ops.aten.new_empty_strided.default}  # uninitialised: never worth a literal
+
+
+def _foldable_value(v, computed: bool = True) -> bool:
+    """Whether `v` may become a literal: small, static, strided, with a numpy twin. A computed
+    value must be a CPU tensor; a node's example value may live on any device (a CUDA graph's
+    constants are computed on the CPU, and a literal has no device)."""
+    if isinstance(v, torch.Tensor):
+        fp8 = v.dtype.is_floating_point and v.dtype.itemsize == 1  # no numpy twin
+        return (v.layout == torch.strided and (v.device.type == "cpu" or not computed) and not v.is_complex()
+                and not fp8 and all(isinstance(d, int) for d in v.shape)
+                and math.prod(v.shape) <= CONSTANT_FOLD_MAX_ELEMENTS)
+    if isinstance(v, (tuple, list)):
+        return all(_foldable_value(x, computed) for x in v)
+    return isinstance(v, (bool, int, float))
+
+
+def constant_values(gm: torch.fx.GraphModule) -> dict:
+    """The graph's input-independent nodes (no placeholder or attribute among their
+    ancestors, deterministic and functional ops, small static results), evaluated in torch on
+    the CPU: {node: value}. An op torch cannot evaluate here is simply left to XLA."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    values: dict = {}
+    with unset_fake_temporarily(), torch.no_grad():
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target in _NO_FOLD:
+                continue
+            if not all(i in values for i in node.all_input_nodes):
+                continue
+            if node.target not in PYTHON_OPS:
+                rule = lowering_for(node.target)
+                schema = getattr(node.target, "_schema", None)
+                if rule is None or rule.random or rule.subgraphs is not None or schema is None or schema.is_mutable:
+                    continue
+            if "val" not in node.meta or not _foldable_value(node.meta["val"], computed=False):
+                continue
+            args = torch.fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = _cpu_kwargs(torch.fx.node.map_arg(node.kwargs, values.__getitem__))
+            try:
+                value = node.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - XLA computes it instead
+                continue
+            if _foldable_value(value):
+                values[node] = value
+    return values
+
+
+def _cpu_kwargs(kwargs: dict) -> dict:
+    """Creation ops of a CUDA graph name their device: constants are computed on the CPU."""
+    if "device" in kwargs and kwargs["device"] is not None:
+        return {**kwargs, "device": torch.device("cpu")}
+    return kwargs
+
+
+def _move(device: torch.device | None, target: Device, torch_target: torch.device | None) -> str:
+    if device is None or target.holds(device):
+        return ""
+    return "torch" if torch_target is not None else "pjrt"
+
+
+def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
+               resident: set[int] | None = None) -> GraphPlan:
+    """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
+    (kept as device buffers across calls); None: none."""
+    from .lowering.graph import graph_uses_randomness
+
+    resident = resident or set()
+    torch_device = device.torch_device
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    layouts = [plan_input(v) for v in example_inputs]
+    concats = _input_concats(gm, placeholders, layouts)
+    skipped = _read_only_by(placeholders, concats)
+    inputs = []
+    for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
+        if layout.kind == "symint":
+            inputs.append(layout)
+            continue
+        inputs.append(InputPlan(layout.kind, layout.perm, ex.device, _move(ex.device, device, torch_device),
+                                resident=i in resident, passed=i not in skipped))
+    seed = graph_uses_randomness(gm)
+    seed_device = torch_device if torch_device is not None else torch.device("cpu")
+
+    constants = constant_values(gm)
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    out_vals = list(output_node.args[0]) if isinstance(output_node.args[0], (list, tuple)) else [output_node.args[0]]
+    tensor_inputs = {n: i for i, (n, p) in enumerate(zip(placeholders, inputs)) if p.kind != "symint"}
+    concat_index = {node: j for j, (node, _) in enumerate(concats)}
+    results: list[ResultPlan] = []
+    outputs: list[OutputPlan] = []
+    base_result: dict = {}  # base node -> result index, for outputs that are views of it
+
+    def result(node, perm=None, home=None) -> int:
+        results.append(ResultPlan(node, perm, home, _move(home, device, torch_device)))
+        return len(results) - 1
+
+    for v in out_vals:
+        if not isinstance(v, torch.fx.Node):
+            outputs.append(OutputPlan("const", value=v))
+            continue
+        meta = v.meta.get("val")
+        base, views = _view_chain(v)
+        if base in tensor_inputs:  # an input or a view of one: no copy through XLA
+            outputs.append(OutputPlan("input", index=tensor_inputs[base], views=views, device=_device(meta)))
+            continue
+        if base in concat_index:  # weights stacked in torch before the call
+            outputs.append(OutputPlan("concat", index=concat_index[base], views=views, device=_device(meta)))
+            continue
+        if not isinstance(meta, torch.Tensor):  # a size, a Python value, or None
+            outputs.append(OutputPlan("const", value=meta))
+            continue
+        base_meta = base.meta.get("val")
+        if views and isinstance(base_meta, torch.Tensor) and not symbolic(base_meta.shape) \
+                and base_meta.is_contiguous() and base not in constants:
+            # Views of one computed value (per-layer gradients of stacked weights): the value
+            # leaves the executable once, the views are taken in torch.
+            if base not in base_result:
+                base_result[base] = result(base, home=base_meta.device)
+            outputs.append(OutputPlan("tensor", index=base_result[base], views=views, device=meta.device))
+            continue
+        if meta.dim() > 1 and not symbolic(meta.shape) and meta.numel() > 1 and not meta.is_contiguous():
+            shape, stride = tuple(meta.shape), tuple(meta.stride())
+            perm = dense_permutation(shape, stride)
+            if perm is not None and not is_identity(perm):
+                outputs.append(OutputPlan("tensor", index=result(v, perm, meta.device), inv_perm=inverse(perm),
+                                          device=meta.device))
+            else:
+                outputs.append(OutputPlan("tensor", index=result(v, home=meta.device), stride=stride, device=meta.device))
+            continue
+        outputs.append(OutputPlan("tensor", index=result(v, home=meta.device), device=meta.device))
+    mutations = []
+    for dst, node in input_mutations(gm).items():  # the inputs' new contents, after the outputs
+        position = placeholders.index(dst)
+        mutations.append((position, result(node, home=inputs[position].device)))
+    return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants)
+
+
+def _device(meta):
+    return meta.device if isinstance(meta, torch.Tensor) else None

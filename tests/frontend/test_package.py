@@ -1,0 +1,229 @@
+"""fx2xla.export writes a package (torch.export -> fx2xla's lowering -> StableHLO, executable,
+weights); fx2xla.load runs it with no tracing. Results match eager (float32 rtol 1e-4 / atol
+1e-4 for whole models, 1e-5 for an MLP; bfloat16 rtol 1.6e-2 / atol 1e-2 scaled by 10) and the
+torch.compile results; a fresh process loads with no Dynamo graph and no XLA compile; foreign,
+newer, corrupted packages and wrong inputs are clear errors; the portable module compiles when
+no executable fits, on the private serializer and the public one."""
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import fx2xla
+from fx2xla.package import PackageError, portable_module
+from fx2xla.testing import LogitsOnly, gpt2, llama, token_ids
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return LogitsOnly(gpt2(layers=2, hidden=64, heads=2, vocab=100, positions=64)).eval()
+
+
+def _llama():
+    torch.manual_seed(0)
+    return LogitsOnly(llama(layers=2, hidden=64, heads=2, kv_heads=1, vocab=100, positions=64)).eval()
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_export_load_matches_eager_and_compile(tmp_path, build):
+    model = build()
+    ids = token_ids(2, 16, vocab=100)
+    path = fx2xla.export(model, (ids,), str(tmp_path / "pkg"))
+    run = fx2xla.load(path)
+    assert not run.compiled_from_module  # the executable fitted this device and jaxlib
+    with torch.no_grad():
+        expected = model(ids)
+        compiled = torch.compile(model, backend="fx2xla")(ids)
+    actual = run(ids)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(actual, compiled, rtol=1e-5, atol=1e-5)
+    other = token_ids(2, 16, vocab=100, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(run(other), model(other), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_mlp_and_several_outputs(tmp_path):
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 32)
+
+        def forward(self, x, y):
+            h = self.fc(x)
+            return h.relu(), (h.t() @ y).sum(0), x.shape[0]
+
+    torch.manual_seed(0)
+    model = Two().to(torch.bfloat16)
+    x, y = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 3, dtype=torch.bfloat16)
+    run = fx2xla.load(fx2xla.export(model, (x, y), str(tmp_path / "pkg")))
+    with torch.no_grad():
+        expected = model(x, y)
+    actual = run(x, y)
+    assert len(actual) == 3 and actual[2] == 4
+    for a, e in zip(actual[:2], expected[:2]):
+        assert a.dtype == torch.bfloat16 and a.shape == e.shape
+        torch.testing.assert_close(a.float(), e.float(), rtol=1.6e-1, atol=1e-1)
+
+
+def test_a_fresh_process_loads_without_tracing(tmp_path):
+    model = _gpt2()
+    ids = token_ids(2, 16, vocab=100)
+    path = fx2xla.export(model, (ids,), str(tmp_path / "pkg"))
+    with torch.no_grad():
+        expected = model(ids)
+    torch.save(ids, tmp_path / "ids.pt")
+    child = ("import json, sys, torch, fx2xla\n"
+             "run = fx2xla.load(sys.argv[1])\n"
+             "out = run(torch.load(sys.argv[2]))\n"
+             "torch.save(out, sys.argv[3])\n"
+             "m = fx2xla.metrics()\n"
+             "print(json.dumps({'graphs': m['graphs'], 'compiles': m['compiles'],\n"
+             "                  'dynamo': len(torch._dynamo.utils.counters['frames'])}))\n")
+    env = dict(os.environ, FX2XLA_CACHE_DIR=str(tmp_path / "empty-cache"))
+    r = subprocess.run([sys.executable, "-c", child, path, str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"graphs": 0, "compiles": 0, "dynamo": 0}
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_written_buffers_are_replayed(tmp_path):
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(3))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return x * self.calls
+
+    x = torch.ones(3)
+    run = fx2xla.load(fx2xla.export(Counter(), (x,), str(tmp_path / "pkg")))
+    eager = Counter()
+    for _ in range(3):
+        torch.testing.assert_close(run(x), eager(x), rtol=0, atol=0)
+
+
+def test_index_checks_survive_the_package(tmp_path):
+    model = torch.nn.Embedding(10, 4)
+    run = fx2xla.load(fx2xla.export(model, (torch.tensor([1, 2]),), str(tmp_path / "pkg")))
+    torch.testing.assert_close(run(torch.tensor([3, 9])), model(torch.tensor([3, 9])), rtol=0, atol=0)
+    with pytest.raises(fx2xla.IndexOutOfRangeError, match="embedding"):
+        run(torch.tensor([3, 10]))
+
+
+def test_wrong_inputs_are_clear_errors(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    run = fx2xla.load(fx2xla.export(model, (torch.randn(3, 4),), str(tmp_path / "pkg")))
+    with pytest.raises(PackageError, match=r"float64\[3, 4\].*exported for float32\[3, 4\]"):
+        run(torch.randn(3, 4, dtype=torch.float64))
+    with pytest.raises(PackageError, match=r"float32\[5, 4\].*exported for float32\[3, 4\]"):
+        run(torch.randn(5, 4))
+    with pytest.raises(PackageError, match="takes 1 tensor input"):
+        run(torch.randn(3, 4), torch.randn(3, 4))
+    with pytest.raises(NotImplementedError, match="dynamic_shapes"):
+        fx2xla.export(model, (torch.randn(3, 4),), str(tmp_path / "dyn"), dynamic_shapes={"input": {0: None}})
+
+
+def _package(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
+    x = torch.randn(2, 4)
+    return fx2xla.export(model, (x,), str(tmp_path / "pkg")), model, x
+
+
+def _edit_manifest(path, **changes):
+    file = os.path.join(path, "manifest.json")
+    with open(file) as f:
+        manifest = json.load(f)
+    manifest.update(changes)
+    with open(file, "w") as f:
+        json.dump(manifest, f)
+
+
+def test_foreign_newer_and_corrupted_packages(tmp_path):
+    with pytest.raises(PackageError, match="not an fx2xla package"):
+        fx2xla.load(str(tmp_path))  # no manifest
+    path, _, _ = _package(tmp_path)
+    _edit_manifest(path, format_version=99)
+    with pytest.raises(PackageError, match="format version 99.*upgrade fx2xla"):
+        fx2xla.load(path)
+    _edit_manifest(path, format="something-else", format_version=1)
+    with pytest.raises(PackageError, match="not an fx2xla package"):
+        fx2xla.load(path)
+    path, _, _ = _package(tmp_path)
+    module = os.path.join(path, "module.stablehlo")
+    data = bytearray(open(module, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(module, "wb").write(bytes(data))
+    with pytest.raises(PackageError, match="module.stablehlo does not match the checksum"):
+        fx2xla.load(path)
+    path, _, _ = _package(tmp_path)
+    weights = os.path.join(path, "weights.safetensors")
+    open(weights, "r+b").truncate(os.path.getsize(weights) - 7)
+    with pytest.raises(PackageError, match="weights.safetensors does not match"):
+        fx2xla.load(path)
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(PackageError, match="unreadable"):
+        fx2xla.load(path)
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_compiles_from_the_portable_module_when_no_executable_fits(tmp_path, monkeypatch, public):
+    """No executable for this device/jaxlib (here: the manifest lists none): the portable module
+    is compiled instead, written by the private serializer or the public one."""
+    monkeypatch.setenv("FX2XLA_PUBLIC_EXPORT", "1" if public else "0")
+    path, model, x = _package(tmp_path)
+    _edit_manifest(path, executables={})
+    run = fx2xla.load(path)
+    assert run.compiled_from_module
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_portable_module_private_and_public(public):
+    """Both serializers give a module PJRT compiles; CHLO ops (jax emits chlo.square for x**2)
+    are legalized by the private one and kept as text by the public one."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from fx2xla.runtime import default_device
+
+    text = jax.jit(lambda x: lax.square(x) + 1).lower(jax.ShapeDtypeStruct((3,), jnp.float32)).as_text()
+    assert "chlo." in text
+    kind, blob = portable_module(text, public=public)
+    assert kind == ("text" if public else "portable")
+    device = default_device()
+    exe = device.client.compile_and_load(blob if kind == "portable" else blob.decode(), [device.jax_device],
+                                         __import__("fx2xla.runtime.executor", fromlist=["x"])._compile_options())
+    out = exe.execute([jax.device_put(jnp.arange(3.0), device.jax_device)])[0]
+    assert list(map(float, out)) == [1.0, 2.0, 5.0]
+
+
+def test_loaded_model_serves_many_threads(tmp_path):
+    path, model, x = _package(tmp_path)
+    run = fx2xla.load(path)
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    with torch.no_grad():
+        want = [model(v) for v in xs]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(50):
+                torch.testing.assert_close(run(xs[i]), want[i], rtol=1e-4, atol=1e-5)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[0]

@@ -1,0 +1,250 @@
+"""The GraphPlan: one explicit plan per graph, built before any tracing, with a device for every
+value. CUDA graphs are planned and lowered here from FakeTensors on `cuda:0` (this machine has
+no GPU; planning and lowering need none); the moves between devices run for real on the CPU
+client with torch's side of the device boundary stood in for. Numerics: float32 rtol 1e-4 /
+atol 1e-5 against eager; the moved-vs-unmoved comparisons are exact (same executable)."""
+import warnings
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fx2xla
+import fx2xla.runtime.client as client
+from fx2xla.lowering.graph import lower_graph
+from fx2xla.lowering.registry import lowering_for
+from fx2xla.metrics import live_graphs
+from fx2xla.plan import build_plan
+from fx2xla.runtime import Device, compile_module, default_device
+from fx2xla.runtime.executor import make_launcher
+from fx2xla.runtime.handoff import import_tensor
+
+aten = torch.ops.aten
+
+
+def _cuda_graph(fn, *specs):
+    """(gm, fake inputs) of `fn` traced on FakeTensors, functionalized as AOTAutograd does (an
+    input write becomes `copy_(input, new)`); specs: (shape, dtype, device)."""
+    with FakeTensorMode():
+        fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in specs]
+    return make_fx(torch.func.functionalize(fn))(*fakes), fakes
+
+
+@pytest.fixture
+def torch_has_cuda(monkeypatch):
+    """Plans ask torch whether it can hold tensors on the GPU; here it is told it can."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_plan_of_a_cuda_graph_puts_every_value_on_its_device(torch_has_cuda):
+    def f(x, s, w):
+        y = x @ w
+        w.add_(1)  # a written input: its new contents are a result that goes back to w's device
+        return y * s, x.t(), y.to("cpu").sum(), torch.bernoulli(torch.sigmoid(y))
+
+    gm, fakes = _cuda_graph(f, ((4, 4), torch.float32, "cuda"), ((), torch.float32, "cpu"),
+                            ((4, 4), torch.float32, "cuda"))
+    plan = build_plan(gm, fakes, Device("cuda", 0), resident={2})
+    cuda = torch.device("cuda", 0)
+    x, s, w = plan.inputs
+    assert (x.device, x.move, x.resident) == (cuda, "", False)
+    assert (s.device, s.move) == (torch.device("cpu"), "torch")  # a CPU 0-d scalar is moved, never passed as is
+    assert (w.move, w.resident) == ("", True)
+    assert plan.seed and plan.seed_device == cuda  # drawn by torch's CUDA generator, on the GPU
+    kinds = [o.kind for o in plan.outputs]
+    assert kinds == ["tensor", "input", "tensor", "tensor"]  # x.t() is rebuilt in torch from x
+    assert [o.device for o in plan.outputs] == [cuda, cuda, torch.device("cpu"), cuda]
+    homes = {r.node.name: (r.device, r.move) for r in plan.results}
+    assert homes["sum_1"] == (torch.device("cpu"), "torch")  # `.to("cpu")` comes back on the CPU
+    assert plan.mutations == [(2, len(plan.results) - 1)] and plan.results[-1].device == cuda
+
+
+def test_without_torch_cuda_values_cross_through_pjrt():
+    """A CPU build of torch beside jax's CUDA plugin: torch has no tensors on the GPU, so CPU
+    inputs are handed to the CPU client and copied by PJRT, and results come back the same way."""
+    gm, fakes = _cuda_graph(lambda x: (x * 2, x.sum()), ((4,), torch.float32, "cpu"))
+    plan = build_plan(gm, fakes, Device("cuda", 0))
+    assert plan.torch_device is None and plan.inputs[0].move == "pjrt"
+    assert {r.move for r in plan.results} == {"pjrt"}
+
+
+def _precisions(text: str) -> set:
+    return {p for p in ("HIGHEST", "DEFAULT", "HIGH") if f"precision {p}" in text or f"<{p}>" in text}
+
+
+@torch.library.custom_op("fx2xla_test_plan::cholesky", mutates_args=())
+def cholesky(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.cholesky(x)
+
+
+@cholesky.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.fixture
+def cholesky_rule():
+    """A rule whose jax code lowers to a platform's own solver library (a custom call)."""
+    import jax.numpy as jnp
+
+    from fx2xla.lowering.registry import LOWERINGS, register_lowering
+
+    op = torch.ops.fx2xla_test_plan.cholesky.default
+    register_lowering(op)(lambda ctx, x: jnp.linalg.cholesky(x))
+    yield
+    del LOWERINGS[op]
+
+
+@pytest.mark.parametrize("setting", ["highest", "high"])
+def test_cuda_lowering_is_for_cuda(torch_has_cuda, cholesky_rule, setting):
+    """Modules are lowered for the plan's platform: a solver's custom call is cuSOLVER's on
+    CUDA and LAPACK's on the CPU whatever jax's default backend is, and the dot precision
+    follows torch's float32 matmul setting on the GPU (bf16 dots never HIGHEST there), while
+    CPU modules keep HIGHEST."""
+    def f(a, b):
+        return torch.ops.fx2xla_test_plan.cholesky(a @ a.T), b @ b  # only lowered, never run
+
+    def text_for(device_name, platform):
+        gm, fakes = _cuda_graph(f, ((4, 4), torch.float32, device_name), ((4, 4), torch.bfloat16, device_name))
+        plan = build_plan(gm, fakes, Device(platform, 0))
+        return lower_graph(gm, plan, fakes).module_text
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(setting)
+    try:
+        cuda, cpu = text_for("cuda", "cuda"), text_for("cpu", "cpu")
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert "cusolver" in cuda and "lapack" not in cuda
+    assert "lapack" in cpu and "cusolver" not in cpu
+    dots = [line for line in cuda.splitlines() if "dot_general" in line]
+    f32 = [d for d in dots if "bf16" not in d]
+    bf16 = [d for d in dots if "bf16" in d]
+    assert f32 and bf16
+    assert all("HIGHEST" in d for d in f32) == (setting == "highest")
+    assert not any("HIGHEST" in d for d in bf16)
+    assert all("HIGHEST" in d for d in cpu.splitlines() if "dot_general" in d)
+
+
+def test_cuda_attention_rules_are_cudas_own():
+    ops = [aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
+           aten._scaled_dot_product_cudnn_attention.default,
+           aten._scaled_dot_product_cudnn_attention_backward.default]
+    for op in ops:
+        assert lowering_for(op, "cuda") is not lowering_for(op, "cpu")
+        assert lowering_for(op, "cpu") is lowering_for(op) and lowering_for(op).random == lowering_for(op, "cuda").random \
+            or "backward" in str(op)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_attention_lowering_falls_back_to_math(torch_has_cuda, causal):
+    """Lowered for CUDA without cuDNN (as here), fused attention is the math rule: the CUDA
+    module, free of custom calls, compiles on the CPU client and matches eager's math SDPA."""
+    q = torch.randn(2, 4, 16, 8, dtype=torch.bfloat16)
+
+    def f(q, k, v):
+        return aten._scaled_dot_product_efficient_attention(q, k, v, None, False, is_causal=causal)[0]
+
+    gm, fakes = _cuda_graph(f, *[((2, 4, 16, 8), torch.bfloat16, "cuda")] * 3)
+    plan = build_plan(gm, fakes, Device("cuda", 0))
+    text = lower_graph(gm, plan, fakes).module_text
+    assert "custom_call" not in text
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    launch = make_launcher(compile_module(text, default_device()))  # the CUDA module, on the CPU client
+    dev = default_device().jax_device
+    seed = torch.tensor(0, dtype=torch.int64)  # the random rule's seed input (no dropout drawn)
+    out = launch([import_tensor(t, dev) for t in (q, k, v, seed)])[0]
+    if plan.outputs[0].inv_perm is not None:  # torch's kernel returns a [B, L, H, D] layout
+        out = out.permute(plan.outputs[0].inv_perm)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1e-2)
+
+
+class _Step(torch.nn.Module):
+    """Reads a buffer it updates, draws random bits, returns a non-contiguous output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros(8))
+
+    def forward(self, x):
+        self.count.add_(1)
+        y = self.fc(x) + self.count
+        return y.t() * 2, torch.nn.functional.dropout(y, 0.5, training=True), x.sum()
+
+
+@pytest.mark.parametrize("move", ["torch", "pjrt"])
+def test_moves_across_devices_give_the_same_results(monkeypatch, move):
+    """Every input, the seed and every result crossing a device boundary (stood in for on the
+    CPU client: torch is told its tensors live elsewhere) gives exactly what the plain path
+    gives, buffer updates and random draws included."""
+    def run():
+        torch.manual_seed(0)
+        model = _Step()
+        x = torch.randn(4, 8)
+        compiled = torch.compile(model, backend="fx2xla", options={"fallback": "error"})
+        with torch.no_grad():
+            outs = [compiled(x) for _ in range(2)]
+        return outs, model.count.clone()
+
+    torch._dynamo.reset()
+    expected, count = run()
+    monkeypatch.setattr(Device, "holds", lambda self, device: False)
+    if move == "pjrt":
+        monkeypatch.setattr(Device, "torch_device", property(lambda self: None))
+    older = set(live_graphs)
+    torch._dynamo.reset()
+    actual, moved_count = run()
+    graphs = [g for g in live_graphs if g not in older]
+    assert graphs and all(p.move == move for g in graphs for p in g.plan.inputs if p.kind != "symint")
+    assert all(r.move == move for g in graphs for r in g.plan.results)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    torch.testing.assert_close(moved_count, count, rtol=0, atol=0)
+    assert torch.equal(count, torch.full((8,), 2.0))
+    torch._dynamo.reset()
+
+
+@torch.library.custom_op("fx2xla_test_plan::clip", mutates_args=())
+def clip(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-1, 1)
+
+
+@clip.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _Island(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(clip(self.fc1(x)))
+
+
+def test_island_inputs_are_resident_only_for_parameters():
+    """With an eager island between XLA subgraphs, a subgraph keeps device buffers for the
+    model's parameters only: intermediates are new every call and are never held."""
+    torch.manual_seed(0)
+    model = _Island().eval()
+    older = set(live_graphs)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fx2xla")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    graphs = [g for g in live_graphs if g not in older]
+    assert len(graphs) == 2 and fx2xla.metrics()["fallback_ops"] >= 1
+    params = {tuple(p.shape) for p in model.parameters()}
+    for g in graphs:
+        for p, ex, slot in zip(g.plan.inputs, g.example_inputs, range(len(g.plan.inputs))):
+            assert p.resident == (tuple(ex.shape) in params), (g.name, tuple(ex.shape))
+        # Buffers held across calls are the parameters' alone.
+        held = [r for r in g._resident if r is not None]
+        assert len(held) == sum(p.resident for p in g.plan.inputs) == 2

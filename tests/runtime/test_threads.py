@@ -1,0 +1,161 @@
+"""Many Python threads calling compiled functions at once, on the private fast path (default):
+every result equals the single-threaded one exactly (the same executables, deterministic on
+the CPU), concurrent first calls of a new shape compile it once, and compiles, warm-ups and
+calls racing each other neither fail nor corrupt the caches."""
+import threading
+
+import pytest
+import torch
+
+import fx2xla
+from fx2xla.runtime.executor import make_traceback_pause
+
+THREADS = 4
+
+
+def _run_threads(work, n=THREADS):
+    """Run work(i) in n threads started together; re-raise the first failure."""
+    errors, barrier = [], threading.Barrier(n)
+
+    def body(i):
+        try:
+            barrier.wait()
+            work(i)
+        except BaseException as e:  # noqa: BLE001  reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise errors[0]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).eval()
+
+
+def _gpt2():
+    from fx2xla.testing import LogitsOnly, gpt2
+
+    torch.manual_seed(0)
+    return LogitsOnly(gpt2(layers=1, hidden=64, heads=2, vocab=100, positions=64)).eval()
+
+
+def test_threads_times_calls_times_models():
+    torch._dynamo.reset()
+    models = [(_mlp(), lambda i: torch.randn(4, 32, generator=torch.Generator().manual_seed(i))),
+              (_gpt2(), lambda i: torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)))]
+    compiled = [torch.compile(m, backend="fx2xla") for m, _ in models]
+    inputs = [[make(i) for i in range(THREADS)] for _, make in models]
+    with torch.no_grad():
+        expected = [[c(x) for x in xs] for c, xs in zip(compiled, inputs)]  # single-threaded
+        for (model, _), xs, want in zip(models, inputs, expected):
+            torch.testing.assert_close(want[0], model(xs[0]), rtol=1e-4, atol=1e-4)
+
+    def work(i):
+        with torch.no_grad():
+            for call in range(50):
+                k = (i + call) % len(compiled)
+                assert torch.equal(compiled[k](inputs[k][i]), expected[k][i])
+
+    _run_threads(work)
+
+
+def test_concurrent_first_calls_of_a_new_shape_compile_it_once():
+    torch._dynamo.reset()
+    model = _mlp()
+    compiled = torch.compile(model, backend="fx2xla", dynamic=True)
+    with torch.no_grad():
+        compiled(torch.randn(3, 32))  # the dynamic graph exists; batch 5 is new to it
+        before = fx2xla.metrics()["specializations"]
+        x = torch.randn(5, 32)
+        want = model(x)
+        results = [None] * THREADS
+
+        def work(i):
+            with torch.no_grad():
+                results[i] = compiled(x)
+
+        _run_threads(work)
+    assert fx2xla.metrics()["specializations"] - before == 1
+    for r in results:
+        torch.testing.assert_close(r, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_compile_and_a_warmup_racing_calls():
+    """One thread compiles a new model and another warms a third one up while two threads
+    serve a warm model: nothing fails, every result is right."""
+    torch._dynamo.reset()
+    warm, fresh, warmed = _mlp(), _gpt2(), _mlp()
+    serve = torch.compile(warm, backend="fx2xla")
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        want = serve(x)
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        fresh_want = fresh(ids)
+        warmed_want = warmed(torch.zeros(6, 32))
+
+    def work(i):
+        with torch.no_grad():
+            if i == 0:
+                torch.testing.assert_close(torch.compile(fresh, backend="fx2xla")(ids), fresh_want, rtol=1e-4, atol=1e-4)
+            elif i == 1:
+                compiled = torch.compile(warmed, backend="fx2xla")
+                fx2xla.warmup(compiled, [fx2xla.TensorSpec((6, 32))], progress=False)
+                torch.testing.assert_close(compiled(torch.zeros(6, 32)), warmed_want, rtol=1e-4, atol=1e-5)
+            else:
+                for _ in range(100):
+                    assert torch.equal(serve(x), want)
+
+    _run_threads(work)
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_traceback_pause_never_flips_under_another_thread(public):
+    """The private pause turns jaxlib's global traceback switch off when the first call starts
+    and back on when the last call in flight ends, whichever thread ends last, so no call runs
+    under a flip; the public one never touches it."""
+    from jax._src.lib import _jax
+
+    pause, resume = make_traceback_pause(public)
+    assert _jax.tracebacks_enabled()
+    if public:
+        assert pause() is False and _jax.tracebacks_enabled()
+        return
+    assert pause() is True and pause() is True and not _jax.tracebacks_enabled()  # nested: counted
+    resume()
+    assert not _jax.tracebacks_enabled()  # one paused call is still in flight
+    resume()
+    assert _jax.tracebacks_enabled()
+    # Thread A pauses, thread B pauses, A ends first: the switch stays off until B ends.
+    a_paused, b_paused, a_done = threading.Event(), threading.Event(), threading.Event()
+    states = {}
+
+    def a():
+        states["a"] = pause()
+        a_paused.set()
+        b_paused.wait()
+        resume()
+        a_done.set()
+
+    def b():
+        a_paused.wait()
+        states["b"] = pause()
+        b_paused.set()
+        a_done.wait()
+        states["during_b"] = _jax.tracebacks_enabled()
+        resume()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert states == {"a": True, "b": True, "during_b": False}
+    assert _jax.tracebacks_enabled()
