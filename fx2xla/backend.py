@@ -7,6 +7,7 @@ the `device_index` option override it).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -173,12 +174,32 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
 
 
 def _aot_compile(gm, example_inputs, opts):
+    from . import precompile
+
+    check = precompile.in_precompile
+    precompiling = check()
+    inference_graphs: list = []
+    with precompile.without_autograd_cache() if precompiling else contextlib.nullcontext():
+        compiled = _aot_autograd(gm, example_inputs, opts, inference_graphs)
+    needs_wrappers = True
+    if len(inference_graphs) == 1:
+        graph, meta = inference_graphs[0]
+        needs_wrappers = aot_wrappers_needed(meta, len(graph.example_inputs), len(example_inputs))
+        if precompiling and not needs_wrappers:  # torch's aot_compile: a result it can save and load
+            return precompile.precompiled(graph, opts)
+        if not needs_wrappers:
+            return graph.call_unboxed
+    if precompiling and getattr(check, "certain", False):
+        raise precompile.refused()
+    return compiled
+
+
+def _aot_autograd(gm, example_inputs, opts, inference_graphs: list):
     from torch._dynamo.backends.common import aot_autograd
 
     from .decompositions import decomposition_table
 
-    inference_graphs: list = []
-    compiled = aot_autograd(
+    return aot_autograd(
         fw_compiler=functools.partial(_compile, kind="forward", options=opts),
         bw_compiler=functools.partial(_compile, kind="backward", options=opts),
         inference_compiler=functools.partial(_compile, kind="inference", options=opts, made=inference_graphs),
@@ -188,11 +209,6 @@ def _aot_compile(gm, example_inputs, opts):
         keep_inference_input_mutations=True,
         **partitioner_kwargs(opts["partitioner"]),
     )(gm, example_inputs)
-    if len(inference_graphs) == 1:
-        graph, meta = inference_graphs[0]
-        if not aot_wrappers_needed(meta, len(graph.example_inputs), len(example_inputs)):
-            return graph.call_unboxed
-    return compiled
 
 
 def partitioner_kwargs(partitioner: str) -> dict:

@@ -6,16 +6,19 @@
 
 A package is a folder:
     manifest.json         format and version, the versions that built it, the calling
-                          convention (inputs, outputs, written buffers, index checks), sha256 of
-                          every other file
+                          convention (inputs with their static sizes and dynamic ranges,
+                          outputs, written buffers, index checks), sha256 of every other file
     weights.safetensors   parameters, buffers and constant tensors, by their names
-    module.stablehlo      the portable StableHLO artifact (versioned MLIR bytecode): what any
-                          jaxlib that reads its version compiles from
-    executable-<key>.bin  the compiled executable for the device and jaxlib it was built with
+    module-N.stablehlo    per set of input shapes N, the portable StableHLO artifact
+                          (versioned MLIR bytecode): what any jaxlib that reads its version
+                          compiles from
+    executable-N-<key>.bin  its executable for the device and jaxlib it was built with
+    program.pt2           with dynamic_shapes: the exported program, lowered at load time for
+                          each new shape (no tracing)
 
 `load` deserializes the executable when one fits the device and jaxlib, else compiles the
-portable module (through the disk cache, so once per machine). Shapes are static: the package
-serves the example inputs' shapes and dtypes, and says so when a call differs.
+portable module. Without dynamic_shapes the package serves the example inputs' shapes, and
+says so when a call differs.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ FORMAT = "fx2xla-package"
 FORMAT_VERSION = 1
 _MANIFEST = "manifest.json"
 _WEIGHTS = "weights.safetensors"
-_MODULE = "module.stablehlo"
+_PROGRAM = "program.pt2"
 
 
 class PackageError(Fx2XlaError, ValueError):
@@ -136,33 +139,34 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
            check_indices: bool = True) -> str:
     """Export `model` at `example_inputs` (positional tensors) through `torch.export`, lower it
     with fx2xla's rules for the device its parameters live on, compile it, and write a package
-    to the folder `path` (created; an existing package there is replaced). Returns `path`."""
+    to the folder `path` (created; an existing package there is replaced). Returns `path`.
+
+    dynamic_shapes: as `torch.export.export` takes them (e.g. `{"x": {0: Dim("batch")}}`). The
+    package then also holds the exported program; a loaded model lowers and compiles each new
+    shape once (no tracing), through the disk cache."""
     import safetensors.torch
 
     from . import lowering  # noqa: F401  (registers the rules)
-    from .lowering.graph import lower_graph
-    from .plan import build_plan
     from .runtime import device_for
-    from .runtime.executor import _compile_options
 
-    if dynamic_shapes is not None:
-        raise NotImplementedError("fx2xla.export: dynamic_shapes are not supported yet; export one package per "
-                                  "input shape (a package serves the example inputs' shapes)")
     example_inputs = tuple(example_inputs)
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
         raise TypeError("fx2xla.export: example_inputs must be a tuple of tensors (the model's positional inputs)")
     t0 = time.perf_counter()
-    program = torch.export.export(model, example_inputs).run_decompositions(_export_table())
+    program = torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes)
+    program = program.run_decompositions(_export_table())
     gm = program.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [n.meta["val"] for n in placeholders]
     signature = program.graph_signature
     state = {**program.state_dict, **program.constants}
-    inputs, weights, shared = [], {}, {}
-    for spec, node in zip(signature.input_specs, placeholders):
+    inputs, weights, shared, concrete = [], {}, {}, []
+    user = iter(example_inputs)
+    for spec, node, fake in zip(signature.input_specs, placeholders, fakes):
         kind = spec.kind.name.lower()  # parameter, buffer, constant_tensor, user_input, ...
         if kind == "user_input":
-            inputs.append({"kind": "user", "name": node.name})
+            inputs.append({"kind": "user", "name": node.name, "dims": _dims(fake, program.range_constraints)})
+            concrete.append(next(user))
             continue
         if kind not in ("parameter", "buffer", "constant_tensor"):
             raise PackageError(f"fx2xla.export: graph input {node.name} of kind {kind} is not supported")
@@ -173,21 +177,13 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
         if stored == spec.target:
             weights[spec.target] = tensor.contiguous()
         inputs.append({"kind": kind, "name": spec.target, "weight": stored})
+        concrete.append(tensor)
+    dynamic = any(isinstance(d, dict) for spec in inputs for d in spec.get("dims", ()))
     device = device_for([v.device for v in fakes if isinstance(v, torch.Tensor) and not (v.device.type == "cpu" and v.dim() == 0)])
-    resident = {i for i, spec in enumerate(inputs) if spec["kind"] != "user"}
-    plan = build_plan(gm, fakes, device, resident)
-    if plan.concats:
-        raise PackageError("fx2xla.export: graphs that concatenate their inputs in torch are not supported")
-    lowered = lower_graph(gm, plan, fakes, check_indices=check_indices)
-    # Compiled afresh, not taken from the caches: an executable that was itself deserialized
-    # (the disk cache's) serializes without its object code on XLA:CPU.
-    exe = device.client.compile_and_load(lowered.module_text, [device.jax_device], _compile_options(device.platform))
+    plan, lowered = _lower(gm, fakes, device, inputs, concrete if dynamic else None, check_indices)
     for spec, fake, p in zip(inputs, fakes, plan.inputs):
-        spec.update(dtype=str(fake.dtype).removeprefix("torch."), shape=list(fake.shape), layout=p.kind,
+        spec.update(dtype=str(fake.dtype).removeprefix("torch."), layout=p.kind,
                     perm=list(p.perm) if p.perm is not None else None)
-    outputs = [{"kind": o.kind, "index": o.index, "inv_perm": _json_value(o.inv_perm), "stride": _json_value(o.stride),
-                "value": _json_value(o.value), "views": [[_op_name(op), _json_value(args)] for op, args in o.views]}
-               for o in lowered.outputs]
     # Inputs the graph writes (BatchNorm statistics, counters, caches; user inputs written in
     # place): torch.export returns their new contents as leading outputs, which the loaded
     # model installs in them after each call instead of returning them.
@@ -199,41 +195,97 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
             written.append([position[spec.target], j])
         elif kind != "user_output":
             raise PackageError(f"fx2xla.export: a graph output of kind {kind} is not supported")
-    mutations = [list(m) for m in plan.mutations]
 
     os.makedirs(path, exist_ok=True)
     for old in os.listdir(path):
-        if old == _MANIFEST or old == _WEIGHTS or old == _MODULE or old.startswith("executable-"):
+        if old in (_MANIFEST, _WEIGHTS, _PROGRAM) or old.startswith(("module-", "executable-")):
             os.remove(os.path.join(path, old))
     safetensors.torch.save_file({k: v.cpu() for k, v in weights.items()}, os.path.join(path, _WEIGHTS))
-    module_format, module_bytes = portable_module(lowered.module_text)
-    with open(os.path.join(path, _MODULE), "wb") as f:
-        f.write(module_bytes)
-    key = _executable_key(device, device.client.platform_version)
-    exe_file = f"executable-{key}.bin"
-    with open(os.path.join(path, exe_file), "wb") as f:
-        f.write(device.client.serialize_executable(exe))
+    files = [_WEIGHTS]
+    if dynamic:
+        torch.export.save(program, os.path.join(path, _PROGRAM))
+        files.append(_PROGRAM)
+    shapes = [list(x.shape) for x in example_inputs]
+    variant = _write_variant(path, 0, device, lowered, shapes, compile_here=True)
+    files += [variant["module"], *variant["executables"].values()]
     import jax
     import jaxlib
+
+    from .runtime.executor import _compile_options
 
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "built_with": {"fx2xla": _version(), "torch": torch.__version__, "jax": jax.__version__,
                        "jaxlib": jaxlib.version.__version__},
-        "platform": device.platform, "device_kind": device.kind, "module_format": module_format,
-        "executables": {key: exe_file},
+        "platform": device.platform, "device_kind": device.kind,
         "compile_options": _compile_options(device.platform).SerializeAsString().hex(),
-        "inputs": inputs, "outputs": outputs, "mutations": mutations, "written_outputs": written, "seed": plan.seed,
-        "num_results": len(plan.results), "checks": [r.message for r in lowered.checks],
+        "inputs": inputs, "mutations": [list(m) for m in plan.mutations], "written_outputs": written,
+        "seed": plan.seed, "dynamic": dynamic, "check_indices": check_indices, "variants": [variant],
         "export_seconds": time.perf_counter() - t0,
-        "files": {},
+        "files": {name: {"sha256": _sha256(os.path.join(path, name)), "bytes": os.path.getsize(os.path.join(path, name))}
+                  for name in files},
     }
-    for name in (_WEIGHTS, _MODULE, exe_file):
-        manifest["files"][name] = {"sha256": _sha256(os.path.join(path, name)),
-                                   "bytes": os.path.getsize(os.path.join(path, name))}
     with open(os.path.join(path, _MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return path
+
+
+def _dims(fake: torch.Tensor, ranges) -> list:
+    """Per dim of an input: its size, or {"min", "max"} for a dynamic one (max None: unbounded)."""
+    dims = []
+    for d in fake.shape:
+        if isinstance(d, torch.SymInt):
+            r = ranges.get(d.node.expr)
+            low = int(r.lower) if r is not None else 0
+            high = int(r.upper) if r is not None and r.upper.is_finite else None
+            dims.append({"min": low, "max": high})
+        else:
+            dims.append(int(d))
+    return dims
+
+
+def _lower(gm, fakes, device, inputs, concrete, check_indices):
+    """(plan, lowered) of an exported graph on `device`, at the shapes of `concrete` (all
+    placeholders' values) or, for static graphs (None), at the example shapes."""
+    from .lowering.graph import lower_graph
+    from .plan import build_plan
+
+    resident = {i for i, spec in enumerate(inputs) if spec["kind"] != "user"}
+    plan = build_plan(gm, fakes, device, resident)
+    if plan.concats:
+        raise PackageError("fx2xla.export: graphs that concatenate their inputs in torch are not supported")
+    return plan, lower_graph(gm, plan, fakes, concrete, check_indices=check_indices)
+
+
+def _variant_json(lowered, shapes) -> dict:
+    return {"shapes": shapes,
+            "outputs": [{"kind": o.kind, "index": o.index, "inv_perm": _json_value(o.inv_perm),
+                         "stride": _json_value(o.stride), "value": _json_value(o.value),
+                         "views": [[_op_name(op), _json_value(args)] for op, args in o.views]}
+                        for o in lowered.outputs],
+            "checks": [r.message for r in lowered.checks]}
+
+
+def _write_variant(path, n, device, lowered, shapes, compile_here: bool) -> dict:
+    """Write variant `n` (one set of input shapes): its portable module and, when
+    `compile_here`, its executable for `device`. Returns its manifest entry."""
+    from .runtime.executor import _compile_options
+
+    variant = _variant_json(lowered, shapes)
+    module_format, module_bytes = portable_module(lowered.module_text)
+    variant["module"], variant["module_format"] = f"module-{n}.stablehlo", module_format
+    with open(os.path.join(path, variant["module"]), "wb") as f:
+        f.write(module_bytes)
+    variant["executables"] = {}
+    if compile_here:
+        # Compiled afresh, not taken from the caches: an executable that was itself deserialized
+        # (the disk cache's) serializes without its object code on XLA:CPU.
+        exe = device.client.compile_and_load(lowered.module_text, [device.jax_device], _compile_options(device.platform))
+        key = _executable_key(device, device.client.platform_version)
+        variant["executables"][key] = f"executable-{n}-{key}.bin"
+        with open(os.path.join(path, variant["executables"][key]), "wb") as f:
+            f.write(device.client.serialize_executable(exe))
+    return variant
 
 
 def _version() -> str:
@@ -280,6 +332,17 @@ def _check_file(path: str, name: str, entry: dict, full: bool) -> str:
     return file
 
 
+@dataclass(frozen=True)
+class _Variant:
+    """One set of input shapes: its executable's launcher, output plans and index checks."""
+
+    launch: object
+    out_plans: list  # what CompiledGraph._wrap_outputs reads
+    checks: list
+    raise_failed: object
+    compiled_from_module: bool
+
+
 class LoadedModel:
     """A package ready to run: `model(*tensors) -> output(s)`, as the exported model returned
     them. Thread-safe: any number of threads may call it."""
@@ -287,9 +350,6 @@ class LoadedModel:
     def __init__(self, path: str, verify: bool = True):
         import safetensors.torch
 
-        from .compiled_graph import make_check_raiser
-        from .lowering.checks import CheckRecord
-        from .runtime.executor import _compile_options, make_launcher
         from .runtime.handoff import make_importer
 
         t0 = time.perf_counter()
@@ -299,7 +359,6 @@ class LoadedModel:
         files = manifest["files"]
         # The weights' size is checked always, their sha256 with verify (it reads every byte).
         weights_file = _check_file(path, _WEIGHTS, files[_WEIGHTS], verify)
-        module_file = _check_file(path, _MODULE, files[_MODULE], True)
         self.device = device = _load_device(manifest["platform"])
         torch_device = device.torch_device
         if torch_device is None:
@@ -311,7 +370,6 @@ class LoadedModel:
         self._inputs = manifest["inputs"]
         self._user = [i for i, spec in enumerate(self._inputs) if spec["kind"] == "user"]
         self._dtypes = {i: getattr(torch, spec["dtype"]) for i, spec in enumerate(self._inputs)}
-        self._shapes = {i: tuple(spec["shape"]) for i, spec in enumerate(self._inputs)}
         self._import = make_importer(platform=device.platform)
         self._jax_device = device.jax_device
         self._held = {}  # input position -> its torch tensor (weights; outputs may be views of them)
@@ -321,39 +379,71 @@ class LoadedModel:
                 t = weights[spec["weight"]]
                 self._held[i] = t
                 self._resident[i] = self._import(_layout(t, spec), self._jax_device)
+        self._variants = {_shape_key(v["shapes"]): self._load_variant(v) for v in manifest["variants"]}
+        self.compiled_from_module = any(v.compiled_from_module for v in self._variants.values())
+        self._program = None  # the exported program (dynamic packages), read at the first new shape
+        self._mutations = [tuple(m) for m in manifest["mutations"]]
+        self._written = [tuple(m) for m in manifest.get("written_outputs", [])]
+        self._written_outputs = {j for _, j in self._written}
+        self._seed = manifest["seed"]
+        self._lock = threading.Lock()
+        self.load_seconds = time.perf_counter() - t0
+
+    def _load_variant(self, v: dict) -> _Variant:
+        """Deserialize the executable that fits this device and jaxlib, else compile the module."""
+        from .runtime.executor import _compile_options
+
+        device, files = self.device, self.manifest["files"]
+        module_file = _check_file(self.path, v["module"], files[v["module"]], True)
         exe = None
-        name = manifest["executables"].get(_executable_key(device, device.client.platform_version))
+        name = v["executables"].get(_executable_key(device, device.client.platform_version))
         if name is not None:
-            exe_file = _check_file(path, name, files[name], True)
+            exe_file = _check_file(self.path, name, files[name], True)
             try:
                 with open(exe_file, "rb") as f:
                     exe = device.client.deserialize_executable(f.read(), [device.jax_device],
                                                                _compile_options(device.platform))
             except Exception:  # noqa: BLE001  built by an XLA this one cannot load: compile instead
                 exe = None
-        self.compiled_from_module = exe is None
+        from_module = exe is None
         if exe is None:
             with open(module_file, "rb") as f:
                 blob = f.read()
-            exe = _compile_portable(blob if manifest.get("module_format") == "portable" else blob.decode(), device)
-        self._exe = exe
-        self._launch = make_launcher(exe, _exporter(device))
-        self._outputs = [_OutputPlan(o["kind"], o["index"], _tuple(o["inv_perm"]), _tuple(o["stride"]),
-                                     _from_json(o["value"]), tuple((_op(name), tuple(_from_json(args)))
-                                                                   for name, args in o["views"]))
-                         for o in manifest["outputs"]]
-        self._mutations = [tuple(m) for m in manifest["mutations"]]
-        self._written = [tuple(m) for m in manifest.get("written_outputs", [])]
-        self._written_outputs = {j for _, j in self._written}
-        self._num_results = manifest["num_results"]
-        self._seed = manifest["seed"]
-        self._checks = [CheckRecord(m) for m in manifest["checks"]]
-        self._raise_failed = make_check_raiser(device.platform) if self._checks else None
-        self._lock = threading.Lock()
-        self.load_seconds = time.perf_counter() - t0
+            exe = _compile_portable(blob if v["module_format"] == "portable" else blob.decode(), device)
+        return self._variant(exe, v, from_module)
+
+    def _variant(self, exe, v: dict, from_module: bool) -> _Variant:
+        from .compiled_graph import make_check_raiser
+        from .lowering.checks import CheckRecord
+        from .runtime.executor import make_launcher
+
+        outputs = [_OutputPlan(o["kind"], o["index"], _tuple(o["inv_perm"]), _tuple(o["stride"]), _from_json(o["value"]),
+                               tuple((_op(name), tuple(_from_json(args))) for name, args in o["views"]))
+                   for o in v["outputs"]]
+        checks = [CheckRecord(m) for m in v["checks"]]
+        return _Variant(make_launcher(exe, _exporter(self.device)), outputs, checks,
+                        make_check_raiser(self.device.platform) if checks else None, from_module)
+
+    def _new_variant(self, args) -> _Variant:
+        """A dynamic package called with shapes it holds no executable for: lower its exported
+        program at these shapes (no tracing) and compile, through the disk cache."""
+        from . import lowering  # noqa: F401  (registers the rules)
+        from .runtime import compile_module
+
+        if self._program is None:
+            program_file = _check_file(self.path, _PROGRAM, self.manifest["files"][_PROGRAM], True)
+            self._program = torch.export.load(program_file)
+        gm = self._program.graph_module
+        fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        user = iter(args)
+        concrete = [self._held[i] if i in self._held else next(user) for i in range(len(self._inputs))]
+        _, lowered = _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"])
+        exe = compile_module(lowered.module_text, self.device)
+        return self._variant(exe, _variant_json(lowered, [list(a.shape) for a in args]), True)
 
     def __repr__(self) -> str:
-        sig = ", ".join(f"{self._inputs[i]['name']}: {self._inputs[i]['dtype']}{list(self._shapes[i])}" for i in self._user)
+        sig = ", ".join(f"{self._inputs[i]['name']}: {self._inputs[i]['dtype']}{_describe(self._inputs[i]['dims'])}"
+                        for i in self._user)
         return f"fx2xla.LoadedModel({self.path!r}, ({sig}) on {self.device})"
 
     def _check_args(self, args) -> None:
@@ -363,16 +453,28 @@ class LoadedModel:
             spec = self._inputs[i]
             if not isinstance(a, torch.Tensor):
                 raise PackageError(f"fx2xla: input {spec['name']} must be a tensor, got {type(a).__name__}")
-            if a.dtype != self._dtypes[i] or tuple(a.shape) != self._shapes[i]:
+            dims = spec["dims"]
+            fits = a.dtype == self._dtypes[i] and a.dim() == len(dims) and all(
+                n == d if isinstance(d, int) else d["min"] <= n and (d["max"] is None or n <= d["max"])
+                for n, d in zip(a.shape, dims))
+            if not fits:
+                hint = ("" if self.manifest["dynamic"] else
+                        " (a package serves the example inputs' shapes: export another, or export with dynamic_shapes)")
                 raise PackageError(
                     f"fx2xla: input {spec['name']} is {str(a.dtype).removeprefix('torch.')}{list(a.shape)}; the package "
-                    f"{self.path!r} was exported for {spec['dtype']}{list(self._shapes[i])} (a package serves the "
-                    "example inputs' shapes: export another for this shape)")
+                    f"{self.path!r} was exported for {spec['dtype']}{_describe(dims)}{hint}")
 
     def __call__(self, *args):
         from .compiled_graph import CompiledGraph, install_input
 
         self._check_args(args)
+        key = tuple(tuple(a.shape) for a in args)
+        variant = self._variants.get(key)
+        if variant is None:
+            with self._lock:  # threads asking for one new shape compile it once
+                variant = self._variants.get(key)
+                if variant is None:
+                    variant = self._variants[key] = self._new_variant(args)
         device = self.device.torch_device
         bufs = []
         user = iter(args)
@@ -388,9 +490,9 @@ class LoadedModel:
         if self._seed:
             seed = torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=device)
             bufs.append(self._import(seed, self._jax_device))
-        outs = self._launch(bufs)
-        if self._checks:
-            self._raise_failed(outs.pop(), self._checks)
+        outs = variant.launch(bufs)
+        if variant.checks:
+            variant.raise_failed(outs.pop(), variant.checks)
         held = dict(self._held)
         held.update({i: a for i, a in zip(self._user, args)})
         if self._mutations:
@@ -399,7 +501,7 @@ class LoadedModel:
                     install_input(self._held[i], outs[r])
                     resident[i] = self._import(_layout(self._held[i], self._inputs[i]), self._jax_device)
             del outs[min(r for _, r in self._mutations):]
-        results = CompiledGraph._wrap_outputs(self, outs, held)
+        results = CompiledGraph._wrap_outputs(variant, outs, held)
         if self._written:
             with self._lock, torch.no_grad():
                 for i, j in self._written:
@@ -410,9 +512,14 @@ class LoadedModel:
             results = [r for j, r in enumerate(results) if j not in self._written_outputs]
         return results[0] if len(results) == 1 else tuple(results)
 
-    @property
-    def out_plans(self):  # what CompiledGraph._wrap_outputs reads
-        return self._outputs
+
+def _shape_key(shapes) -> tuple:
+    return tuple(tuple(s) for s in shapes)
+
+
+def _describe(dims) -> str:
+    return "[" + ", ".join(str(d) if isinstance(d, int) else f"{d['min']}..{'' if d['max'] is None else d['max']}"
+                           for d in dims) + "]"
 
 
 def _tuple(v):

@@ -1,9 +1,11 @@
 """fx2xla.export writes a package (torch.export -> fx2xla's lowering -> StableHLO, executable,
 weights); fx2xla.load runs it with no tracing. Results match eager (float32 rtol 1e-4 / atol
 1e-4 for whole models, 1e-5 for an MLP; bfloat16 rtol 1.6e-2 / atol 1e-2 scaled by 10) and the
-torch.compile results; a fresh process loads with no Dynamo graph and no XLA compile; foreign,
-newer, corrupted packages and wrong inputs are clear errors; the portable module compiles when
-no executable fits, on the private serializer and the public one."""
+torch.compile results; a fresh process loads with no Dynamo graph and no XLA compile; with
+dynamic shapes each new shape compiles once; written buffers and index checks carry over;
+foreign, newer, corrupted packages and wrong inputs are clear errors; the portable module
+compiles when no executable fits, on the private serializer and the public one; many threads
+may call a loaded model."""
 import json
 import os
 import subprocess
@@ -125,8 +127,30 @@ def test_wrong_inputs_are_clear_errors(tmp_path):
         run(torch.randn(5, 4))
     with pytest.raises(PackageError, match="takes 1 tensor input"):
         run(torch.randn(3, 4), torch.randn(3, 4))
-    with pytest.raises(NotImplementedError, match="dynamic_shapes"):
-        fx2xla.export(model, (torch.randn(3, 4),), str(tmp_path / "dyn"), dynamic_shapes={"input": {0: None}})
+    with pytest.raises(PackageError, match="must be a tensor"):
+        run([1.0, 2.0])
+
+
+def test_dynamic_shapes_compile_each_new_shape_once(tmp_path):
+    """Exported with a dynamic batch: the example shape loads its executable; each new batch
+    size is lowered from the stored program (no tracing) and compiled once; sizes outside the
+    declared range and changed static dims are errors."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    batch = torch.export.Dim("batch", min=2, max=64)
+    path = fx2xla.export(model, (torch.randn(4, 8),), str(tmp_path / "pkg"), dynamic_shapes=({0: batch},))
+    run = fx2xla.load(path)
+    assert not run.compiled_from_module and "2..64, 8]" in repr(run)
+    before = fx2xla.metrics()["compiles"]
+    for n in (4, 7, 7, 33, 4):
+        x = torch.randn(n, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(run(x), model(x), rtol=1e-4, atol=1e-5)
+    assert fx2xla.metrics()["compiles"] - before == 2  # 7 and 33, once each
+    with pytest.raises(PackageError, match=r"float32\[65, 8\].*exported for float32\[2..64, 8\]"):
+        run(torch.randn(65, 8))
+    with pytest.raises(PackageError, match=r"float32\[4, 9\]"):
+        run(torch.randn(4, 9))
 
 
 def _package(tmp_path):
@@ -155,11 +179,11 @@ def test_foreign_newer_and_corrupted_packages(tmp_path):
     with pytest.raises(PackageError, match="not an fx2xla package"):
         fx2xla.load(path)
     path, _, _ = _package(tmp_path)
-    module = os.path.join(path, "module.stablehlo")
+    module = os.path.join(path, "module-0.stablehlo")
     data = bytearray(open(module, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(module, "wb").write(bytes(data))
-    with pytest.raises(PackageError, match="module.stablehlo does not match the checksum"):
+    with pytest.raises(PackageError, match="module-0.stablehlo does not match the checksum"):
         fx2xla.load(path)
     path, _, _ = _package(tmp_path)
     weights = os.path.join(path, "weights.safetensors")
@@ -178,7 +202,10 @@ def test_compiles_from_the_portable_module_when_no_executable_fits(tmp_path, mon
     is compiled instead, written by the private serializer or the public one."""
     monkeypatch.setenv("FX2XLA_PUBLIC_EXPORT", "1" if public else "0")
     path, model, x = _package(tmp_path)
-    _edit_manifest(path, executables={})
+    with open(os.path.join(path, "manifest.json")) as f:
+        variants = json.load(f)["variants"]
+    variants[0]["executables"] = {}
+    _edit_manifest(path, variants=variants)
     run = fx2xla.load(path)
     assert run.compiled_from_module
     with torch.no_grad():

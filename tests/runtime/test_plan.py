@@ -11,7 +11,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fx2xla
-import fx2xla.runtime.client as client
 from fx2xla.lowering.graph import lower_graph
 from fx2xla.lowering.registry import lowering_for
 from fx2xla.metrics import live_graphs
