@@ -181,7 +181,6 @@ def _aot_compile(gm, example_inputs, opts):
     inference_graphs: list = []
     with precompile.without_autograd_cache() if precompiling else contextlib.nullcontext():
         compiled = _aot_autograd(gm, example_inputs, opts, inference_graphs)
-    needs_wrappers = True
     if len(inference_graphs) == 1:
         graph, meta = inference_graphs[0]
         needs_wrappers = aot_wrappers_needed(meta, len(graph.example_inputs), len(example_inputs))

@@ -57,6 +57,12 @@ class _Specialization:
         self.direct = self.plain_outputs and not self.mutations and not self.checks
 
 
+def draw_seed(device) -> torch.Tensor:
+    """A graph's per-call int64 seed, from torch's generator of `device` (so torch.manual_seed
+    makes runs repeatable, and a CUDA graph draws on its GPU without a host round trip)."""
+    return torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=device)
+
+
 def _raise_failed_now(code: torch.Tensor, records) -> None:
     failed = int(code)
     if failed:
@@ -182,6 +188,8 @@ class CompiledGraph:
                              if not plan.inputs[i].passed and plan.inputs[i].resident]
         self._concat_moves = [plan.inputs[group[0]].move for _, group in plan.concats]
         self._seed_move = "" if plan.torch_device is not None else "pjrt"
+        # "pjrt" moves start from CPU tensors (torch has no tensors on this device): decided once.
+        self._host_import = make_importer()
         self._specializations: dict = {}
         self._compile_lock = threading.Lock()
         self._concat_cache: dict = {}  # input positions -> (resident epoch, tensor, buffer)
@@ -293,7 +301,7 @@ class CompiledGraph:
         if spec.lowered.input_concats:
             bufs += self._concat_buffers(spec.lowered.input_concats, args)
         if spec.lowered.needs_seed:  # random ops: a fresh seed from torch's generator of that device
-            seed = torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=self.plan.seed_device)
+            seed = draw_seed(self.plan.seed_device)
             bufs.append(self._import_tensor(seed, self._jax_device) if not self._seed_move
                         else self._moved(seed, self._seed_move))
         held = {i: args[i] for i in spec.input_outputs} if spec.input_outputs else None
@@ -366,8 +374,7 @@ class CompiledGraph:
             return self._import_tensor(t.to(self._torch_device), self._jax_device)
         import jax
 
-        own = device_of(t.device)
-        buf = jax.device_put(make_importer(platform=own.platform)(t, own.jax_device), self._jax_device)
+        buf = jax.device_put(self._host_import(t, device_of(t.device).jax_device), self._jax_device)
         # The copy reads `t`'s memory asynchronously: done before torch may write `t` again.
         return buf.block_until_ready()
 

@@ -465,7 +465,7 @@ class LoadedModel:
                     f"{self.path!r} was exported for {spec['dtype']}{_describe(dims)}{hint}")
 
     def __call__(self, *args):
-        from .compiled_graph import CompiledGraph, install_input
+        from .compiled_graph import CompiledGraph, draw_seed, install_input
 
         self._check_args(args)
         key = tuple(tuple(a.shape) for a in args)
@@ -488,8 +488,7 @@ class LoadedModel:
                 t = t.to(device)
             bufs.append(self._import(_layout(t, spec), self._jax_device))
         if self._seed:
-            seed = torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=device)
-            bufs.append(self._import(seed, self._jax_device))
+            bufs.append(self._import(draw_seed(device), self._jax_device))
         outs = variant.launch(bufs)
         if variant.checks:
             variant.raise_failed(outs.pop(), variant.checks)

@@ -227,14 +227,6 @@ def _read_only_by(placeholders, concats) -> set[int]:
     return {i for i, n in enumerate(placeholders) if n.users and all(u in nodes for u in n.users)}
 
 
-def concat_only_inputs(gm: torch.fx.GraphModule, example_inputs) -> set[int]:
-    """Graph input positions read only by input concatenations (per-layer weights of a folded
-    scan, stacked in torch before the call): the executable never sees them, so they are not
-    passed to it (at depth that is hundreds of parameters fewer to lower and compile)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return _read_only_by(placeholders, _input_concats(gm, placeholders, [plan_input(v) for v in example_inputs]))
-
-
 # Input-independent values (shape-derived masks, position ids) up to this many elements are
 # computed once, in torch, when the graph is planned, and reach XLA as literals: no kernel to
 # compile for them, no work per call. Larger ones stay computations (a literal that size
