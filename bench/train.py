@@ -62,10 +62,10 @@ def loss_fn(out, target):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
-def make_step(model, backend: str | None, x, y, foreach: bool | None = None):
+def make_step(model, backend: str | None, x, y, foreach: bool | None = None, loss=loss_fn, lr: float = 1e-4):
     """A training step closure for one contender (backend None: eager). foreach None is
     torch's default, which on CPU is the single-tensor AdamW."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
     if backend is None:
         forward, opt_step = model, opt.step
     else:
@@ -73,11 +73,11 @@ def make_step(model, backend: str | None, x, y, foreach: bool | None = None):
         opt_step = torch.compile(opt.step, backend=backend)
 
     def step():
-        loss = loss_fn(forward(x), y)
-        loss.backward()
+        value = loss(forward(x), y)
+        value.backward()
         opt_step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return value.detach()
 
     return step, opt
 

@@ -8,8 +8,10 @@ from .metrics import metrics, metrics_report
 from .package import LoadedModel, PackageError, export, load
 from .scan import scan, scan_layers
 from .serving import RecompileError, TensorSpec, no_recompile, warmup
+from .sharding import Mesh, ShardingError, clear_sharding, explain_sharding, fsdp, mark_sharding, shard_module
 
 __version__ = "0.1.0"
 __all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError",
            "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "export", "load", "LoadedModel",
-           "PackageError", "__version__"]
+           "PackageError", "Mesh", "mark_sharding", "clear_sharding", "explain_sharding", "shard_module", "fsdp", "ShardingError",
+           "__version__"]

@@ -82,7 +82,7 @@ def aot_wrappers_needed(meta, graph_inputs: int, dynamo_inputs: int) -> bool:
         return True
 
 
-def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None = None):
+def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None = None, annotations=None):
     from .compiled_graph import CompiledGraph
     from .runtime import device_for
 
@@ -95,7 +95,14 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     name = _graph_name(kind)
     shapes = ", ".join(str(list(v.shape)) for v in example_inputs if isinstance(v, torch.Tensor))
     check_compile_allowed(f"graph {name} ({kind}) for input shapes {shapes}", bool(options["no_recompile"]))
+    # Forward and inference graphs take Dynamo's inputs in Dynamo's order: eager sharding
+    # annotations apply position by position (AOTAutograd added none of its own here).
+    if annotations is not None and len(annotations) != len(example_inputs):
+        annotations = None
+    if kind == "backward":
+        annotations = _saved_annotations(gm, example_inputs)
     if options["fallback"] == "eager" and unsupported_nodes(gm):
+        _refuse_sharded_islands(gm, annotations, name)
         from .compiled_graph import static_input_indices
 
         return partitioned_graph(
@@ -109,10 +116,59 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     buckets = options["batch_buckets"] if kind == "inference" else None  # never pad training
     compiled = CompiledGraph(gm, example_inputs, device, name, no_recompile=bool(options["no_recompile"]),
                              batch_buckets=tuple(buckets) if buckets else None,
-                             check_indices=bool(options["check_indices"]))
+                             check_indices=bool(options["check_indices"]), annotations=annotations)
     if made is not None:
         made.append((compiled, _fw_metadata()))
+    if kind == "forward" and compiled.mesh is not None:
+        _forward_shardings[_compile_key()] = _result_annotations(compiled)
     return compiled
+
+
+# A sharded forward graph's result shardings, by compile id, until its backward is compiled:
+# the backward's saved activations (its placeholders named as the forward's results) and
+# tangents (the forward's outputs, in order) arrive laid out as the forward left them.
+_forward_shardings: dict = {}
+
+
+def _compile_key():
+    return str(torch._guards.CompileContext.current_compile_id())
+
+
+def _result_annotations(compiled) -> tuple[dict, list]:
+    from .sharding import Annotation
+
+    plan = compiled.plan
+    by_name = {r.node.name: Annotation(plan.mesh_id, r.sharding, "forward") for r in plan.results}
+    outputs = [(tuple(plan.results[o.index].node.meta["val"].shape), by_name[plan.results[o.index].node.name])
+               if o.kind == "tensor" and not o.views and o.inv_perm is None else None for o in plan.outputs]
+    return by_name, outputs
+
+
+def _saved_annotations(gm, example_inputs):
+    saved = _forward_shardings.pop(_compile_key(), None)
+    if saved is None:
+        return None
+    by_name, outputs = saved
+    annotations = []
+    for node, ex in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+        ann = by_name.get(node.name)
+        if node.name.startswith("tangents_"):
+            k = int(node.name.rsplit("_", 1)[1]) - 1
+            out = outputs[k] if k < len(outputs) else None
+            ann = out[1] if out is not None and isinstance(ex, torch.Tensor) and tuple(ex.shape) == out[0] else None
+        annotations.append(ann)
+    return annotations if any(annotations) else None
+
+
+def _refuse_sharded_islands(gm, annotations, name: str) -> None:
+    from .partition import unsupported_nodes
+    from .passes.sharding import graph_mesh
+    from .sharding import ShardingError
+
+    if graph_mesh(gm, annotations or []) is not None:
+        ops = sorted({str(n.target) for n in unsupported_nodes(gm)})
+        raise ShardingError(f"fx2xla: graph {name} is sharded over a mesh but has ops without a lowering rule "
+                            f"({', '.join(ops)}); sharded graphs cannot run parts eagerly yet")
 
 
 # Dynamo frame id (one per Python function) -> the input signatures compiled for it, so a
@@ -148,13 +204,18 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     """Compile a Dynamo graph for XLA. Registered as the `fx2xla` torch.compile backend."""
     from . import lowering  # noqa: F401  (registers the rules)
 
+    from .passes.sharding import input_annotations
+
     opts = _check_options(options)
     name = _graph_name("dynamo")
     _check_recompile(gm, example_inputs, opts, name)
+    annotations = input_annotations(gm)  # read before any pass: the real tensors behind the inputs
+    if not any(annotations):
+        annotations = None
     passed, records = run_passes(gm, example_inputs, opts, name)
     if passed is not gm:
         try:
-            compiled = _aot_compile(passed, example_inputs, opts)
+            compiled = _aot_compile(passed, example_inputs, opts, annotations)
         except Exception as e:  # noqa: BLE001  a pass produced a graph we cannot compile
             from .errors import InvalidInputError
             from .serving import RecompileError
@@ -170,17 +231,17 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
 
             counters.scan_folds += sum(n.startswith("folded") for r in records for n in r.notes)
             return compiled
-    return _aot_compile(gm, example_inputs, opts)
+    return _aot_compile(gm, example_inputs, opts, annotations)
 
 
-def _aot_compile(gm, example_inputs, opts):
+def _aot_compile(gm, example_inputs, opts, annotations=None):
     from . import precompile
 
     check = precompile.in_precompile
     precompiling = check()
     inference_graphs: list = []
     with precompile.without_autograd_cache() if precompiling else contextlib.nullcontext():
-        compiled = _aot_autograd(gm, example_inputs, opts, inference_graphs)
+        compiled = _aot_autograd(gm, example_inputs, opts, inference_graphs, annotations)
     if len(inference_graphs) == 1:
         graph, meta = inference_graphs[0]
         needs_wrappers = aot_wrappers_needed(meta, len(graph.example_inputs), len(example_inputs))
@@ -193,16 +254,19 @@ def _aot_compile(gm, example_inputs, opts):
     return compiled
 
 
-def _aot_autograd(gm, example_inputs, opts, inference_graphs: list):
+def _aot_autograd(gm, example_inputs, opts, inference_graphs: list, annotations=None):
     from torch._dynamo.backends.common import aot_autograd
 
-    from .decompositions import decomposition_table
+    from .decompositions import decomposition_table, sharded_decomposition_table
+    from .sharding import is_mark
 
+    sharded = annotations is not None or any(is_mark(n) for n in gm.graph.nodes)
     return aot_autograd(
-        fw_compiler=functools.partial(_compile, kind="forward", options=opts),
+        fw_compiler=functools.partial(_compile, kind="forward", options=opts, annotations=annotations),
         bw_compiler=functools.partial(_compile, kind="backward", options=opts),
-        inference_compiler=functools.partial(_compile, kind="inference", options=opts, made=inference_graphs),
-        decompositions=decomposition_table(),
+        inference_compiler=functools.partial(_compile, kind="inference", options=opts, made=inference_graphs,
+                                             annotations=annotations),
+        decompositions=sharded_decomposition_table() if sharded else decomposition_table(),
         # Inference graphs (optimizer steps, buffer updates) write their inputs themselves:
         # CompiledGraph swaps the new values' storage in where it can instead of copying.
         keep_inference_input_mutations=True,

@@ -15,12 +15,13 @@ import torch
 
 from . import dump
 from .errors import IndexOutOfRangeError
-from .lowering.graph import LoweredGraph, lower_graph
+from .lowering.graph import LoweredGraph, lower_graph, passed_spec, spmd_shardings
 from .metrics import counters, live_graphs
 from .plan import GraphPlan, build_plan, input_mutations
 from .runtime import Device, compile_module
 from .runtime.client import device_of
-from .runtime.executor import make_launcher, make_traceback_pause, optimized_hlo_text
+from .sharding import mesh_by_id
+from .runtime.executor import make_launcher, make_sharded_launcher, make_traceback_pause, optimized_hlo_text
 from .runtime.handoff import make_exporter, make_importer
 
 _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
@@ -30,12 +31,21 @@ class _Specialization:
     """One executable and the plan to call it with (one per concrete input signature)."""
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
-                 "mutations", "num_outputs", "checks", "raise_failed", "direct")
+                 "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins")
 
     def __init__(self, exe, lowered: LoweredGraph, exports):
         plan = lowered.plan
         self.exe = exe
-        self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
+        # Sharded graphs that write their inputs (optimizer steps) also keep each written
+        # input's new sharded value, so the next graph reading it takes it as it is.
+        self.twins = len(plan.mutations) if plan.mesh_id is not None else 0
+        if plan.mesh_id is None:
+            self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
+        else:  # results come back whole, from their shards
+            outs, code = spmd_shardings(plan)["out_shardings"]
+            shardings = outs + [code] * (len(lowered.result_shapes) - len(outs))
+            self.launch = make_sharded_launcher(exe, shardings, lowered.result_shapes, exports,
+                                                keep=[r for _, r in plan.mutations])
         self.lowered = lowered
         self.out_plans = lowered.outputs
         self.plain_outputs = all(p.kind == "tensor" and p.inv_perm is None and p.stride is None and not p.views
@@ -117,6 +127,22 @@ _SWAPPABLE_TYPES = (torch.Tensor, torch.nn.Parameter)
 _resident_holders: dict = {}
 
 
+# A tensor written by a sharded graph -> (its _version and data_ptr after the write, the new
+# value as the graph left it, a global jax Array of per-device shards): a later sharded graph
+# reading the unchanged tensor with that sharding takes the shards instead of splitting the
+# tensor again (a parameter updated by a compiled FSDP optimizer step stays on its devices).
+_sharded_twins: dict = {}
+
+
+def _keep_sharded_twin(t: torch.Tensor, array) -> None:
+    if id(t) not in _sharded_twins:
+        try:
+            weakref.finalize(t, _sharded_twins.pop, id(t), None)
+        except TypeError:  # not weak-referenceable: nothing can be kept
+            return
+    _sharded_twins[id(t)] = (t._version, t.data_ptr(), array)
+
+
 def install_input(dst: torch.Tensor, new: torch.Tensor) -> None:
     """Write `new` (a fresh executable result) into graph input `dst`, as AOTAutograd's
     write-back would. Where `dst` alone owns a dense storage of exactly its size, `new`'s
@@ -153,7 +179,8 @@ class CompiledGraph:
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str,
                  resident_inputs: set[int] | None = None, no_recompile: bool = False,
-                 batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True):
+                 batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True,
+                 annotations=None):
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -167,7 +194,9 @@ class CompiledGraph:
         self.device = device
         self.example_inputs = list(example_inputs)
         resident = resident_inputs if resident_inputs is not None else static_input_indices(len(self.example_inputs))
-        self.plan = plan = build_plan(gm, self.example_inputs, device, resident)
+        self.plan = plan = build_plan(gm, self.example_inputs, device, resident, annotations)
+        self.device = device = plan.device  # a sharded graph runs from its mesh's first device
+        self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         self._jax_device = device.jax_device
         self._torch_device = plan.torch_device
         self._import_tensor = make_importer(platform=device.platform)
@@ -182,12 +211,16 @@ class CompiledGraph:
         # Inputs only stacked in torch (per-layer weights of a folded scan) never reach the
         # executable: resident ones are only checked for changes, which renew the stack.
         self._import_steps = [(i, j if plan.inputs[i].resident else -1, plan.inputs[i].kind, plan.inputs[i].perm,
-                               plan.inputs[i].move)
+                               self._input_move(plan.inputs[i]))
                               for j, i in enumerate(self._tensor_positions) if plan.inputs[i].passed]
         self._check_steps = [(i, j) for j, i in enumerate(self._tensor_positions)
                              if not plan.inputs[i].passed and plan.inputs[i].resident]
         self._concat_moves = [plan.inputs[group[0]].move for _, group in plan.concats]
         self._seed_move = "" if plan.torch_device is not None else "pjrt"
+        if self.mesh is not None:  # stacked weights and the seed: the same on every device
+            replicated = self.mesh.named_sharding(())
+            self._concat_moves = [replicated] * len(plan.concats)
+            self._seed_move = replicated
         # "pjrt" moves start from CPU tensors (torch has no tensors on this device): decided once.
         self._host_import = make_importer()
         self._specializations: dict = {}
@@ -230,7 +263,8 @@ class CompiledGraph:
         t0 = time.perf_counter()
         lowered = lower_graph(self.gm, self.plan, self.example_inputs, args, check_indices=self.check_indices)
         t1 = time.perf_counter()
-        exe = compile_module(lowered.module_text, self.device)
+        exe = compile_module(lowered.module_text, self.device,
+                             mesh_devices=None if self.mesh is None else tuple(self.mesh.devices.flat))
         counters.lower_seconds += t1 - t0
         counters.specializations += 1
         suffix = "" if args is None else "_" + "_".join("x".join(map(str, s)) for s, _ in lowered.arg_shapes)[:80]
@@ -318,12 +352,19 @@ class CompiledGraph:
     def _finish(self, spec, outs, held):
         """The call's results from the executable's: index checks read (a failure raises before
         any input is written), written inputs installed, views rebuilt."""
+        twins = None
+        if spec.twins:
+            twins = outs[-spec.twins:]
+            del outs[-spec.twins:]
         if spec.checks:
             spec.raise_failed(outs.pop(), spec.checks)
         if spec.mutations:
             with torch.no_grad():  # a parameter's update is no autograd op
                 for i, r in spec.mutations:
                     install_input(held[i], outs[r])
+            if twins is not None:
+                for (i, _), array in zip(spec.mutations, twins):
+                    _keep_sharded_twin(held[i], array)
             del outs[spec.num_outputs:]
         return outs if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
 
@@ -367,12 +408,32 @@ class CompiledGraph:
                 self._resident_epoch = next(_epochs)
         return bufs
 
-    def _moved(self, t: torch.Tensor, move: str):
+    def _input_move(self, p):
+        """An input's move (plan.MOVES); for a sharded graph, the jax sharding it is handed over
+        with (per-device shards)."""
+        if self.mesh is None:
+            return p.move
+        return self.mesh.named_sharding(passed_spec(p.sharding, p.perm if p.kind == "permuted" else None))
+
+    def _moved(self, t: torch.Tensor, move):
         """The device buffer of `t`, which lives on another device than the executable's (see
-        plan.MOVES): moved in torch, or imported on its own device and copied by PJRT."""
+        plan.MOVES): moved in torch, or imported on its own device and copied by PJRT; or, for
+        a graph over a mesh (`move` is a jax sharding), split into per-device shards."""
         if move == "torch":
             return self._import_tensor(t.to(self._torch_device), self._jax_device)
         import jax
+
+        if move != "pjrt":
+            twin = _sharded_twins.get(id(t))
+            if twin is not None and twin[0] == t._version and twin[1] == t.data_ptr() and twin[2].sharding == move:
+                return twin[2]  # written by a sharded graph since: its shards are on the devices
+            if self._torch_device is None:
+                t = t.cpu()
+            elif t.device != self._torch_device:
+                t = t.to(self._torch_device)
+            # The shards are copied from `t`'s memory asynchronously: done before torch may
+            # write `t` again.
+            return jax.device_put(self._import_tensor(t, self._jax_device), move).block_until_ready()
 
         buf = jax.device_put(self._host_import(t, device_of(t.device).jax_device), self._jax_device)
         # The copy reads `t`'s memory asynchronously: done before torch may write `t` again.

@@ -26,6 +26,16 @@ def decomposition_table() -> dict:
     return table
 
 
+@functools.cache
+def sharded_decomposition_table() -> dict:
+    """The table for graphs over a mesh: CPU attention stays one 4-d op (lowered by its rule)
+    instead of torch's math decomposition, whose bmm over batch x heads merged into one dim
+    cannot keep heads sharded (each device's heads are not one block of the merged dim)."""
+    table = dict(decomposition_table())
+    table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    return table
+
+
 def _take(x, index):
     """x.flatten()[index]. torch's decomposition indexes with `index` as it is, which for a 0-d
     index means a Python-int index (a data-dependent `item()` no static shape survives); a 1-d

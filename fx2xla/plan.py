@@ -103,6 +103,11 @@ class GraphPlan:
     # the outputs' own; CompiledGraph installs them in the inputs.
     mutations: list[tuple[int, int]]
     constants: dict = field(default_factory=dict)  # input-independent nodes -> values (literals)
+    # SPMD: the mesh the executable runs over (None: one device). Then each passed input's and
+    # each result's `sharding` is a spec (per torch dim, a tuple of mesh axes), and `shardings`
+    # holds every value's spec and its source (see passes/sharding.py).
+    mesh_id: int | None = None
+    shardings: Any = None
 
     @property
     def platform(self) -> str:
@@ -296,12 +301,21 @@ def _move(device: torch.device | None, target: Device, torch_target: torch.devic
 
 
 def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
-               resident: set[int] | None = None) -> GraphPlan:
+               resident: set[int] | None = None, annotations=None) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
-    (kept as device buffers across calls); None: none."""
+    (kept as device buffers across calls); None: none. `annotations`: per input, the
+    sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
+    annotated inputs runs over their mesh, whose first device replaces `device`."""
     from .lowering.graph import graph_uses_randomness
+    from .passes.sharding import graph_mesh, propagate
 
     resident = resident or set()
+    annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
+    mesh_id = graph_mesh(gm, annotations)
+    shardings = None
+    if mesh_id is not None:
+        device = _mesh_device(mesh_id, example_inputs)
+        shardings = propagate(gm, annotations, mesh_id)
     torch_device = device.torch_device
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     layouts = [plan_input(v) for v in example_inputs]
@@ -313,7 +327,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             inputs.append(layout)
             continue
         inputs.append(InputPlan(layout.kind, layout.perm, ex.device, _move(ex.device, device, torch_device),
-                                resident=i in resident, passed=i not in skipped))
+                                resident=i in resident, passed=i not in skipped,
+                                sharding=shardings.spec(placeholders[i]) if shardings is not None else None))
     seed = graph_uses_randomness(gm)
     seed_device = torch_device if torch_device is not None else torch.device("cpu")
 
@@ -327,7 +342,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     base_result: dict = {}  # base node -> result index, for outputs that are views of it
 
     def result(node, perm=None, home=None) -> int:
-        results.append(ResultPlan(node, perm, home, _move(home, device, torch_device)))
+        spec = shardings.spec(node) if shardings is not None else None
+        results.append(ResultPlan(node, perm, home, _move(home, device, torch_device), spec))
         return len(results) - 1
 
     for v in out_vals:
@@ -368,7 +384,23 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     for dst, node in input_mutations(gm).items():  # the inputs' new contents, after the outputs
         position = placeholders.index(dst)
         mutations.append((position, result(node, home=inputs[position].device)))
-    return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants)
+    return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
+                     mesh_id, shardings)
+
+
+def _mesh_device(mesh_id: int, example_inputs) -> Device:
+    """The first device of a graph's mesh, as the plan's device; tensors of another platform
+    than the mesh's are refused (they would be moved device by device behind the user's back)."""
+    from .runtime.client import get_backend
+    from .sharding import ShardingError, mesh_by_id
+
+    mesh = mesh_by_id(mesh_id)
+    first = mesh.devices.flat[0]
+    for ex in example_inputs:
+        if isinstance(ex, torch.Tensor) and ex.device.type not in ("cpu", "meta") and ex.device.type != mesh.platform:
+            raise ShardingError(f"fx2xla: a {ex.device} tensor in a graph sharded over {mesh}")
+    index = next(i for i, d in enumerate(get_backend(mesh.platform).local_devices()) if d.id == first.id)
+    return Device(mesh.platform, index)
 
 
 def _device(meta):

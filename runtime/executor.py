@@ -41,13 +41,73 @@ def cpu_option_overrides() -> list:
     return list(CPU_OPTION_OVERRIDES)
 
 
+# XLA's GPU autotuner (Triton GEMM fusion tilings, cuBLAS/cuDNN algorithms) takes most of a
+# first GPU compile (an fp32 LLaMA on an H100: 67 s, 7.6 s with Triton GEMMs off) and keeps its
+# results in process memory only. Pointed at a folder, it writes one small file per tuned
+# fusion (keyed by the fusion's HLO and the GPU model) and reads them back in later processes,
+# so a graph or shape compiled afresh that reuses a layer's GEMMs skips their tuning. The
+# folder sits in the disk cache beside the executables (FX2XLA_CACHE_DIR="" turns both off).
+# jax sets the same option when its own persistent cache is on. XLA's default mode (UPDATE:
+# read and write) is kept: it writes each result to a temporary file and renames it into
+# place, so processes sharing the folder do not see each other's partial files.
+AUTOTUNE_OPTION = "xla_gpu_per_fusion_autotune_cache_dir"
+_GPU_PLATFORMS = ("cuda", "rocm", "gpu")
+
+
+def gpu_autotune_cache_dir(options=None) -> str | None:
+    """The folder XLA's GPU autotuner should keep its results in: `<disk cache>/xla-autotune`,
+    absolute and created here (the option's documentation asks for an existing folder). None
+    when the disk cache is off, the folder cannot be made or written, this jaxlib has no such
+    option, or `options` already name a folder (XLA_FLAGS or jax's persistent cache set it:
+    theirs is kept)."""
+    folder = default_cache_dir()
+    if not folder:
+        return None
+    if options is not None:
+        debug = options.executable_build_options.debug_options
+        current = getattr(debug, AUTOTUNE_OPTION, None)
+        if current is None or current:  # unknown to this jaxlib, or chosen elsewhere
+            return None
+    path = os.path.join(os.path.abspath(folder), "xla-autotune")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
+
+
 def _compile_options(platform: str = "cpu", overrides: bool = True):
     import jax.extend.backend
 
     options = jax.extend.backend.get_compile_options(num_replicas=1, num_partitions=1)
     if overrides and platform == "cpu":
         options.env_option_overrides = cpu_option_overrides()
+    elif overrides and platform in _GPU_PLATFORMS:
+        # An override, like the CPU ones: both cache keys see it (the in-memory key holds the
+        # overrides, the disk key the serialized options), and the path is fixed for a given
+        # cache folder, so the keys stay stable across processes. An XLA that does not know
+        # the name fails with "No such compile option" and compile_module retries with
+        # `overrides=False` (no autotune cache, nothing else lost).
+        folder = gpu_autotune_cache_dir(options)
+        if folder is not None:
+            options.env_option_overrides = [(AUTOTUNE_OPTION, folder)]
     return options
+
+
+def _spmd_options(options, device_ids: tuple[int, ...]):
+    """`options` for one SPMD program over `device_ids` (in the mesh's order): XLA partitions
+    the module by its Shardy shardings. Raw CompileOptions have both switches off, and a module
+    whose shardings the partitioner never reads would run replicated on every device."""
+    import jax.extend.backend
+    import numpy as np
+
+    spmd = jax.extend.backend.get_compile_options(
+        num_replicas=1, num_partitions=len(device_ids), device_assignment=np.array([device_ids]))
+    spmd.env_option_overrides = list(options.env_option_overrides)
+    build = spmd.executable_build_options
+    build.use_spmd_partitioning = True
+    build.use_shardy_partitioner = True
+    return spmd
 
 
 def _unknown_option(e: Exception) -> bool:
@@ -78,16 +138,22 @@ def _environment_key(platform: str) -> tuple:
 
 
 def compile_module(module_text: str, device: Device, cache: ExecutableCache | None = None,
-                   use_disk: bool = True):
+                   use_disk: bool = True, mesh_devices: tuple | None = None):
     """A loaded PJRT executable for `module_text` (StableHLO) on `device`: from memory if this
-    process compiled it before, else from the disk cache, else compiled (and stored in both)."""
+    process compiled it before, else from the disk cache, else compiled (and stored in both).
+    `mesh_devices`: the jax devices of an SPMD module's mesh, in mesh order (`device` is the
+    first); the executable is partitioned over them."""
     from .client import used_devices
 
     used_devices.add(device)
     cache = executable_cache if cache is None else cache
     fp = fingerprint(module_text)
     options = _compile_options(device.platform)
-    key = (fp, device.platform, device.index, device.kind, tuple(options.env_option_overrides))
+    targets = list(mesh_devices) if mesh_devices else [device.jax_device]
+    ids = tuple(d.id for d in targets)
+    if mesh_devices:
+        options = _spmd_options(options, ids)
+    key = (fp, device.platform, ids, device.kind, tuple(options.env_option_overrides))
     exe = cache.get(key)
     if exe is not None:
         return exe
@@ -99,7 +165,7 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
         if blob is not None:
             t0 = time.perf_counter()
             try:
-                exe = device.client.deserialize_executable(blob, [device.jax_device], options)
+                exe = device.client.deserialize_executable(blob, targets, options)
             except Exception as e:  # an entry this jaxlib cannot load: recompile and replace it
                 disk.drop(disk.path(disk_key), f"deserialize failed: {e}")
                 exe = None
@@ -109,14 +175,16 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
                 return exe
     t0 = time.perf_counter()
     try:
-        exe = device.client.compile_and_load(module_text, [device.jax_device], options)
+        exe = device.client.compile_and_load(module_text, targets, options)
     except Exception as e:
         if not (_unknown_option(e) and options.env_option_overrides):
             raise
         options = _compile_options(device.platform, overrides=False)  # XLA's defaults, then
+        if mesh_devices:
+            options = _spmd_options(options, ids)
         if disk_key is not None:
             disk_key = (fp, options.SerializeAsString().hex(), device.kind, *_environment_key(device.platform))
-        exe = device.client.compile_and_load(module_text, [device.jax_device], options)
+        exe = device.client.compile_and_load(module_text, targets, options)
     cache.stats.compiles += 1
     cache.stats.compile_seconds += time.perf_counter() - t0
     cache.put(key, exe)
@@ -240,3 +308,53 @@ def make_launcher(exe, export=None, public: bool | None = None):
     export = export_array if export is None else export
     private = None if _use_public(public, "FX2XLA_PUBLIC_EXECUTE") else _private_launcher(exe, export)
     return private or _public_launcher(exe, export)
+
+
+def make_sharded_launcher(exe, shardings, shapes, export, keep=()):
+    """`launch(bufs) -> [torch tensors]` for an SPMD executable: `bufs` are global jax Arrays
+    laid out as the executable's input shardings; each result (`shardings[i]`, a jax Sharding
+    over the executable's devices, of global shape `shapes[i]`) comes back whole: a replicated
+    one is its first device's copy (zero-copy), a sharded one is assembled in torch from its
+    shards (each exported zero-copy, then written into place once). `export`: one function
+    for every result, or one per result. `keep`: result indices also returned, after all the
+    results, as global jax Arrays (their shards stay on the devices)."""
+    import jax
+    import torch
+
+    devices = exe.local_devices()  # the order of every result's shards
+    plans = []
+    for sharding, shape in zip(shardings, shapes):
+        if sharding.is_fully_replicated:
+            plans.append(None)
+            continue
+        index = sharding.devices_indices_map(tuple(shape))
+        seen, pieces = set(), []
+        for k, d in enumerate(devices):
+            key = tuple((s.start, s.stop, s.step) for s in index[d])
+            if key not in seen:  # a shard replicated over another axis is written once
+                seen.add(key)
+                pieces.append((k, index[d]))
+        plans.append((tuple(shape), tuple(pieces)))
+    execute = exe.execute_sharded
+    exports = export if isinstance(export, (list, tuple)) else [export] * len(plans)
+    keep = [(r, shardings[r], tuple(shapes[r])) for r in keep]
+
+    def launch_sharded(bufs: list) -> list:
+        per_result = execute(bufs).disassemble_into_single_device_arrays()
+        outs = []
+        for shards, plan, export_one in zip(per_result, plans, exports):
+            if plan is None:
+                outs.append(export_one(shards[0]))
+                continue
+            shape, pieces = plan
+            first = export_one(shards[pieces[0][0]])
+            whole = torch.empty(shape, dtype=first.dtype, device=first.device)
+            whole[pieces[0][1]] = first
+            for k, idx in pieces[1:]:
+                whole[idx] = export_one(shards[k])
+            outs.append(whole)
+        for r, sharding, shape in keep:
+            outs.append(jax.make_array_from_single_device_arrays(shape, sharding, per_result[r]))
+        return outs
+
+    return launch_sharded

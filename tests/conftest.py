@@ -9,6 +9,12 @@ import pytest
 import torch
 import torch._dynamo
 
+# Eight virtual CPU devices stand in for a mesh (tests/spmd); set before jax's CPU client
+# starts. Single-device graphs run on the first, as they would with one.
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
 # Hermetic executable cache: every test session starts with an empty disk cache of its own.
 os.environ["FX2XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fx2xla-test-cache-")
 

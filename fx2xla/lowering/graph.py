@@ -32,6 +32,7 @@ class LoweredGraph:
     # Run-time index checks (checks.CheckRecord): the executable's LAST result is an int32
     # code, 0 when all passed, else 1 + the position of the first failed check here.
     checks: tuple = ()
+    result_shapes: list = field(default_factory=list)  # every result's shape, the checks' code last
 
     @property
     def needs_seed(self) -> bool:
@@ -168,17 +169,39 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         code = checks.code() if checks is not None and checks.records else None
         if code is not None:  # last: the index checks' verdict
             check_records.extend(checks.records)
-            results.append(code)
-        return results
+        return results, [] if code is None else [code]
 
     with jax.enable_x64(True), warnings.catch_warnings(), lowering_platform(plan.platform):
         # A complex value silently cast to real is a wrong answer, never a warning for users.
         warnings.simplefilter("error", np.exceptions.ComplexWarning)
-        traced = jax.jit(trace, keep_unused=True).trace(*avals)
+        traced = jax.jit(trace, keep_unused=True, **spmd_shardings(plan)).trace(*avals)
         text = traced.lower(lowering_platforms=(plan.platform,)).as_text()
+        result_shapes = [tuple(o.shape) for o in jax.tree.leaves(traced.out_info)]
     outputs = [dataclasses.replace(p, value=_resolve(p.value, bindings)) if p.kind == "const" else p
                for p in plan.outputs]
-    return LoweredGraph(text, plan, outputs, arg_shapes, tuple(check_records))
+    return LoweredGraph(text, plan, outputs, arg_shapes, tuple(check_records), result_shapes)
+
+def passed_spec(spec, perm):
+    """A torch-order spec in the order of the value the executable sees (`t.permute(perm)`)."""
+    return spec if perm is None else tuple(spec[d] for d in perm)
+
+
+def spmd_shardings(plan: GraphPlan) -> dict:
+    """jax.jit's in_shardings/out_shardings for a plan over a mesh (nothing for one device):
+    the inputs' and results' specs, replicated for stacked weights, the seed and the index
+    checks' verdict."""
+    if plan.mesh_id is None:
+        return {}
+    from ..sharding import mesh_by_id
+
+    mesh = mesh_by_id(plan.mesh_id)
+    replicated = mesh.named_sharding(())
+    ins = [mesh.named_sharding(passed_spec(p.sharding, p.perm if p.kind == "permuted" else None))
+           for p in plan.inputs if p.passed]
+    ins += [replicated] * (len(plan.concats) + int(plan.seed))
+    outs = [mesh.named_sharding(passed_spec(r.sharding, r.perm)) for r in plan.results]
+    return {"in_shardings": tuple(ins), "out_shardings": (outs, replicated)}
+
 
 def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=None) -> dict:
     """Evaluate `nodes` (call_function / get_attr nodes of `gm`, in order) with their rules, on

@@ -7,6 +7,17 @@ cancels the transpose pair) and contracts the buffer along its other dimension. 
 lone transpose into a float32 dot by itself, but for bf16 on CPU it instead upcasts a
 transposed copy of the weight to float32 on every call; see
 tests/frontend/test_linalg.py::test_linear_weight_transpose_is_folded.
+
+bf16/f16 matmuls accumulate in float32 on every platform, as torch's do; the platform decides
+only the dtype the dot hands back (`dot_result_dtype`):
+- GPUs: the operand dtype. cuBLAS/cuBLASLt and XLA's Triton GEMMs accumulate in float32
+  inside the kernel and round once as they write the half-precision result, as torch's CUDA
+  GEMMs do. A float32 dot result would instead be written out in float32 and rounded by a
+  separate convert kernel (256 µs a call on an H100 for a [4096, 32000] bf16 logits GEMM).
+- CPU: float32, rounded to torch's dtype after the rule (lower_graph casts every result).
+  XLA:CPU has no half-precision GEMM: it converts the operands to float32 and the product
+  back whatever the dot asks for, so a half result would save nothing there, and a float32
+  one lets addmm add its bias before the single rounding, as torch's CPU kernels do.
 """
 from __future__ import annotations
 
@@ -24,6 +35,17 @@ _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 def accumulation_dtype(dtype):
     """The dtype torch accumulates a matmul/conv of `dtype` in: float32 for bf16/f16."""
     return jnp.dtype(jnp.float32) if jnp.dtype(dtype) in _HALF else jnp.dtype(dtype)
+
+
+def dot_result_dtype(dtype):
+    """The dtype a matmul/conv of `dtype` operands returns on the platform being lowered for:
+    the operand dtype on GPUs, whose GEMMs accumulate bf16/f16 in float32 and round once as
+    they write; the accumulation dtype on the CPU (see the module doc)."""
+    from .registry import current_platform
+
+    if jnp.dtype(dtype) in _HALF and current_platform() != "cpu":
+        return jnp.dtype(dtype)
+    return accumulation_dtype(dtype)
 
 
 def matmul_precision(dtype):
@@ -47,11 +69,11 @@ def matmul_precision(dtype):
 
 
 def dot(a, b, contract, batch=((), ())):
-    """dot_general accumulating like torch; the result stays in the accumulation dtype."""
-    acc = accumulation_dtype(a.dtype)
-    return lax.dot_general(
-        a, b, (contract, batch), precision=matmul_precision(a.dtype), preferred_element_type=acc
-    )
+    """dot_general accumulating like torch; the result is in `dot_result_dtype(a.dtype)`:
+    float32 for half operands on the CPU, the operands' own dtype on GPUs. Callers that go on
+    computing in opmath pass float32 operands (`_opmath`), which every platform keeps."""
+    return lax.dot_general(a, b, (contract, batch), precision=matmul_precision(a.dtype),
+                           preferred_element_type=dot_result_dtype(a.dtype))
 
 
 def _scaled(x, s):
@@ -108,6 +130,14 @@ def _addmm(ctx, bias, a, b, *, beta=1, alpha=1):
     out = _scaled(_matmul(ctx, a, b, 1, 2), alpha)
     if beta == 0:  # torch ignores `self` entirely (NaN/inf in it do not propagate)
         return out
-    # Bias added in the accumulation dtype and rounded once, like torch's gemm epilogue.
+    # The bias is added in the dot's result dtype. CPU: float32, rounded once afterwards, like
+    # torch's CPU kernels. GPUs: the half dtype, which is the form XLA's GEMM rewriter folds into
+    # the GEMM itself (dot + broadcast(bias) of one dtype: a cuBLASLt bias epilogue, or the bias
+    # as the GEMM's C operand with beta = 1); either adds it to the float32 accumulator and
+    # rounds once, as torch's cuBLASLt epilogue does. Adding in float32 on GPUs would rather
+    # force a float32 GEMM output and a separate convert kernel over the whole result. Where XLA
+    # does not fold it (a Triton GEMM fusion may take the add as its epilogue), the product is
+    # rounded before the add: an extra error of at most half an ulp of the product, as when
+    # torch adds a bias in a separate kernel.
     bias = _scaled(bias.astype(out.dtype), beta)
     return out + jnp.broadcast_to(bias, out.shape)

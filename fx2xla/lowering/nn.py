@@ -20,7 +20,7 @@ from jax import lax
 import torch
 from torch.ops import aten
 
-from .linalg import accumulation_dtype, dot, matmul_precision
+from .linalg import accumulation_dtype, dot, dot_result_dtype, matmul_precision
 from .dtypes import to_jax_dtype
 from .registry import concrete_shape, register_lowering
 from .shape import canonical_dim
@@ -301,13 +301,16 @@ def _per_dim(v, nd):
 
 
 def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
-    """torch's convolution (batched, no bias) as one conv_general_dilated, in opmath."""
+    """torch's convolution (batched, no bias) as one conv_general_dilated."""
     nd = w.ndim - 2
     stride, padding, dilation, output_padding = (
         _per_dim(v, nd) for v in (stride, padding, dilation, output_padding))
     spatial = "DHW"[3 - nd:] if nd <= 3 else None
     dims = ("NC" + spatial, "OI" + spatial, "NC" + spatial)
-    x, w = _opmath(x), _opmath(w)
+    # bf16/f16 convs stay in their dtype on GPUs (cuDNN accumulates in float32 and rounds once
+    # as it writes, like torch's); on the CPU they run in float32 (see linalg's module doc).
+    if dot_result_dtype(x.dtype) != x.dtype:
+        x, w = _opmath(x), _opmath(w)
     common = dict(dimension_numbers=dims, feature_group_count=groups,
                   precision=matmul_precision(x.dtype), preferred_element_type=x.dtype)
     if not transposed:

@@ -15,6 +15,7 @@ from jax import lax
 from torch.ops import aten
 
 from ..plan import dense_permutation
+from ..sharding import MARK_SHARDING, decode_spec, mesh_by_id
 from .registry import concrete_shape, register_lowering
 
 
@@ -280,3 +281,12 @@ def _assert_tensor_metadata(ctx, x, size=None, stride=None, dtype=None, *, devic
     # torch.export's check that a tensor has the traced metadata: the shapes and dtypes the
     # module is lowered for are static, so it holds by construction (nothing to compute).
     return None
+
+
+@register_lowering(MARK_SHARDING)
+def _mark_sharding(ctx, x, mesh, spec):
+    # A sharding constraint (Shardy's sdy.sharding_constraint): the value is laid out as the
+    # user asked at this point; XLA's partitioner inserts the collectives around it.
+    import jax
+
+    return jax.lax.with_sharding_constraint(x, mesh_by_id(mesh).named_sharding(decode_spec(spec)))

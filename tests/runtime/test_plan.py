@@ -247,3 +247,59 @@ def test_island_inputs_are_resident_only_for_parameters():
         # Buffers held across calls are the parameters' alone.
         held = [r for r in g._resident if r is not None]
         assert len(held) == sum(p.resident for p in g.plan.inputs) == 2
+
+
+def _linear_and_conv(x, w, b, img, k, kb):
+    """nn.Linear as AOTAutograd hands it over (addmm of the permuted weight), a plain matmul
+    and a convolution with a bias."""
+    return (torch.addmm(b, x, w.T), x @ w.T,
+            aten.convolution.default(img, k, kb, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
+
+
+def _half_specs(device_name, dtype):
+    return [((8, 64), dtype, device_name), ((32, 64), dtype, device_name), ((32,), dtype, device_name),
+            ((2, 3, 6, 6), dtype, device_name), ((2, 3, 3, 3), dtype, device_name), ((2,), dtype, device_name)]
+
+
+def _half_module(device_name, platform, dtype=torch.bfloat16) -> str:
+    gm, fakes = _cuda_graph(_linear_and_conv, *_half_specs(device_name, dtype))
+    plan = build_plan(gm, fakes, Device(platform, 0))
+    return lower_graph(gm, plan, fakes).module_text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_half_matmuls_write_their_own_dtype(torch_has_cuda, dtype):
+    """Lowered for CUDA, a bf16/f16 dot or conv asks XLA for a result in its own dtype (the
+    GEMM accumulates in float32 and rounds once as it writes): no float32 value and no convert
+    anywhere, the Linear's bias added in that dtype. Lowered for the CPU, the same graph keeps
+    float32 results, converted to the half dtype afterwards."""
+    t = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    cuda = _half_module("cuda", "cuda", dtype)
+    dots = [line for line in cuda.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 2 and all(d.endswith(f"-> tensor<8x32x{t}>") for d in dots), cuda
+    assert f"-> tensor<2x2x6x6x{t}>" in cuda and "f32" not in cuda and "stablehlo.convert" not in cuda, cuda
+    cpu = _half_module("cpu", "cpu", dtype)
+    dots = [line for line in cpu.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 2 and all(d.endswith("-> tensor<8x32xf32>") for d in dots), cpu
+    assert "-> tensor<2x2x6x6xf32>" in cpu, cpu
+    assert cpu.count(f": (tensor<8x32xf32>) -> tensor<8x32x{t}>") == 2, cpu  # rounded after the bias
+
+
+def test_cuda_half_matmuls_match_eager(torch_has_cuda):
+    """The CUDA module (bf16 dots, conv and bias adds), compiled on the CPU client, matches eager
+    bf16 within the suite's bf16 tolerance (rtol 1.6e-2, atol 1e-2). XLA:CPU computes each
+    bf16 dot in float32 and rounds once; the bias is then added in bf16, as on a GPU where XLA
+    does not fold it into the GEMM."""
+    text = _half_module("cuda", "cuda")
+    torch.manual_seed(0)
+    x, w, b = torch.randn(8, 64), torch.randn(32, 64) / 8, torch.randn(32)
+    img, k, kb = torch.randn(2, 3, 6, 6), torch.randn(2, 3, 3, 3) / 3, torch.randn(2)
+    args = [t.to(torch.bfloat16) for t in (x, w, b, img, k, kb)]
+    launch = make_launcher(compile_module(text, default_device()))
+    dev = default_device().jax_device
+    outs = launch([import_tensor(t, dev) for t in args])
+    expected = _linear_and_conv(*args)
+    assert len(outs) == len(expected)
+    for out, exp in zip(outs, expected):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, exp, rtol=1.6e-2, atol=1e-2)

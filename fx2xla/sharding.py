@@ -1,0 +1,412 @@
+"""SPMD: a device mesh, sharding annotations that survive compilation, and FSDP.
+
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))       # 8 devices of the default platform
+    fx2xla.mark_sharding(x, mesh, ("data", None))       # eager: on an input, parameter, buffer
+    fx2xla.shard_module(model, mesh, {"*.fc1.weight": ("model", None)})
+    fx2xla.fsdp(model, mesh_1d, axis="fsdp")
+    compiled = torch.compile(model, backend="fx2xla")   # one SPMD executable over the mesh
+
+A spec has one entry per tensor dim: None (not sharded), a mesh axis name, or a tuple of axis
+names (the dim is split over their product), as PyTorch/XLA and JAX spell it; a list of
+DTensor placements (`Shard(d)`, `Replicate()`, one per mesh axis) is accepted too.
+
+Eager, `mark_sharding(t, ...)` records the sharding on `t` itself and returns it: compiled
+graphs that take `t` as an input (or parameter) hand it to the executable as per-device shards.
+Inside compiled code it is the op `fx2xla::mark_sharding`, a sharding constraint on the value,
+which Dynamo and AOTAutograd carry through forward and backward (its gradient gets the same
+constraint). Its result is the constrained tensor; when it is discarded the constraint still
+applies to the value's later uses (the `sharding_annotations` pass rewires them).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+
+# Meshes by id: the op carries an int, so a traced graph names its mesh without holding jax
+# objects (ids are never reused within a process).
+_meshes: dict[int, "Mesh"] = {}
+_mesh_ids = itertools.count()
+_lock = threading.Lock()
+
+Spec = tuple  # per dim: a tuple of mesh axis names (empty: not sharded on that dim)
+
+
+class ShardingError(ValueError):
+    """A sharding that cannot apply: unknown axis, wrong rank, an axis used twice, ..."""
+
+
+class Mesh:
+    """A logical device mesh: `shape` (ints) over the first prod(shape) devices of a platform,
+    or `devices` (runtime Devices or jax devices, flat or nested), named by `axis_names`."""
+
+    def __init__(self, shape_or_devices, axis_names, *, platform: str | None = None):
+        import numpy as np
+
+        from .runtime.client import Device, get_backend, platform_from_env
+
+        axis_names = tuple(axis_names)
+        if len(set(axis_names)) != len(axis_names) or not all(isinstance(a, str) and a for a in axis_names):
+            raise ShardingError(f"fx2xla.Mesh: axis names must be distinct non-empty strings, got {axis_names}")
+        if all(isinstance(s, int) for s in shape_or_devices):
+            shape = tuple(shape_or_devices)
+            platform = platform or platform_from_env()
+            devices = list(get_backend(platform).devices())
+            if math.prod(shape) > len(devices) or any(s < 1 for s in shape):
+                raise ShardingError(
+                    f"fx2xla.Mesh{shape} needs {math.prod(shape)} {platform} devices; this process has "
+                    f"{len(devices)} ({', '.join(str(d.id) for d in devices)}). On a CPU, "
+                    f"XLA_FLAGS=--xla_force_host_platform_device_count=N (before jax starts) gives N devices.")
+            grid = np.array(devices[: math.prod(shape)], dtype=object).reshape(shape)
+        else:
+            arr = np.array(shape_or_devices, dtype=object)
+            grid = np.vectorize(lambda d: d.jax_device if isinstance(d, Device) else d, otypes=[object])(arr)
+            shape = grid.shape
+        if len(shape) != len(axis_names):
+            raise ShardingError(f"fx2xla.Mesh: {len(shape)} mesh dims {tuple(shape)} but {len(axis_names)} "
+                                f"axis names {axis_names}")
+        flat = list(grid.flat)
+        if len({id(d) for d in flat}) != len(flat):
+            raise ShardingError("fx2xla.Mesh: a device appears twice")
+        platforms = {d.platform for d in flat}
+        if len(platforms) != 1:
+            raise ShardingError(f"fx2xla.Mesh: devices of several platforms {sorted(platforms)}")
+        self.platform = platforms.pop()
+        self.axis_names = axis_names
+        self.shape = dict(zip(axis_names, (int(s) for s in shape)))
+        self.devices = grid  # jax devices, in mesh order
+        self.size = len(flat)
+        from jax.sharding import AxisType
+        from jax.sharding import Mesh as JaxMesh
+
+        # Auto axes: shardings are hints Shardy propagates (jax's default is Explicit types).
+        self.jax_mesh = JaxMesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
+        with _lock:
+            self.id = next(_mesh_ids)
+            _meshes[self.id] = self
+
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        return tuple(d.id for d in self.devices.flat)
+
+    def named_sharding(self, spec: Spec):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.jax_mesh, PartitionSpec(*(axes if axes else None for axes in spec)))
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{a}={n}" for a, n in self.shape.items())
+        return f"fx2xla.Mesh({dims}; {self.platform} devices {list(self.device_ids)})"
+
+
+def mesh_by_id(mesh_id: int) -> Mesh:
+    try:
+        return _meshes[mesh_id]
+    except KeyError:
+        raise ShardingError(f"fx2xla: no mesh with id {mesh_id} in this process") from None
+
+
+def normalize_spec(spec, ndim: int, mesh: Mesh, what: str = "tensor") -> Spec:
+    """`spec` (axis names / None / tuples per dim, or DTensor placements per mesh axis) as a
+    tuple of axis-name tuples, one per dim; raises ShardingError naming what is wrong."""
+    if _is_placements(spec):
+        return _from_placements(spec, ndim, mesh, what)
+    spec = tuple(spec) if isinstance(spec, (tuple, list)) else (spec,)
+    if len(spec) > ndim:
+        raise ShardingError(f"fx2xla.mark_sharding: spec {spec} has {len(spec)} entries for a {ndim}-d {what}")
+    out, used = [], set()
+    for d, entry in enumerate(spec + (None,) * (ndim - len(spec))):
+        axes = () if entry is None else (entry,) if isinstance(entry, (str, int)) else tuple(entry)
+        names = []
+        for a in axes:
+            if isinstance(a, int) and not isinstance(a, bool):  # PyTorch/XLA: mesh axis index
+                if not 0 <= a < len(mesh.axis_names):
+                    raise ShardingError(f"fx2xla.mark_sharding: mesh axis index {a} out of range for {mesh}")
+                a = mesh.axis_names[a]
+            if a not in mesh.shape:
+                raise ShardingError(f"fx2xla.mark_sharding: unknown mesh axis {a!r} in spec {spec} "
+                                    f"(mesh axes: {mesh.axis_names})")
+            if a in used:
+                raise ShardingError(f"fx2xla.mark_sharding: mesh axis {a!r} used twice in spec {spec}")
+            used.add(a)
+            names.append(a)
+        out.append(tuple(names))
+    return tuple(out)
+
+
+def _is_placements(spec) -> bool:
+    try:
+        from torch.distributed.tensor.placement_types import Placement
+    except ImportError:
+        return False
+    return isinstance(spec, (tuple, list)) and len(spec) > 0 and all(isinstance(p, Placement) for p in spec)
+
+
+def _from_placements(placements, ndim: int, mesh: Mesh, what: str) -> Spec:
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    if len(placements) != len(mesh.axis_names):
+        raise ShardingError(f"fx2xla.mark_sharding: {len(placements)} placements for a mesh of "
+                            f"{len(mesh.axis_names)} axes {mesh.axis_names}")
+    dims: list[list[str]] = [[] for _ in range(ndim)]
+    for axis, p in zip(mesh.axis_names, placements):
+        if isinstance(p, Shard):
+            d = p.dim + ndim if p.dim < 0 else p.dim
+            if not 0 <= d < ndim:
+                raise ShardingError(f"fx2xla.mark_sharding: {p} on a {ndim}-d {what}")
+            dims[d].append(axis)
+        elif not isinstance(p, Replicate):
+            raise ShardingError(f"fx2xla.mark_sharding: placement {p} is not supported (Shard or Replicate)")
+    return tuple(tuple(a) for a in dims)
+
+
+def encode_spec(spec: Spec) -> str:
+    """The op's string form of a spec: "<ndim>:" then dims separated by "|", axes by ","."""
+    return f"{len(spec)}:" + "|".join(",".join(axes) for axes in spec)
+
+
+def decode_spec(text: str) -> Spec:
+    ndim, _, body = text.partition(":")
+    if int(ndim) == 0:
+        return ()
+    return tuple(tuple(a for a in dim.split(",") if a) for dim in body.split("|"))
+
+
+def describe_spec(spec: Spec) -> str:
+    """("data", None, ("x", "y")) style, as a user writes it."""
+    parts = ["None" if not a else repr(a[0]) if len(a) == 1 else repr(a) for a in spec]
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
+@dataclass(frozen=True)
+class Annotation:
+    """An eager tensor's sharding (set by mark_sharding, read when a graph is planned)."""
+
+    mesh_id: int
+    spec: Spec
+    source: str = "user"  # or "forward": a saved activation's sharding, given to its backward graph
+
+    @property
+    def mesh(self) -> Mesh:
+        return mesh_by_id(self.mesh_id)
+
+
+def annotation_of(t) -> Annotation | None:
+    return getattr(t, "_fx2xla_sharding", None) if isinstance(t, torch.Tensor) else None
+
+
+@torch.library.custom_op("fx2xla::mark_sharding", mutates_args=())
+def _mark_sharding_op(x: torch.Tensor, mesh: int, spec: str) -> torch.Tensor:
+    # Eager (outside fx2xla's executables) a constraint changes nothing: the values are equal.
+    return x.clone()
+
+
+@_mark_sharding_op.register_fake
+def _(x, mesh, spec):
+    return torch.empty_like(x)
+
+
+def _mark_backward(ctx, grad):
+    return torch.ops.fx2xla.mark_sharding(grad, ctx.mesh, ctx.spec), None, None
+
+
+def _mark_setup(ctx, inputs, output):
+    _, ctx.mesh, ctx.spec = inputs
+
+
+_mark_sharding_op.register_autograd(_mark_backward, setup_context=_mark_setup)
+
+MARK_SHARDING = torch.ops.fx2xla.mark_sharding.default
+
+
+def is_mark(node) -> bool:
+    """A constraint node: the overload in AOTAutograd's graphs, the packet in Dynamo's."""
+    return node.op == "call_function" and node.target in (MARK_SHARDING, torch.ops.fx2xla.mark_sharding)
+
+
+# Not dead code when its result is unused: the `sharding_annotations` pass gives the
+# constraint to the value's later uses.
+torch.fx.node.has_side_effect(MARK_SHARDING)
+
+
+@torch.compiler.assume_constant_result
+def _spec_key(mesh_id: int, spec, ndim: int) -> str:
+    return encode_spec(normalize_spec(spec, ndim, mesh_by_id(mesh_id)))
+
+
+def mark_sharding(t: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
+    """Shard `t` over `mesh` by `spec` (see the module doc). Eager: records it on `t` (an input,
+    parameter or buffer of a compiled graph) and returns `t`. Inside compiled code: a sharding
+    constraint; returns the constrained value."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"fx2xla.mark_sharding: expected a tensor, got {type(t).__name__}")
+    if torch.compiler.is_compiling():
+        return torch.ops.fx2xla.mark_sharding(t, mesh.id, _spec_key(mesh.id, spec, t.dim()))
+    normalized = normalize_spec(spec, t.dim(), mesh)
+    t._fx2xla_sharding = Annotation(mesh.id, normalized)
+    return t
+
+
+def clear_sharding(t: torch.Tensor) -> None:
+    """Forget an eager tensor's sharding (graphs compiled since keep theirs)."""
+    if hasattr(t, "_fx2xla_sharding"):
+        del t._fx2xla_sharding
+
+
+def shard_module(module: torch.nn.Module, mesh: Mesh, plan: dict[str, Any]) -> dict[str, Spec]:
+    """Mark the parameters and buffers of `module` whose qualified names match a pattern of
+    `plan` (fnmatch: `*` spans dots, e.g. "layers.*.mlp.up.weight" or "*.q_proj.weight") with its
+    spec; the first matching pattern wins. Returns {name: spec} of what was marked. A pattern
+    that matches nothing raises: a silent typo would leave the model replicated."""
+    marked: dict[str, Spec] = {}
+    hits = {p: 0 for p in plan}
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        for pattern, spec in plan.items():
+            if fnmatchcase(name, pattern):
+                mark_sharding(t, mesh, spec)
+                marked[name] = t._fx2xla_sharding.spec
+                hits[pattern] += 1
+                break
+    unused = [p for p, n in hits.items() if not n]
+    if unused:
+        raise ShardingError(f"fx2xla.shard_module: pattern(s) {unused} match no parameter or buffer of "
+                            f"{type(module).__name__}")
+    return marked
+
+
+def fsdp(module: torch.nn.Module, mesh: Mesh, axis: str = "fsdp", min_elements: int = 0) -> dict[str, Spec]:
+    """Fully sharded data parallel: every parameter is split over mesh axis `axis` along its
+    largest dim the axis size divides (dim 0 first on ties); gradients inherit the sharding
+    through the backward constraint and optimizer state follows its parameter in compiled
+    optimizer steps. Parameters under `min_elements`, or with no divisible dim, stay replicated.
+    Returns {name: spec}. Batches are sharded on the same axis by the caller (`mark_sharding(x,
+    mesh, (axis, None))`), as in PyTorch/XLA's FSDPv2."""
+    if axis not in mesh.shape:
+        raise ShardingError(f"fx2xla.fsdp: mesh {mesh} has no axis {axis!r}")
+    n = mesh.shape[axis]
+    marked = {}
+    for name, p in module.named_parameters():
+        dims = [d for d in range(p.dim()) if p.shape[d] % n == 0 and p.shape[d] >= n]
+        if not dims or p.numel() < min_elements:
+            continue
+        d = max(dims, key=lambda d: (p.shape[d], -d))
+        spec = tuple(axis if i == d else None for i in range(p.dim()))
+        mark_sharding(p, mesh, spec)
+        marked[name] = p._fx2xla_sharding.spec
+    return marked
+
+
+# -- explain ---------------------------------------------------------------------------------
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+              "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective in an optimized HLO module: op, result type (per device), bytes."""
+
+    op: str
+    type: str
+    bytes: int
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """The collectives XLA's partitioner put in an optimized (per-device) HLO module, with the
+    bytes of each result (async pairs are counted once, at their start)."""
+    import re
+
+    pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
+    found = []
+    for line in hlo_text.splitlines():
+        m = pattern.search(line)
+        if m is None:
+            continue
+        types = re.findall(r"([a-z]+\d*)\[([\d,]*)\]", m.group(1))
+        sizes = [_HLO_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in types]
+        # An async start returns (operand, result, ...): its last shape is the result.
+        nbytes = sizes[-1] if m.group(3) and sizes else sum(sizes)
+        found.append(Collective(m.group(2), m.group(1).strip(), nbytes))
+    return found
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _per_device(shape, spec, mesh: Mesh) -> int:
+    parts = 1
+    for axes in spec:
+        parts *= math.prod(mesh.shape[a] for a in axes)
+    return math.prod(shape) // parts if parts else 0
+
+
+def explain_sharding(graph=None, file=None) -> str:
+    """A report of how a compiled graph is sharded: per input and per result its spec, where
+    the spec came from (user, propagated, default), bytes per device; the constraints inside;
+    the collectives XLA's partitioner inserted (from the optimized HLO); each device's memory.
+    `graph`: a CompiledGraph, a list of them, or None for every live sharded graph. Printed to
+    `file` when given; returned."""
+    from .compiled_graph import CompiledGraph
+    from .metrics import live_graphs
+    from .runtime.executor import optimized_hlo_text
+
+    if graph is None:
+        graphs = sorted((g for g in live_graphs if g.mesh is not None), key=lambda g: g.name)
+    else:
+        graphs = list(graph) if isinstance(graph, (list, tuple)) else [graph]
+    if not all(isinstance(g, CompiledGraph) for g in graphs):
+        raise TypeError("fx2xla.explain_sharding: expected compiled graphs (or None for all)")
+    lines = []
+    for g in graphs:
+        plan = g.plan
+        if g.mesh is None:
+            lines.append(f"graph {g.name}: one device ({g.device}), not sharded")
+            continue
+        mesh, sh = g.mesh, plan.shardings
+        lines.append(f"graph {g.name} over {mesh}")
+        placeholders = [n for n in g.gm.graph.nodes if n.op == "placeholder"]
+        rows = [("input", n, p.sharding) for n, p in zip(placeholders, plan.inputs) if p.passed]
+        rows += [("result", r.node, r.sharding) for r in plan.results]
+        rows += [("constraint", n, sh.spec(n)) for n in g.gm.graph.nodes
+                 if is_mark(n)]
+        for kind, node, spec in rows:
+            val = node.meta.get("val")
+            shape = tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
+            dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "?"
+            whole = math.prod(shape) * (val.element_size() if isinstance(val, torch.Tensor) else 0)
+            mine = _per_device(shape, spec, mesh) * (val.element_size() if isinstance(val, torch.Tensor) else 0)
+            lines.append(f"  {kind:10s} {node.name:24s} {dtype:>8s}{list(shape)!s:>16s}  {describe_spec(spec):24s} "
+                         f"{sh.source(node):10s} {_fmt_bytes(mine)}/device of {_fmt_bytes(whole)}")
+        spec_ = g._static
+        if spec_ is None:
+            lines.append("  (dynamic shapes: collectives and memory per specialization, once compiled)")
+            continue
+        found = collectives(optimized_hlo_text(spec_.exe))
+        if found:
+            by_op: dict = {}
+            for c in found:
+                n, b = by_op.get(c.op, (0, 0))
+                by_op[c.op] = (n + 1, b + c.bytes)
+            lines.append("  collectives: " + ", ".join(f"{op} x{n} ({_fmt_bytes(b)})" for op, (n, b) in by_op.items()))
+            for c in found:
+                lines.append(f"    {c.op:20s} {c.type}")
+        else:
+            lines.append("  collectives: none")
+        stats = spec_.exe.get_compiled_memory_stats()
+        lines.append(f"  memory per device: arguments {_fmt_bytes(stats.argument_size_in_bytes)}, outputs "
+                     f"{_fmt_bytes(stats.output_size_in_bytes)}, temporaries {_fmt_bytes(stats.temp_size_in_bytes)}")
+    text = "\n".join(lines)
+    if file is not None:
+        print(text, file=file)
+    return text

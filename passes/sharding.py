@@ -1,0 +1,430 @@
+"""Sharding: from the user's annotations to a sharding of every value of a graph.
+
+Two parts:
+- `sharding_annotations`, a pass over Dynamo's graph: an input (parameter, buffer, argument)
+  marked eagerly with `fx2xla.mark_sharding` gets a `fx2xla::mark_sharding` constraint op right
+  after its placeholder, which AOTAutograd carries into the forward graph and, through the op's
+  autograd rule, onto the gradient in the backward graph. A constraint whose result the user
+  discarded inside compiled code is given to the value's later uses.
+- `propagate`, run when a graph's plan is built (on AOTAutograd's core-ATen graphs): from the
+  constraints and the inputs' annotations, forward through each op's rule, then backward into
+  inputs nobody annotated (an optimizer state takes its parameter's sharding), to a fixed point.
+  Each value ends with a spec (one tuple of mesh axes per dim) and where it came from: "user",
+  "propagated", or "default" (replicated: no rule or no annotation reached it).
+
+The plan takes the inputs' and results' specs from here; the module carries them as Shardy
+shardings, with the user's constraints inside, and XLA's partitioner completes the rest.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from fx2xla.sharding import MARK_SHARDING, ShardingError, annotation_of, decode_spec, encode_spec, is_mark, mesh_by_id
+
+from .manager import PassResult, register_pass
+
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------------------------------------
+# Dynamo-level pass: eager annotations -> constraint ops in the graph
+
+
+_VIEW_METHODS = {"view", "reshape", "transpose", "t", "permute", "narrow", "select", "unsqueeze", "squeeze",
+                 "expand", "as_strided", "split", "chunk", "unbind", "flatten", "unflatten", "view_as",
+                 "expand_as", "swapaxes", "movedim", "diagonal", "T", "mT", "detach", "__getitem__"}
+
+
+_WRITING_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def _name(target) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    """Whether a Dynamo graph node writes one of its arguments (in-place method or function,
+    `out=`, item assignment)."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if "out" in node.kwargs or node.target in _WRITING_OPERATORS:
+        return True
+    name = _name(node.target)
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """`node` and the views taken of it (transitively), in a Dynamo graph."""
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        for u in n.users:
+            if (u.op == "call_method" and u.target in _VIEW_METHODS) or (
+                    u.op == "call_function" and (_name(u.target) in _VIEW_METHODS or u.target is operator.getitem)):
+                todo.append(u)
+    return out
+
+
+def _real_example(node: torch.fx.Node):
+    grapharg = node.meta.get("grapharg")
+    try:
+        return grapharg.example if grapharg is not None else None
+    except Exception:  # noqa: BLE001  (a freed weak reference, a symbolic size)
+        return None
+
+
+def _attr_tensors(gm: torch.fx.GraphModule) -> list:
+    """The graph's own parameters then buffers, in the order AOTAutograd lifts them into
+    graph inputs ahead of the placeholders (an optimizer step's parameters and states)."""
+    return [t for _, t in gm.named_parameters(remove_duplicate=False)] + \
+        [t for _, t in gm.named_buffers(remove_duplicate=False)]
+
+
+def input_annotations(gm: torch.fx.GraphModule) -> list:
+    """Per input of the graphs AOTAutograd makes of a Dynamo graph (its lifted parameters and
+    buffers, then its placeholders), the Annotation of the real tensor behind it (or None)."""
+    return [annotation_of(t) for t in _attr_tensors(gm)] + \
+        [annotation_of(_real_example(n)) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _constrain_uses(graph: torch.fx.Graph, value: torch.fx.Node, mark: torch.fx.Node) -> bool:
+    """Route the uses of `value` after `mark` through `mark`, unless `value` or a view of it is
+    written in place (the write must reach the original)."""
+    if any(_mutates(u) for a in _aliases(value) for u in a.users):
+        return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    later = [u for u in value.users if u is not mark and order[u] > order[mark]]
+    for u in later:
+        u.replace_input_with(value, mark)
+    return bool(later)
+
+
+@register_pass("sharding_annotations", default=True,
+               help="eager fx2xla.mark_sharding annotations on inputs/parameters become constraints "
+                    "that reach forward and backward graphs")
+def sharding_annotations(gm: torch.fx.GraphModule, example_inputs, options) -> PassResult:
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    notes, changed = [], False
+    anchor = placeholders[-1] if placeholders else None
+    marked = [(n, annotation_of(_real_example(n))) for n in placeholders]
+    marked += [(n, annotation_of(_attr(gm, n.target))) for n in graph.nodes if n.op == "get_attr"]
+    for node, ann in marked:
+        if ann is None:
+            continue
+        if node.op == "get_attr":
+            anchor = node
+        with graph.inserting_after(anchor):
+            mark = graph.call_function(MARK_SHARDING, (node, ann.mesh_id, encode_spec(ann.spec)))
+        mark.meta["example_value"] = node.meta.get("example_value")
+        anchor = mark
+        changed = True
+        routed = _constrain_uses(graph, node, mark)
+        notes.append(f"{node.name}: {encode_spec(ann.spec)} on mesh {ann.mesh_id}"
+                     + ("" if routed else " (written in place: constrained at the input only)"))
+    for node in list(graph.nodes):  # constraints inside compiled code whose result was discarded
+        if is_mark(node) and not node.users \
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op != "placeholder":
+            changed |= _constrain_uses(graph, node.args[0], node)
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return PassResult(gm, changed, notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Propagation over core-ATen graphs
+
+
+@dataclass
+class Shardings:
+    """A graph's mesh and, per value node, its spec and where the spec came from."""
+
+    mesh_id: int
+    specs: dict = field(default_factory=dict)  # node -> spec (tuple of axis tuples per dim)
+    sources: dict = field(default_factory=dict)  # node -> "user" | "propagated" | "default"
+
+    def spec(self, node) -> tuple:
+        """The node's spec, replicated where nothing reached it."""
+        s = self.specs.get(node)
+        if isinstance(s, tuple) and _is_spec(s):
+            return s
+        return tuple(() for _ in range(_ndim(node)))
+
+    def source(self, node) -> str:
+        return self.sources.get(node, "default")
+
+
+def _is_spec(s) -> bool:
+    return all(isinstance(a, tuple) and all(isinstance(x, str) for x in a) for a in s)
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _ndim(node) -> int:
+    v = _val(node)
+    return v.dim() if isinstance(v, torch.Tensor) else 0
+
+
+def _shape(node):
+    v = _val(node)
+    return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def graph_mesh(gm: torch.fx.GraphModule, annotations) -> int | None:
+    """The id of the one mesh a graph's constraints and input annotations use (None: none)."""
+    ids = {a.mesh_id for a in annotations if a is not None}
+    ids |= {n.args[1] for n in gm.graph.nodes if is_mark(n)}
+    if len(ids) > 1:
+        raise ShardingError(f"fx2xla: one graph uses several meshes {[repr(mesh_by_id(i)) for i in sorted(ids)]}; "
+                            "shard every tensor of a model over one mesh")
+    return ids.pop() if ids else None
+
+
+def propagate(gm: torch.fx.GraphModule, annotations, mesh_id: int, sizes: dict[str, int] | None = None) -> Shardings:
+    """Shardings of every value of `gm` (see module doc). `annotations`: per placeholder, an
+    Annotation or None. `sizes`: mesh axis sizes (default: the mesh's)."""
+    sizes = sizes if sizes is not None else mesh_by_id(mesh_id).shape
+    result = Shardings(mesh_id)
+    specs, sources = result.specs, result.sources
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, ann in zip(placeholders, annotations):
+        if ann is not None and _ndim(node) == len(ann.spec):
+            specs[node], sources[node] = _fit(ann.spec, _shape(node), sizes), ann.source
+    for node in placeholders:  # a constraint straight on an input is the input's sharding
+        for u in node.users:
+            if is_mark(u) and node not in specs:
+                specs[node], sources[node] = _fit(decode_spec(u.args[2]), _shape(node), sizes), "user"
+    for _ in range(4):  # forward, then backward into unannotated inputs, until nothing changes
+        before = dict(specs)
+        _forward(gm, specs, sources, sizes)
+        _backward_fill(gm, specs, sources, sizes)
+        if specs == before:
+            break
+    return result
+
+
+def _forward(gm, specs, sources, sizes) -> None:
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or sources.get(node) == "user":
+            continue
+        if is_mark(node):
+            specs[node], sources[node] = _fit(decode_spec(node.args[2]), _shape(node), sizes), "user"
+            continue
+        try:
+            spec = _rule(node, specs)
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError):
+            spec = None  # an argument form a rule does not know: no guess
+        if spec is None:
+            continue
+        if isinstance(_val(node), torch.Tensor):
+            spec = _fit(spec, _shape(node), sizes)
+        if spec is not None:
+            specs[node], sources[node] = spec, "propagated"
+
+
+def _backward_fill(gm, specs, sources, sizes) -> None:
+    """Backward through elementwise ops: an operand of the same shape as a sharded elementwise
+    result, which nothing sharded yet, takes that result's spec. So an optimizer state, read
+    only by the update that writes its parameter, is sharded like the parameter; so is a
+    gradient, a mask next to its activation."""
+    for node in reversed(list(gm.graph.nodes)):
+        spec = specs.get(node)
+        if node.op != "call_function" or not _sharded(spec) or not _is_spec(spec):
+            continue
+        if not (_pointwise(node.target) or node.target is aten.copy_.default):
+            continue
+        for a in node.all_input_nodes:
+            if a not in specs and isinstance(_val(a), torch.Tensor) and _shape(a) == _shape(node):
+                specs[a], sources[a] = _fit(spec, _shape(a), sizes), "propagated"
+
+
+def _sharded(spec) -> bool:
+    return isinstance(spec, tuple) and _is_spec(spec) and any(spec)
+
+
+def _fit(spec, shape, sizes) -> tuple | None:
+    """`spec` with axes dropped where they do not divide the dim, or repeat an axis."""
+    if spec is None or shape is None or len(spec) != len(shape):
+        return None
+    used, out = set(), []
+    for axes, n in zip(spec, shape):
+        keep = []
+        for a in axes:
+            if a in used or a not in sizes:
+                continue
+            if n % (math.prod(sizes[x] for x in keep) * sizes[a]):
+                break
+            keep.append(a)
+            used.add(a)
+        out.append(tuple(keep))
+    return tuple(out)
+
+
+_POINTWISE_EXTRA = {aten._to_copy.default, aten.alias.default, aten.copy.default, aten.copy_.default,
+                    aten.fill.Scalar, aten.fill.Tensor, aten.lift_fresh_copy.default, aten.detach.default}
+
+
+def _pointwise(target) -> bool:
+    return target in _POINTWISE_EXTRA or (isinstance(target, torch._ops.OpOverload)
+                                          and torch.Tag.pointwise in target.tags)
+
+
+def _merge(out_shape, operand_specs) -> tuple:
+    """Pointwise: operands aligned from the right (broadcast); per output dim the first
+    operand's axes that are not already taken."""
+    n = len(out_shape)
+    out, used = [], set()
+    for d in range(n):
+        chosen = ()
+        for spec, shape in operand_specs:
+            k = d - (n - len(spec))
+            if k < 0 or shape[k] == 1 or not spec[k] or used & set(spec[k]):
+                continue
+            chosen = spec[k]
+            break
+        used |= set(chosen)
+        out.append(chosen)
+    return tuple(out)
+
+
+def _operand_specs(node, specs):
+    out = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        if isinstance(a, torch.fx.Node) and isinstance(_val(a), torch.Tensor) and _sharded(specs.get(a)):
+            out.append((specs[a], _shape(a)))
+    return out
+
+
+def _norm_dims(dims, ndim) -> list[int]:
+    dims = [dims] if isinstance(dims, int) else list(dims) if dims is not None else list(range(ndim))
+    return [d + ndim if d < 0 else d for d in dims] or list(range(ndim))
+
+
+def _reshape(spec, in_shape, out_shape):
+    """Map a spec through a reshape: dims grouped where their products meet; a split dim keeps
+    its axes on its leading part, merged dims keep the leading dim's axes."""
+    out = [() for _ in out_shape]
+    i = j = 0
+    while i < len(in_shape) and j < len(out_shape):
+        gi, gj = [i], [j]
+        pi, pj = in_shape[i], out_shape[j]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                gi.append(i)
+                pi *= in_shape[i]
+            else:
+                j += 1
+                gj.append(j)
+                pj *= out_shape[j]
+        lead_in = next((d for d in gi if in_shape[d] != 1), gi[0])
+        lead_out = next((d for d in gj if out_shape[d] != 1), gj[0])
+        if spec[lead_in] and all(not spec[d] for d in gi if d != lead_in):
+            out[lead_out] = spec[lead_in]
+        i += 1
+        j += 1
+    return tuple(out)
+
+
+_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _rule(node, specs):
+    """The spec of `node` from its operands' (None: this op has no rule, or nothing known)."""
+    t, args = node.target, node.args
+    if t is operator.getitem:
+        src = specs.get(args[0])
+        return src[args[1]] if isinstance(src, (tuple, list)) and not _is_spec(src) else None
+    x = args[0] if args else None
+    xs = specs.get(x) if isinstance(x, torch.fx.Node) else None
+    if t is aten.copy_.default:  # a written input keeps its own sharding
+        return specs.get(args[0]) or specs.get(args[1])
+    if _pointwise(t):
+        ops = _operand_specs(node, specs)
+        return _merge(_shape(node), ops) if ops else None
+    if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        a, b = (args[1], args[2]) if t is aten.addmm.default else (args[0], args[1])
+        sa, sb = specs.get(a), specs.get(b)
+        if not (_sharded(sa) or _sharded(sb)):
+            return None
+        sa = sa or tuple(() for _ in range(_ndim(a)))
+        sb = sb or tuple(() for _ in range(_ndim(b)))
+        if t is aten.bmm.default:
+            batch = sa[0] or sb[0]
+            rows, cols = sa[1], sb[2]
+            return (batch, rows if not set(rows) & set(batch) else (), cols if not set(cols) & set(batch) | set(rows) else ())
+        return (sa[0], sb[1] if not set(sb[1]) & set(sa[0]) else ())
+    if t is aten.embedding.default:  # weight [V, D], ids [...] -> [..., D]
+        ids = specs.get(args[1]) or tuple(() for _ in range(_ndim(args[1])))
+        weight = xs or ((), ())
+        return tuple(ids) + (weight[1],) if _sharded(tuple(ids) + (weight[1],)) else None
+    if xs is None or not _is_spec(xs):
+        return None
+    nd = len(xs)
+    if t is aten.permute.default:
+        return tuple(xs[d] for d in _norm_dims(args[1], nd))
+    if t in (aten.t.default,):
+        return tuple(reversed(xs))
+    if t is aten.transpose.int:
+        a, b = _norm_dims([args[1], args[2]], nd)
+        s = list(xs)
+        s[a], s[b] = s[b], s[a]
+        return tuple(s)
+    if t is aten.unsqueeze.default:
+        d = args[1] + nd + 1 if args[1] < 0 else args[1]
+        return xs[:d] + ((),) + xs[d:]
+    if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+        shape = _shape(x)
+        dims = _norm_dims(args[1], nd) if len(args) > 1 else [d for d, n in enumerate(shape) if n == 1]
+        return tuple(s for d, s in enumerate(xs) if not (d in dims and shape[d] == 1))
+    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default):
+        return _reshape(xs, _shape(x), _shape(node)) if t is not aten.clone.default else xs
+    if t is aten.expand.default:
+        out_shape, in_shape = _shape(node), _shape(x)
+        lead = len(out_shape) - nd
+        return tuple(() for _ in range(lead)) + tuple(
+            s if in_shape[d] == out_shape[lead + d] else () for d, s in enumerate(xs))
+    if t is aten.slice.Tensor:
+        d = _norm_dims(args[1] if len(args) > 1 else 0, nd)[0]
+        return tuple(() if i == d and _shape(node)[d] != _shape(x)[d] else s for i, s in enumerate(xs))
+    if t is aten.select.int:
+        d = _norm_dims(args[1], nd)[0]
+        return xs[:d] + xs[d + 1:]
+    if t in (aten._softmax.default, aten._log_softmax.default, aten.cumsum.default):
+        d = _norm_dims(args[1], nd)[0]
+        return tuple(() if i == d else s for i, s in enumerate(xs))
+    if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.prod.dim_int,
+             aten.var.correction, aten.any.dim, aten.argmax.default, aten.argmin.default):
+        dims = _norm_dims(args[1] if len(args) > 1 else node.kwargs.get("dim"), nd)
+        keep = node.kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
+        return tuple(() if d in dims else s for d, s in enumerate(xs)) if keep else \
+            tuple(s for d, s in enumerate(xs) if d not in dims)
+    if t in _ATTENTION:  # (out [b, h, s, d], logsumexp [b, h, s], ...): sharded like q
+        return (xs, xs[:3]) if nd == 4 else None
+    if t is aten.native_layer_norm.default:
+        k = len(args[1])
+        out = xs[:nd - k] + tuple(() for _ in range(k))
+        stats = xs[:nd - k] + tuple(() for _ in range(k))
+        return (out, stats, stats)
+    if t is aten.cat.default:
+        tensors = [a for a in args[0] if isinstance(a, torch.fx.Node)]
+        d = _norm_dims(args[1] if len(args) > 1 else 0, _ndim(node))[0]
+        ops = [(specs[a], _shape(a)) for a in tensors if _sharded(specs.get(a))]
+        merged = _merge(_shape(node), ops) if ops else None
+        return tuple(() if i == d else s for i, s in enumerate(merged)) if merged else None
+    return None

@@ -1,0 +1,358 @@
+"""SPMD on 8 virtual CPU devices (tests/conftest.py): a mesh, mark_sharding eagerly and inside
+compiled code, shard_module, fsdp; data parallel, Megatron tensor parallel (MLP, attention), a
+2-D mesh and FSDP. Every result is compared with eager PyTorch on the same inputs (float32:
+rtol 1e-4, atol 1e-5; bfloat16: rtol 1.6e-2, atol 1e-2, as tests/conftest.py states), five
+training steps with eager's and with fx2xla's on one device; the optimized HLO must hold the
+collectives the plan implies, and each device's memory_analysis() must shrink as the plan says."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fx2xla
+from fx2xla.metrics import live_graphs
+from fx2xla.runtime.executor import optimized_hlo_text
+from fx2xla.sharding import ShardingError, collectives, normalize_spec
+
+from tests.conftest import tolerance
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def graphs_since(before: set) -> list:
+    return sorted((g for g in live_graphs if id(g) not in before), key=lambda g: g.name)
+
+
+def snapshot() -> set:
+    return {id(g) for g in live_graphs}
+
+
+def ops_in(graph) -> list[str]:
+    return [c.op for c in collectives(optimized_hlo_text(graph._static.exe))]
+
+
+def memory(graph):
+    return graph._static.exe.get_compiled_memory_stats()
+
+
+def mlp(d=16, h=64):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.GELU(), torch.nn.Linear(h, d))
+
+
+MEGATRON_MLP = {"0.weight": ("model", None), "0.bias": ("model",), "2.weight": (None, "model")}
+
+
+# -- API -----------------------------------------------------------------------------------------
+
+def test_mesh_uses_the_real_device_list():
+    import jax
+
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    assert mesh.shape == {"data": 2, "model": 4} and mesh.size == 8
+    assert mesh.device_ids == tuple(d.id for d in jax.devices("cpu"))
+    assert "data=2" in repr(mesh)
+    with pytest.raises(ShardingError, match="needs 16 cpu devices"):
+        fx2xla.Mesh((4, 4), ("a", "b"))
+    with pytest.raises(ShardingError, match="2 mesh dims"):
+        fx2xla.Mesh((2, 4), ("a",))
+    with pytest.raises(ShardingError, match="distinct"):
+        fx2xla.Mesh((2, 4), ("a", "a"))
+    explicit = fx2xla.Mesh(jax.devices("cpu")[4:], ("x",))
+    assert explicit.device_ids == (4, 5, 6, 7)
+
+
+def test_spec_spellings_agree():
+    """Axis names, PyTorch/XLA's axis indices, tuples, short specs and DTensor placements
+    name the same sharding; mistakes raise ShardingError naming the spec."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    want = (("data",), ("model",), ())
+    assert normalize_spec(("data", "model", None), 3, mesh) == want
+    assert normalize_spec((0, 1), 3, mesh) == want
+    assert normalize_spec([Shard(0), Shard(1)], 3, mesh) == want
+    assert normalize_spec([Replicate(), Shard(-1)], 2, mesh) == ((), ("model",))
+    assert normalize_spec(((("data", "model")), None), 2, mesh) == (("data", "model"), ())
+    assert normalize_spec((), 0, mesh) == ()
+    with pytest.raises(ShardingError, match="unknown mesh axis 'batch'"):
+        normalize_spec(("batch",), 1, mesh)
+    with pytest.raises(ShardingError, match="used twice"):
+        normalize_spec(("data", "data"), 2, mesh)
+    with pytest.raises(ShardingError, match="3 entries for a 2-d"):
+        normalize_spec(("data", None, None), 2, mesh)
+    t = torch.randn(4, 8)
+    assert fx2xla.mark_sharding(t, mesh, ("data", "model")) is t
+    assert t._fx2xla_sharding.spec == (("data",), ("model",))
+    fx2xla.clear_sharding(t)
+    assert not hasattr(t, "_fx2xla_sharding")
+
+
+def test_shard_module_and_fsdp_report_and_refuse():
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    model = mlp()
+    assert fx2xla.shard_module(model, mesh, {"*.weight": ("model", None)}) == {
+        "0.weight": (("model",), ()), "2.weight": (("model",), ())}
+    with pytest.raises(ShardingError, match=r"\['*nothing*'\]|match no parameter"):
+        fx2xla.shard_module(model, mesh, {"nothing*": ("model",)})
+    with pytest.raises(ShardingError, match="no axis 'fsdp'"):
+        fx2xla.fsdp(model, mesh)
+    flat = fx2xla.Mesh((8,), ("fsdp",))
+    odd = torch.nn.Linear(3, 5)  # no dim divisible by 8: stays replicated
+    assert fx2xla.fsdp(odd, flat) == {}
+    assert fx2xla.fsdp(mlp(), flat) == {"0.weight": (("fsdp",), ()), "0.bias": (("fsdp",),),
+                                        "2.weight": ((), ("fsdp",)), "2.bias": (("fsdp",),)}
+
+
+# -- inference -------------------------------------------------------------------------------------
+
+def test_data_parallel_forward():
+    mesh = fx2xla.Mesh((8,), ("data",))
+    model, x = mlp(), torch.randn(32, 16)
+    expected = model(x)
+    fx2xla.mark_sharding(x, mesh, ("data", None))
+    before = snapshot()
+    with torch.no_grad():
+        out = torch.compile(model, backend="fx2xla")(x)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    assert out.shape == (32, 16) and out.is_contiguous() and out.device.type == "cpu"
+    (g,) = graphs_since(before)
+    assert g.mesh is mesh
+    assert g.plan.results[0].sharding == (("data",), ())
+    assert ops_in(g) == []  # replicated weights, sharded batch: nothing to communicate
+    # Each device holds 1/8 of x and all of the weights.
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    assert memory(g).argument_size_in_bytes == weights + x.numel() * 4 // 8
+
+
+def test_megatron_mlp_on_a_2d_mesh():
+    """Column-parallel then row-parallel Linear: one all-reduce, weights split 4 ways."""
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    model, x = mlp(), torch.randn(8, 16)
+    expected = model(x)
+    fx2xla.shard_module(model, mesh, MEGATRON_MLP)
+    fx2xla.mark_sharding(x, mesh, ("data", None))
+    before = snapshot()
+    with torch.no_grad():
+        out = torch.compile(model, backend="fx2xla")(x)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    (g,) = graphs_since(before)
+    assert ops_in(g) == ["all-reduce"]
+    w1, b1, w2, b2 = (p.numel() * 4 for p in model.parameters())
+    assert memory(g).argument_size_in_bytes == w1 // 4 + b1 // 4 + w2 // 4 + b2 + x.numel() * 4 // 2
+    report = fx2xla.explain_sharding(g)
+    assert "('model', None)" in report and "user" in report and "propagated" in report and "default" in report
+    assert "all-reduce x1" in report and "memory per device" in report
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, s, d = x.shape
+
+        def split(t):
+            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        att = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        return self.o(att.transpose(1, 2).reshape(b, s, d))
+
+
+ATTENTION_TP = {"q.weight": ("model", None), "k.weight": ("model", None), "v.weight": ("model", None),
+                "q.bias": ("model",), "k.bias": ("model",), "v.bias": ("model",), "o.weight": (None, "model")}
+
+
+def test_megatron_attention():
+    """Heads split over `model` (q/k/v column-parallel, o row-parallel): one all-reduce."""
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(4, 8, 32)
+    expected = model(x)
+    fx2xla.shard_module(model, mesh, ATTENTION_TP)
+    fx2xla.mark_sharding(x, mesh, ("data", None, None))
+    before = snapshot()
+    with torch.no_grad():
+        out = torch.compile(model, backend="fx2xla")(x)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    (g,) = graphs_since(before)
+    assert ops_in(g).count("all-reduce") == 1 and "all-gather" not in ops_in(g)
+
+
+def test_bf16_megatron_mlp():
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    model, x = mlp().to(torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    expected = model(x)
+    fx2xla.shard_module(model, mesh, MEGATRON_MLP)
+    with torch.no_grad():
+        out = torch.compile(model, backend="fx2xla")(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, **tolerance(torch.bfloat16))
+
+
+def test_sharded_embedding_with_int64_ids():
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    torch.manual_seed(0)
+    emb, ids = torch.nn.Embedding(100, 32), torch.randint(0, 100, (4, 6))
+    expected = emb(ids)
+    fx2xla.mark_sharding(emb.weight, mesh, (None, "model"))
+    fx2xla.mark_sharding(ids, mesh, ("data", None))
+    before = snapshot()
+    with torch.no_grad():
+        out = torch.compile(emb, backend="fx2xla")(ids)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    (g,) = graphs_since(before)
+    assert g.plan.results[0].sharding == (("data",), (), ("model",))
+
+
+def test_mark_sharding_inside_compiled_code():
+    """A constraint inside compiled code, its result used or discarded, reaches the module;
+    its gradient carries the same constraint in the backward graph."""
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16), torch.randn(16, 32, requires_grad=True)
+
+    def used(x, w):
+        h = fx2xla.mark_sharding(x @ w, mesh, ("data", "model"))
+        return torch.relu(h).sum(0)
+
+    def discarded(x, w):
+        h = x @ w
+        fx2xla.mark_sharding(h, mesh, ("data", "model"))
+        return torch.relu(h).sum(0)
+
+    for fn in (used, discarded):
+        torch._dynamo.reset()
+        w.grad = None
+        fn(x, w).sum().backward()
+        expected_grad = w.grad.clone()
+        expected = fn(x, w)
+        w.grad = None
+        before = snapshot()
+        out = torch.compile(fn, backend="fx2xla")(x, w)
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+        out.sum().backward()
+        torch.testing.assert_close(w.grad, expected_grad, **tolerance(torch.float32))
+        fw, bw = sorted(graphs_since(before), key=lambda g: "backward" in g.name)
+        for g in (fw, bw):
+            assert g.mesh is mesh
+            assert any(n.target is torch.ops.fx2xla.mark_sharding.default for n in g.gm.graph.nodes), g.name
+        # The discarded constraint still shards the value relu reads.
+        marks = [n for n in fw.gm.graph.nodes if n.target is torch.ops.fx2xla.mark_sharding.default]
+        assert any(u.target is torch.ops.aten.relu.default for m in marks for u in m.users)
+
+
+def test_two_meshes_in_one_graph_are_refused():
+    a, b = fx2xla.Mesh((8,), ("x",)), fx2xla.Mesh((8,), ("y",))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    fx2xla.mark_sharding(x, a, ("x", None))
+    fx2xla.mark_sharding(y, b, ("y", None))
+    with pytest.raises(Exception, match="several meshes"):
+        torch.compile(lambda x, y: x + y, backend="fx2xla")(x, y)
+
+
+def test_resident_sharded_parameters_are_not_resharded():
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    model = mlp()
+    fx2xla.shard_module(model, mesh, MEGATRON_MLP)
+    compiled = torch.compile(model, backend="fx2xla")
+    before = snapshot()
+    with torch.no_grad():
+        compiled(torch.randn(8, 16))
+        (g,) = graphs_since(before)
+        first = [r[3] if r else None for r in g._resident]
+        out = compiled(x := torch.randn(8, 16))
+        again = [r[3] if r else None for r in g._resident]
+    assert any(b is not None for b in first)
+    assert all(a is b for a, b in zip(first, again))  # the same device buffers
+    assert len(first[0].sharding.device_set) == 8
+    torch.testing.assert_close(out, model(x), **tolerance(torch.float32))
+
+
+# -- training -----------------------------------------------------------------------------------
+
+def _plan(name: str, model, x):
+    if name == "dp":
+        mesh = fx2xla.Mesh((8,), ("data",))
+        fx2xla.mark_sharding(x, mesh, ("data", None))
+    elif name == "dp_x_tp":
+        mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+        fx2xla.shard_module(model, mesh, MEGATRON_MLP)
+        fx2xla.mark_sharding(x, mesh, ("data", None))
+    else:
+        mesh = fx2xla.Mesh((8,), ("fsdp",))
+        fx2xla.fsdp(model, mesh, axis="fsdp")
+        fx2xla.mark_sharding(x, mesh, ("fsdp", None))
+    return mesh
+
+
+def _train(model, x, y, backend, steps=5):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    forward = torch.compile(model, backend=backend) if backend else model
+    step = torch.compile(opt.step, backend=backend) if backend else opt.step
+    losses = []
+    for _ in range(steps):
+        loss = F.mse_loss(forward(x), y)
+        loss.backward()
+        step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses), opt, forward
+
+
+@pytest.mark.parametrize("plan", ["dp", "dp_x_tp", "fsdp"])
+def test_five_training_steps_match_one_device(plan):
+    model = mlp()
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    eager_model, single_model = copy.deepcopy(model), copy.deepcopy(model)
+    eager_losses, *_ = _train(eager_model, x.clone(), y, None)
+    single_losses, *_ = _train(single_model, x.clone(), y, "fx2xla")
+    torch._dynamo.reset()
+    mesh = _plan(plan, model, x)
+    before = snapshot()
+    losses, opt, forward = _train(model, x, y, "fx2xla")
+    tol = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses, eager_losses, **tol)
+    torch.testing.assert_close(losses, single_losses, **tol)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, **tol)
+    graphs = {g.name.rsplit("_", 1)[-1]: g for g in graphs_since(before)}
+    fw, bw, step = graphs["forward"], graphs["backward"], graphs["inference"]
+    assert fw.mesh is bw.mesh is mesh
+    if plan == "dp":  # nothing in the optimizer step is sharded: it runs on one device
+        assert step.mesh is None
+    else:
+        assert step.mesh is mesh
+        assert ops_in(step) == []  # every parameter updates where its shard lives
+    params = sum(p.numel() for p in model.parameters()) * 4
+    if plan == "dp":
+        assert "all-reduce" in ops_in(bw)  # gradients of replicated weights summed over the batch
+        assert ops_in(fw) == []
+    elif plan == "dp_x_tp":
+        assert "all-reduce" in ops_in(fw) and "all-reduce" in ops_in(bw)
+    else:  # FSDP: gather the weights to use them, reduce-and-scatter their gradients
+        assert "all-gather" in ops_in(fw)
+        assert set(ops_in(bw)) & {"reduce-scatter", "all-reduce"}
+        # Each device holds 1/8 of the parameters and of AdamW's two moments, in every graph.
+        assert memory(fw).argument_size_in_bytes <= params // 8 + x.numel() * 4 // 8
+        assert memory(step).argument_size_in_bytes <= 4 * params // 8 + 64
+        p0 = next(iter(model.parameters()))
+        assert opt.state[p0]["exp_avg"].shape == p0.shape  # torch still sees whole tensors
+        # The step's new parameter shards stay on their devices: the next forward takes them
+        # as they are instead of splitting the parameter again.
+        from fx2xla.compiled_graph import _sharded_twins
+
+        twin = _sharded_twins[id(p0)][2]
+        assert len(twin.sharding.device_set) == 8 and not twin.sharding.is_fully_replicated
+        forward(x)
+        assert any(r is not None and r[0] is p0 and r[3] is twin for r in fw._resident)
