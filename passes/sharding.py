@@ -99,13 +99,24 @@ def _attr(gm, target: str):
     return obj
 
 
+# Uses that only read their tensors, by function or method name. A use outside this list keeps
+# reading the value itself: some functions write arguments their schema does not mark
+# (F.batch_norm updates running statistics), and a write must reach the original tensor.
+_READERS = {"linear", "matmul", "mm", "bmm", "addmm", "embedding", "conv1d", "conv2d", "conv3d",
+            "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "layer_norm", "group_norm", "rms_norm",
+            "scaled_dot_product_attention", "add", "sub", "mul", "truediv", "div", "neg", "relu", "gelu",
+            "silu", "tanh", "sigmoid", "softmax", "log_softmax", "view", "reshape", "transpose", "permute",
+            "t", "contiguous", "float", "type_as", "sum", "mean", "pow", "exp", "where", "getitem"}
+
+
 def _constrain_uses(graph: torch.fx.Graph, value: torch.fx.Node, mark: torch.fx.Node) -> bool:
-    """Route the uses of `value` after `mark` through `mark`, unless `value` or a view of it is
-    written in place (the write must reach the original)."""
+    """Route the reading uses of `value` after `mark` through `mark` (see _READERS), unless
+    `value` or a view of it is written in place anywhere."""
     if any(_mutates(u) for a in _aliases(value) for u in a.users):
         return False
     order = {n: i for i, n in enumerate(graph.nodes)}
-    later = [u for u in value.users if u is not mark and order[u] > order[mark]]
+    later = [u for u in value.users if u is not mark and order[u] > order[mark]
+             and u.op in ("call_function", "call_method") and _name(u.target) in _READERS]
     for u in later:
         u.replace_input_with(value, mark)
     return bool(later)

@@ -190,3 +190,32 @@ def test_llama_adamw_steps_match_eager(dtype):
             opt.step()
     for a, b in zip(compiled_model.parameters(), eager.parameters()):
         torch.testing.assert_close(a.float(), b.float(), **tolerance(dtype, 20))
+
+
+def test_bf16_logits_gemm_writes_bf16():
+    """The bf16 logits GEMM writes bf16 itself: no float32 [rows, vocab] buffer and no separate
+    convert over it in the optimized HLO (GPU.md: a 256 µs convert kernel per call before)."""
+    from fx2xla.metrics import live_graphs
+    from fx2xla.runtime.executor import optimized_hlo_text
+
+    older = set(live_graphs)
+    head = torch.nn.Linear(256, 4096, bias=False).to("cuda", torch.bfloat16)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = torch.compile(head, backend="fx2xla")(x)
+        expected = head(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance(torch.bfloat16, 4))
+    (g,) = [g for g in live_graphs if g not in older]
+    hlo = optimized_hlo_text(g._static.exe)
+    assert "f32[512,4096]" not in hlo, hlo
+
+
+def test_gpu_autotune_results_are_kept_beside_the_executables():
+    """An fp32 GEMM's autotuning (Triton tilings / cuBLAS algorithms) lands in
+    $FX2XLA_CACHE_DIR/xla-autotune, where a later process finds it."""
+    folder = os.path.join(os.environ["FX2XLA_CACHE_DIR"], "xla-autotune")
+    a = torch.randn(1024, 1024, device="cuda")
+    out = torch.compile(lambda a, b: torch.relu(a @ b), backend="fx2xla")(a, a.t().contiguous())
+    torch.testing.assert_close(out, torch.relu(a @ a.t()), **tolerance(torch.float32, 10))
+    assert os.path.isdir(folder) and os.listdir(folder), "XLA wrote no autotune results"

@@ -356,3 +356,40 @@ def test_five_training_steps_match_one_device(plan):
         assert len(twin.sharding.device_set) == 8 and not twin.sharding.is_fully_replicated
         forward(x)
         assert any(r is not None and r[0] is p0 and r[3] is twin for r in fw._resident)
+
+
+@torch.library.custom_op("fx2xla_spmd_test::halve", mutates_args=())
+def _halve(x: torch.Tensor) -> torch.Tensor:
+    return x / 2
+
+
+@_halve.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_sharded_graph_with_eager_islands_is_refused():
+    mesh = fx2xla.Mesh((8,), ("data",))
+    x = torch.randn(8, 4)
+    fx2xla.mark_sharding(x, mesh, ("data", None))
+    with pytest.raises(Exception, match="sharded over a mesh but has ops without a lowering rule.*halve"):
+        torch.compile(lambda x: _halve(x * 2) + 1, backend="fx2xla")(x)
+
+
+def test_sharded_buffer_and_its_update():
+    """A BatchNorm's running statistics (buffers, written in the graph) sharded with the
+    channels: values and the buffers' new contents match eager."""
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    torch.manual_seed(0)
+    bn, x = torch.nn.BatchNorm1d(8), torch.randn(16, 8)
+    ref = copy.deepcopy(bn)
+    expected = ref(x)
+    marked = fx2xla.shard_module(bn, mesh, {"weight": ("model",), "bias": ("model",),
+                                            "running_*": ("model",)})
+    assert set(marked) == {"weight", "bias", "running_mean", "running_var"}
+    fx2xla.mark_sharding(x, mesh, ("data", "model"))
+    out = torch.compile(bn, backend="fx2xla")(x)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    torch.testing.assert_close(bn.running_mean, ref.running_mean, **tolerance(torch.float32))
+    torch.testing.assert_close(bn.running_var, ref.running_var, **tolerance(torch.float32))
+    assert bn.num_batches_tracked == ref.num_batches_tracked
