@@ -82,7 +82,7 @@ def aot_wrappers_needed(meta, graph_inputs: int, dynamo_inputs: int) -> bool:
         return True
 
 
-def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None = None, annotations=None):
+def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None = None, dynamo_inputs=None):
     from .compiled_graph import CompiledGraph
     from .runtime import device_for
 
@@ -97,8 +97,9 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     check_compile_allowed(f"graph {name} ({kind}) for input shapes {shapes}", bool(options["no_recompile"]))
     # Forward and inference graphs take Dynamo's inputs in Dynamo's order: eager sharding
     # annotations apply position by position (AOTAutograd added none of its own here).
+    annotations, names = dynamo_inputs if dynamo_inputs is not None else (None, None)
     if annotations is not None and len(annotations) != len(example_inputs):
-        annotations = None
+        annotations = names = None
     if kind == "backward":
         annotations = _saved_annotations(gm, example_inputs)
     if options["fallback"] == "eager" and unsupported_nodes(gm):
@@ -117,6 +118,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     compiled = CompiledGraph(gm, example_inputs, device, name, no_recompile=bool(options["no_recompile"]),
                              batch_buckets=tuple(buckets) if buckets else None,
                              check_indices=bool(options["check_indices"]), annotations=annotations)
+    compiled.input_names = names  # for explain_sharding: the user's names of the inputs
     if made is not None:
         made.append((compiled, _fw_metadata()))
     if kind == "forward" and compiled.mesh is not None:
@@ -209,13 +211,13 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     opts = _check_options(options)
     name = _graph_name("dynamo")
     _check_recompile(gm, example_inputs, opts, name)
-    annotations = input_annotations(gm)  # read before any pass: the real tensors behind the inputs
-    if not any(annotations):
-        annotations = None
+    # Read before any pass: the real tensors behind the inputs, and the user's names of them.
+    annotations = input_annotations(gm)
+    dynamo_inputs = (annotations, _input_names(gm)) if any(annotations) else None
     passed, records = run_passes(gm, example_inputs, opts, name)
     if passed is not gm:
         try:
-            compiled = _aot_compile(passed, example_inputs, opts, annotations)
+            compiled = _aot_compile(passed, example_inputs, opts, dynamo_inputs)
         except Exception as e:  # noqa: BLE001  a pass produced a graph we cannot compile
             from .errors import InvalidInputError
             from .serving import RecompileError
@@ -231,17 +233,33 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
 
             counters.scan_folds += sum(n.startswith("folded") for r in records for n in r.notes)
             return compiled
-    return _aot_compile(gm, example_inputs, opts, annotations)
+    return _aot_compile(gm, example_inputs, opts, dynamo_inputs)
 
 
-def _aot_compile(gm, example_inputs, opts, annotations=None):
+def _input_names(gm) -> list[str]:
+    """The user's names of the inputs of AOTAutograd's graphs of `gm` (as input_annotations)."""
+    return [n for n, _ in gm.named_parameters(remove_duplicate=False)] + \
+        [n for n, _ in gm.named_buffers(remove_duplicate=False)] + \
+        [_readable(_input_name(n)) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _readable(source: str) -> str:
+    """`L['self']._modules['fc']._parameters['weight']` as `fc.weight`; `L['x']` as `x`."""
+    import re
+
+    name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", source)
+    name = re.sub(r"^L\['(?:self|fn|mod|model)'\]\.", "", name)
+    return re.sub(r"^L\['([^']+)'\]", r"\1", name)
+
+
+def _aot_compile(gm, example_inputs, opts, dynamo_inputs=None):
     from . import precompile
 
     check = precompile.in_precompile
     precompiling = check()
     inference_graphs: list = []
     with precompile.without_autograd_cache() if precompiling else contextlib.nullcontext():
-        compiled = _aot_autograd(gm, example_inputs, opts, inference_graphs, annotations)
+        compiled = _aot_autograd(gm, example_inputs, opts, inference_graphs, dynamo_inputs)
     if len(inference_graphs) == 1:
         graph, meta = inference_graphs[0]
         needs_wrappers = aot_wrappers_needed(meta, len(graph.example_inputs), len(example_inputs))
@@ -254,18 +272,18 @@ def _aot_compile(gm, example_inputs, opts, annotations=None):
     return compiled
 
 
-def _aot_autograd(gm, example_inputs, opts, inference_graphs: list, annotations=None):
+def _aot_autograd(gm, example_inputs, opts, inference_graphs: list, dynamo_inputs=None):
     from torch._dynamo.backends.common import aot_autograd
 
     from .decompositions import decomposition_table, sharded_decomposition_table
     from .sharding import is_mark
 
-    sharded = annotations is not None or any(is_mark(n) for n in gm.graph.nodes)
+    sharded = dynamo_inputs is not None or any(is_mark(n) for n in gm.graph.nodes)
     return aot_autograd(
-        fw_compiler=functools.partial(_compile, kind="forward", options=opts, annotations=annotations),
+        fw_compiler=functools.partial(_compile, kind="forward", options=opts, dynamo_inputs=dynamo_inputs),
         bw_compiler=functools.partial(_compile, kind="backward", options=opts),
         inference_compiler=functools.partial(_compile, kind="inference", options=opts, made=inference_graphs,
-                                             annotations=annotations),
+                                             dynamo_inputs=dynamo_inputs),
         decompositions=sharded_decomposition_table() if sharded else decomposition_table(),
         # Inference graphs (optimizer steps, buffer updates) write their inputs themselves:
         # CompiledGraph swaps the new values' storage in where it can instead of copying.

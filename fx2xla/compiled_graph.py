@@ -36,16 +36,22 @@ class _Specialization:
     def __init__(self, exe, lowered: LoweredGraph, exports):
         plan = lowered.plan
         self.exe = exe
-        # Sharded graphs that write their inputs (optimizer steps) also keep each written
-        # input's new sharded value, so the next graph reading it takes it as it is.
-        self.twins = len(plan.mutations) if plan.mesh_id is not None else 0
+        # Sharded graphs keep, beside each sharded output and each written input (optimizer
+        # steps), the value's shards as they left the executable: a later sharded graph reading
+        # that tensor unchanged takes them as they are (a backward its saved activations, a
+        # forward the parameters a step just wrote) instead of splitting it again.
+        # (result index, input position the result is written to, or -1 for an output)
+        self.twins: tuple = ()
         if plan.mesh_id is None:
             self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
         else:  # results come back whole, from their shards
             outs, code = spmd_shardings(plan)["out_shardings"]
             shardings = outs + [code] * (len(lowered.result_shapes) - len(outs))
+            written = {r: i for i, r in plan.mutations}
+            self.twins = tuple((r, written.get(r, -1)) for r in range(len(outs))
+                               if r in written or not outs[r].is_fully_replicated)
             self.launch = make_sharded_launcher(exe, shardings, lowered.result_shapes, exports,
-                                                keep=[r for _, r in plan.mutations])
+                                                keep=[r for r, _ in self.twins])
         self.lowered = lowered
         self.out_plans = lowered.outputs
         self.plain_outputs = all(p.kind == "tensor" and p.inv_perm is None and p.stride is None and not p.views
@@ -64,7 +70,7 @@ class _Specialization:
         self.checks = lowered.checks
         self.raise_failed = make_check_raiser(plan.platform) if self.checks else None
         # The executable's results are the call's results as they are.
-        self.direct = self.plain_outputs and not self.mutations and not self.checks
+        self.direct = self.plain_outputs and not self.mutations and not self.checks and not self.twins
 
 
 def draw_seed(device) -> torch.Tensor:
@@ -352,19 +358,20 @@ class CompiledGraph:
     def _finish(self, spec, outs, held):
         """The call's results from the executable's: index checks read (a failure raises before
         any input is written), written inputs installed, views rebuilt."""
-        twins = None
+        arrays = None
         if spec.twins:
-            twins = outs[-spec.twins:]
-            del outs[-spec.twins:]
+            arrays = outs[-len(spec.twins):]
+            del outs[-len(spec.twins):]
         if spec.checks:
             spec.raise_failed(outs.pop(), spec.checks)
         if spec.mutations:
             with torch.no_grad():  # a parameter's update is no autograd op
                 for i, r in spec.mutations:
                     install_input(held[i], outs[r])
-            if twins is not None:
-                for (i, _), array in zip(spec.mutations, twins):
-                    _keep_sharded_twin(held[i], array)
+        if arrays is not None:
+            for (r, i), array in zip(spec.twins, arrays):
+                _keep_sharded_twin(held[i] if i >= 0 else outs[r], array)
+        if spec.mutations:
             del outs[spec.num_outputs:]
         return outs if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
 

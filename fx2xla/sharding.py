@@ -376,17 +376,18 @@ def explain_sharding(graph=None, file=None) -> str:
         mesh, sh = g.mesh, plan.shardings
         lines.append(f"graph {g.name} over {mesh}")
         placeholders = [n for n in g.gm.graph.nodes if n.op == "placeholder"]
-        rows = [("input", n, p.sharding) for n, p in zip(placeholders, plan.inputs) if p.passed]
-        rows += [("result", r.node, r.sharding) for r in plan.results]
-        rows += [("constraint", n, sh.spec(n)) for n in g.gm.graph.nodes
-                 if is_mark(n)]
-        for kind, node, spec in rows:
+        names = getattr(g, "input_names", None) or [n.name for n in placeholders]
+        rows = [("input", n, p.sharding, name) for n, p, name in zip(placeholders, plan.inputs, names) if p.passed]
+        rows += [("result", r.node, r.sharding, r.node.name) for r in plan.results]
+        rows += [("constraint", n, sh.spec(n), n.name) for n in g.gm.graph.nodes if is_mark(n)]
+        width = max([24] + [len(r[3]) for r in rows])
+        for kind, node, spec, name in rows:
             val = node.meta.get("val")
             shape = tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
             dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "?"
             whole = math.prod(shape) * (val.element_size() if isinstance(val, torch.Tensor) else 0)
             mine = _per_device(shape, spec, mesh) * (val.element_size() if isinstance(val, torch.Tensor) else 0)
-            lines.append(f"  {kind:10s} {node.name:24s} {dtype:>8s}{list(shape)!s:>16s}  {describe_spec(spec):24s} "
+            lines.append(f"  {kind:10s} {name:{width}s} {dtype:>8s}{list(shape)!s:>16s}  {describe_spec(spec):24s} "
                          f"{sh.source(node):10s} {_fmt_bytes(mine)}/device of {_fmt_bytes(whole)}")
         spec_ = g._static
         if spec_ is None:

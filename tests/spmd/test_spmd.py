@@ -151,6 +151,7 @@ def test_megatron_mlp_on_a_2d_mesh():
     report = fx2xla.explain_sharding(g)
     assert "('model', None)" in report and "user" in report and "propagated" in report and "default" in report
     assert "all-reduce x1" in report and "memory per device" in report
+    assert "0.weight" in report and "2.bias" in report  # inputs by the user's names
 
 
 class Attention(torch.nn.Module):
@@ -393,3 +394,34 @@ def test_sharded_buffer_and_its_update():
     torch.testing.assert_close(bn.running_mean, ref.running_mean, **tolerance(torch.float32))
     torch.testing.assert_close(bn.running_var, ref.running_var, **tolerance(torch.float32))
     assert bn.num_batches_tracked == ref.num_batches_tracked
+
+
+def test_backward_takes_the_forwards_shards(monkeypatch):
+    """Saved activations the forward left sharded reach the backward as those shards (no new
+    split of the whole tensor), and the gradients still match eager."""
+    from fx2xla.compiled_graph import CompiledGraph, _sharded_twins
+
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    model, x = mlp(), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    F.mse_loss(ref(x), torch.zeros(8, 16)).backward()
+    fx2xla.shard_module(model, mesh, MEGATRON_MLP)
+    fx2xla.mark_sharding(x, mesh, ("data", None))
+    before = snapshot()
+    out = torch.compile(model, backend="fx2xla")(x)
+    (fw,) = graphs_since(before)
+    taken, split = [], []
+    real_moved = CompiledGraph._moved
+
+    def moved(self, t, move):
+        buf = real_moved(self, t, move)
+        twin = _sharded_twins.get(id(t))
+        (taken if twin is not None and twin[2] is buf else split).append(tuple(t.shape))
+        return buf
+
+    monkeypatch.setattr(CompiledGraph, "_moved", moved)
+    F.mse_loss(out, torch.zeros(8, 16)).backward()
+    assert taken, "the backward split every saved activation again"
+    assert (8, 64) in taken  # the hidden activation, sharded (data, model) by the forward
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **tolerance(torch.float32))
