@@ -8,10 +8,11 @@ from .metrics import metrics, metrics_report
 from .package import LoadedModel, PackageError, export, load
 from .scan import scan, scan_layers
 from .serving import RecompileError, TensorSpec, no_recompile, warmup
+from .passes.auto_sharding import InfeasibleBudget
 from .sharding import Mesh, ShardingError, clear_sharding, explain_sharding, fsdp, mark_sharding, shard_module
 
 __version__ = "0.1.0"
 __all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError",
            "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "export", "load", "LoadedModel",
-           "PackageError", "Mesh", "mark_sharding", "clear_sharding", "explain_sharding", "shard_module", "fsdp", "ShardingError",
+           "PackageError", "Mesh", "mark_sharding", "clear_sharding", "explain_sharding", "shard_module", "fsdp", "ShardingError", "InfeasibleBudget",
            "__version__"]

@@ -26,6 +26,11 @@ OPTIONS = {
                       "and such an index then reads a clamped element or drops a scatter update"),
     "partitioner": ("min_cut", '"min_cut": the backward recomputes cheap ops instead of saving every activation '
                     '(fewer, smaller forward outputs; Inductor\'s choice); "default": AOTAutograd\'s save-everything split'),
+    "sharding": (None, '"auto": shard the graph over `mesh` with no hints, by an integer program (your '
+                 'mark_sharding annotations are kept as constraints); None: only what you annotate'),
+    "mesh": (None, "the fx2xla.Mesh that sharding=\"auto\" shards over"),
+    "memory_budget": (None, "sharding=\"auto\": bytes per device the inputs may hold (parameters counted four "
+                      "times in training: weights, gradients, two AdamW moments); None: no limit"),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -41,6 +46,14 @@ def _check_options(options: dict | None) -> dict:
         raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
     if opts["partitioner"] not in ("min_cut", "default"):
         raise ValueError(f"fx2xla: option partitioner={opts['partitioner']!r}; expected 'min_cut' or 'default'")
+    if opts["sharding"] not in (None, "auto"):
+        raise ValueError(f"fx2xla: option sharding={opts['sharding']!r}; expected 'auto' or None")
+    if opts["sharding"] == "auto":
+        from .sharding import Mesh
+
+        if not isinstance(opts["mesh"], Mesh):
+            raise ValueError("fx2xla: option sharding='auto' needs options['mesh'], an fx2xla.Mesh "
+                             f"(got {type(opts['mesh']).__name__})")
     return opts
 
 
@@ -97,9 +110,13 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     check_compile_allowed(f"graph {name} ({kind}) for input shapes {shapes}", bool(options["no_recompile"]))
     # Forward and inference graphs take Dynamo's inputs in Dynamo's order: eager sharding
     # annotations apply position by position (AOTAutograd added none of its own here).
-    annotations, names = dynamo_inputs if dynamo_inputs is not None else (None, None)
+    annotations, names, tensors = dynamo_inputs if dynamo_inputs is not None else (None, None, None)
     if annotations is not None and len(annotations) != len(example_inputs):
-        annotations = names = None
+        annotations = names = tensors = None
+    solution = None
+    if options["sharding"] == "auto" and kind != "backward" and annotations is not None:
+        annotations, solution = _auto_annotations(gm, example_inputs, annotations, tensors, options,
+                                                  training=kind == "forward")
     if kind == "backward":
         annotations = _saved_annotations(gm, example_inputs)
     if options["fallback"] == "eager" and unsupported_nodes(gm):
@@ -119,6 +136,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              batch_buckets=tuple(buckets) if buckets else None,
                              check_indices=bool(options["check_indices"]), annotations=annotations)
     compiled.input_names = names  # for explain_sharding: the user's names of the inputs
+    compiled.auto_sharding = solution
     if made is not None:
         made.append((compiled, _fw_metadata()))
     if kind == "forward" and compiled.mesh is not None:
@@ -160,6 +178,30 @@ def _saved_annotations(gm, example_inputs):
             ann = out[1] if out is not None and isinstance(ex, torch.Tensor) and tuple(ex.shape) == out[0] else None
         annotations.append(ann)
     return annotations if any(annotations) else None
+
+
+def _auto_annotations(gm, example_inputs, annotations, tensors, options, training: bool):
+    """Sharding=auto: the user's annotations as constraints, the solver's specs for the rest;
+    parameters are marked with theirs, so later graphs (the optimizer step) shard them alike."""
+    from .compiled_graph import static_input_indices
+    from .passes.auto_sharding import solve
+    from .sharding import Annotation, annotation_of
+
+    mesh = options["mesh"]
+    fixed = [a.spec if a is not None and a.mesh_id == mesh.id else None for a in annotations]
+    parameters = static_input_indices(len(example_inputs))
+    solution = solve(gm, mesh.shape, memory_budget=options["memory_budget"], fixed=fixed,
+                     parameters=parameters, training=training)
+    out = []
+    for i, (ann, spec) in enumerate(zip(annotations, solution.input_specs)):
+        if ann is not None or spec is None or not isinstance(example_inputs[i], torch.Tensor):
+            out.append(ann)
+            continue
+        out.append(Annotation(mesh.id, spec, "auto"))
+        t = tensors[i]() if tensors is not None else None
+        if i in parameters and t is not None and annotation_of(t) is None:
+            t._fx2xla_sharding = Annotation(mesh.id, spec, "auto")
+    return out, solution
 
 
 def _refuse_sharded_islands(gm, annotations, name: str) -> None:
@@ -206,14 +248,19 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     """Compile a Dynamo graph for XLA. Registered as the `fx2xla` torch.compile backend."""
     from . import lowering  # noqa: F401  (registers the rules)
 
-    from .passes.sharding import input_annotations
+    import weakref
+
+    from .passes.sharding import input_annotations, input_tensors
 
     opts = _check_options(options)
     name = _graph_name("dynamo")
     _check_recompile(gm, example_inputs, opts, name)
     # Read before any pass: the real tensors behind the inputs, and the user's names of them.
     annotations = input_annotations(gm)
-    dynamo_inputs = (annotations, _input_names(gm)) if any(annotations) else None
+    dynamo_inputs = None
+    if any(annotations) or opts["sharding"] == "auto":
+        refs = [weakref.ref(t) if isinstance(t, torch.Tensor) else _no_tensor for t in input_tensors(gm)]
+        dynamo_inputs = (annotations, _input_names(gm), refs)
     passed, records = run_passes(gm, example_inputs, opts, name)
     if passed is not gm:
         try:
@@ -234,6 +281,10 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
             counters.scan_folds += sum(n.startswith("folded") for r in records for n in r.notes)
             return compiled
     return _aot_compile(gm, example_inputs, opts, dynamo_inputs)
+
+
+def _no_tensor():
+    return None
 
 
 def _input_names(gm) -> list[str]:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .errors import Fx2XlaError
+
 # Meshes by id: the op carries an int, so a traced graph names its mesh without holding jax
 # objects (ids are never reused within a process).
 _meshes: dict[int, "Mesh"] = {}
@@ -37,8 +39,9 @@ _lock = threading.Lock()
 Spec = tuple  # per dim: a tuple of mesh axis names (empty: not sharded on that dim)
 
 
-class ShardingError(ValueError):
-    """A sharding that cannot apply: unknown axis, wrong rank, an axis used twice, ..."""
+class ShardingError(Fx2XlaError, ValueError):
+    """A sharding that cannot apply: unknown axis, wrong rank, an axis used twice, ... (raised
+    while compiling, it reaches the caller as itself, not wrapped by Dynamo)."""
 
 
 class Mesh:
@@ -375,6 +378,11 @@ def explain_sharding(graph=None, file=None) -> str:
             continue
         mesh, sh = g.mesh, plan.shardings
         lines.append(f"graph {g.name} over {mesh}")
+        solution = getattr(g, "auto_sharding", None)
+        if solution is not None:
+            lines.append(f"  auto-sharding: {solution.status} in {solution.seconds:.2f} s ({solution.variables} "
+                         f"variables); predicted: {_fmt_bytes(solution.collective_bytes)} of collectives per device, "
+                         f"{_fmt_bytes(solution.memory_bytes)} of inputs per device, ~{solution.objective * 1e3:.3f} ms")
         placeholders = [n for n in g.gm.graph.nodes if n.op == "placeholder"]
         names = getattr(g, "input_names", None) or [n.name for n in placeholders]
         rows = [("input", n, p.sharding, name) for n, p, name in zip(placeholders, plan.inputs, names) if p.passed]

@@ -85,6 +85,12 @@ def _attr_tensors(gm: torch.fx.GraphModule) -> list:
         [t for _, t in gm.named_buffers(remove_duplicate=False)]
 
 
+def input_tensors(gm: torch.fx.GraphModule) -> list:
+    """The real tensors behind the inputs of AOTAutograd's graphs of `gm` (as input_annotations;
+    None where Dynamo kept none, e.g. a size)."""
+    return _attr_tensors(gm) + [_real_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 def input_annotations(gm: torch.fx.GraphModule) -> list:
     """Per input of the graphs AOTAutograd makes of a Dynamo graph (its lifted parameters and
     buffers, then its placeholders), the Annotation of the real tensor behind it (or None)."""

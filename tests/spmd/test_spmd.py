@@ -258,7 +258,7 @@ def test_two_meshes_in_one_graph_are_refused():
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     fx2xla.mark_sharding(x, a, ("x", None))
     fx2xla.mark_sharding(y, b, ("y", None))
-    with pytest.raises(Exception, match="several meshes"):
+    with pytest.raises(ShardingError, match="several meshes"):
         torch.compile(lambda x, y: x + y, backend="fx2xla")(x, y)
 
 
@@ -373,7 +373,7 @@ def test_sharded_graph_with_eager_islands_is_refused():
     mesh = fx2xla.Mesh((8,), ("data",))
     x = torch.randn(8, 4)
     fx2xla.mark_sharding(x, mesh, ("data", None))
-    with pytest.raises(Exception, match="sharded over a mesh but has ops without a lowering rule.*halve"):
+    with pytest.raises(ShardingError, match="sharded over a mesh but has ops without a lowering rule.*halve"):
         torch.compile(lambda x: _halve(x * 2) + 1, backend="fx2xla")(x)
 
 

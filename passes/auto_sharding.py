@@ -1,0 +1,395 @@
+"""Auto-sharding: a sharding for every input of a graph over a mesh, with no hints, from an
+integer program over the core-ATen graph (the Alpa formulation, section 4.2 of its paper).
+
+- **Strategies.** Every tensor value gets one-hot variables over its candidate specs: each mesh
+  axis shards one dim (that it divides) or none. An op's strategy is its output's spec and
+  fixes the layouts it needs its operands in. A matmul's strategy also says which mesh axes
+  split its contracted dim: those leave partial sums that are all-reduced.
+  - Elementwise ops need their operands laid out like their output (broadcast dims whole).
+  - Views map specs both ways; reductions, softmax and attention keep their dims whole.
+  - Ops without a rule are replicated.
+  The rules are ours, over the core-ATen set, rather than DTensor's op strategies. Ours share
+  the spec form of the propagation pass (passes/sharding.py), which turns the solution into
+  the plan. They price the all-reduce of a contracted dim directly. And they need no process
+  group or fake mesh at compile time.
+- **Costs** are seconds, in an alpha-beta model per mesh axis:
+  - every all-gather, all-to-all or all-reduce on an axis costs alpha + bytes * beta;
+  - compute costs flops / parallelism * gamma, so a plan that parallelises nothing is not free;
+  - resharding an operand from its producer's layout to the layout an op needs is an edge
+    cost over pairs of strategies, linearised with continuous pair variables (y >= x_u + x_v - 1).
+- **Memory.** The inputs' bytes per device, with parameters counted four times in a training
+  step (weights, gradients, AdamW's two moments), stay under `memory_budget`.
+- **Solver.** scipy's `milp` (HiGHS), with a time limit and a relative gap. The report says
+  whether the optimum was proven, and gives the gap and the solve time.
+
+User annotations are constraints: an annotated input keeps its spec. The solution is a spec
+per graph input, handed to the propagation pass and the runtime like user annotations.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx
+
+from fx2xla.sharding import ShardingError
+
+from .sharding import _norm_dims, _pointwise, _reshape, _shape, _val
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """alpha: seconds per collective; beta: seconds per byte moved per device; gamma: seconds
+    per flop on one device; delta: seconds per input byte held per device, a tie-break: of
+    two plans that move and compute alike, the one holding less wins (a batch taken as shards
+    rather than whole). Defaults: a fast interconnect and a ~10 TFLOP/s device."""
+
+    alpha: float = 5e-6
+    beta: float = 1 / 50e9
+    gamma: float = 1 / 10e12
+    delta: float = 1e-3 / 50e9
+
+
+@dataclass
+class Solution:
+    """Per placeholder (in graph order), its spec; per value, the chosen strategy's spec; the
+    objective (estimated seconds), the collective bytes it predicts, the per-device input bytes,
+    and how the solve went."""
+
+    input_specs: list
+    specs: dict = field(default_factory=dict)
+    objective: float = 0.0
+    collective_bytes: float = 0.0
+    memory_bytes: float = 0.0
+    status: str = ""
+    gap: float | None = None
+    seconds: float = 0.0
+    variables: int = 0
+
+
+class InfeasibleBudget(ShardingError):
+    """No sharding fits the memory budget on this mesh."""
+
+
+def candidate_specs(shape, sizes: dict[str, int]) -> list[tuple]:
+    """Every spec of a `shape` tensor where each mesh axis shards at most one dim it divides."""
+    axes = list(sizes)
+    options = []
+    for a in axes:
+        opts = [None] + [d for d, n in enumerate(shape) if n >= sizes[a] and n % sizes[a] == 0]
+        options.append(opts)
+    specs = []
+    for choice in itertools.product(*options):
+        dims = [[] for _ in shape]
+        for a, d in zip(axes, choice):
+            if d is not None:
+                dims[d].append(a)
+        spec = tuple(tuple(x) for x in dims)
+        if all(n % math.prod(sizes[a] for a in s) == 0 for s, n in zip(spec, shape)):
+            specs.append(spec)
+    return list(dict.fromkeys(specs))
+
+
+def _parts(spec, sizes) -> int:
+    return math.prod(sizes[a] for axes in spec for a in axes)
+
+
+def _axis_dim(spec, axis):
+    return next((d for d, axes in enumerate(spec) if axis in axes), None)
+
+
+def reshard_cost(src, dst, shape, itemsize: int, sizes, model: CostModel) -> tuple[float, float]:
+    """(seconds, bytes per device) to turn a value laid out as `src` into `dst`: per mesh axis,
+    an all-gather where `dst` drops a shard, an all-to-all where the axis moves to another dim,
+    nothing where `dst` only slices what every device already holds."""
+    if src == dst:
+        return 0.0, 0.0
+    local = math.prod(shape) * itemsize / max(1, _parts(src, sizes))
+    seconds = moved = 0.0
+    for a, n in sizes.items():
+        ds, dd = _axis_dim(src, a), _axis_dim(dst, a)
+        if ds is None or ds == dd:
+            continue
+        nbytes = local * (n - 1) if dd is None else local * (n - 1) / n
+        seconds += model.alpha + nbytes * model.beta
+        moved += nbytes
+        if dd is None:
+            local *= n
+    return seconds, moved
+
+
+@dataclass
+class _Strategy:
+    out: tuple  # the output's spec
+    needs: list  # per tensor operand: the spec the op needs it in (None: any, no cost)
+    seconds: float = 0.0  # collectives inside the op (partial sums) and compute
+    moved: float = 0.0  # bytes per device those collectives move
+
+
+def _replicated(node) -> tuple:
+    return tuple(() for _ in range(len(_shape(node) or ())))
+
+
+def _operands(node) -> list:
+    return [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+
+
+def _flops(node) -> float:
+    t = node.target
+    if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        a = node.args[1] if t is aten.addmm.default else node.args[0]
+        sa, out = _shape(a), _shape(node)
+        return 2.0 * math.prod(out) * sa[-1]
+    shape = _shape(node)
+    return float(math.prod(shape)) if shape else 0.0
+
+
+def _matmul_strategies(node, sizes, model) -> list[_Strategy]:
+    t = node.target
+    a, b = (node.args[1], node.args[2]) if t is aten.addmm.default else (node.args[0], node.args[1])
+    batched = t is aten.bmm.default
+    dims = ("B", "M", "N", "K", None) if batched else ("M", "N", "K", None)
+    out_shape = _shape(node)
+    k = _shape(a)[-1]
+    extent = dict(zip(("B", "M", "N") if batched else ("M", "N"), out_shape)) | {"K": k}
+    itemsize = _val(node).element_size()
+    strategies = []
+    for choice in itertools.product(dims, repeat=len(sizes)):
+        by = {d: [a_ for a_, c in zip(sizes, choice) if c == d] for d in ("B", "M", "N", "K")}
+        if any(extent[d] % math.prod(sizes[x] for x in axes) for d, axes in by.items() if axes and d in extent):
+            continue
+        B, M, N, K = (tuple(by[d]) for d in ("B", "M", "N", "K"))
+        out = (B, M, N) if batched else (M, N)
+        need_a = (B, M, K) if batched else (M, K)
+        need_b = (B, K, N) if batched else (K, N)
+        parts = math.prod(sizes[ax] for ax, c in zip(sizes, choice) if c is not None)
+        seconds = _flops(node) / parts * model.gamma
+        moved = 0.0
+        if K:  # partial sums over the contracted dim: all-reduced (a ring: 2 (n-1)/n of the bytes)
+            local = math.prod(out_shape) * itemsize / max(1, _parts(out, sizes))
+            for x in K:
+                n = sizes[x]
+                moved += 2 * local * (n - 1) / n
+                seconds += model.alpha + 2 * local * (n - 1) / n * model.beta
+        needs = [need_a, need_b]
+        if t is aten.addmm.default:
+            bias = node.args[0]
+            needs = [_aligned(out, _shape(bias), out_shape)] + needs
+        strategies.append(_Strategy(out, needs, seconds, moved))
+    return strategies
+
+
+def _aligned(out_spec, shape, out_shape) -> tuple:
+    """The spec an operand of `shape` broadcast to `out_shape` takes from the output's."""
+    lead = len(out_shape) - len(shape)
+    return tuple(() if shape[d] == 1 and out_shape[lead + d] != 1 else out_spec[lead + d] for d in range(len(shape)))
+
+
+def strategies_of(node, sizes, model) -> list[_Strategy]:
+    """The strategies of one graph node (placeholders included)."""
+    shape = _shape(node)
+    if shape is None:
+        return []
+    if node.op == "placeholder":
+        return [_Strategy(s, []) for s in candidate_specs(shape, sizes)]
+    t = node.target
+    ops = _operands(node)
+    work = _flops(node) * model.gamma
+    if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        return _matmul_strategies(node, sizes, model)
+    if _pointwise(t) and t is not aten.copy_.default:
+        out = []
+        for s in candidate_specs(shape, sizes):
+            needs = [_aligned(s, _shape(a), shape) if len(_shape(a)) <= len(shape) else None for a in ops]
+            out.append(_Strategy(s, needs, work / max(1, _parts(s, sizes))))
+        return out
+    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) and ops:
+        in_shape = _shape(ops[0])
+        out = []
+        for s in candidate_specs(shape, sizes):
+            need = _reshape(s, shape, in_shape)
+            if _reshape(need, in_shape, shape) == s:
+                out.append(_Strategy(s, [need]))
+        return out or [_Strategy(_replicated(node), [_replicated(ops[0])])]
+    if t in (aten.permute.default, aten.t.default, aten.transpose.int) and ops:
+        nd = len(shape)
+        perm = (list(reversed(range(nd))) if t is aten.t.default else
+                _norm_dims(node.args[1], nd) if t is aten.permute.default else None)
+        if perm is None:
+            a_, b_ = _norm_dims([node.args[1], node.args[2]], nd)
+            perm = list(range(nd))
+            perm[a_], perm[b_] = perm[b_], perm[a_]
+        inv = [perm.index(d) for d in range(nd)]
+        return [_Strategy(s, [tuple(s[inv[d]] for d in range(nd))]) for s in candidate_specs(shape, sizes)]
+    if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten._softmax.default,
+             aten._log_softmax.default) and ops:
+        in_shape = _shape(ops[0])
+        dims = _norm_dims(node.args[1], len(in_shape))
+        keep = t in (aten._softmax.default, aten._log_softmax.default) or (
+            len(node.args) > 2 and node.args[2]) or node.kwargs.get("keepdim", False)
+        out = []
+        for s in candidate_specs(shape, sizes):
+            if keep:
+                need = tuple(() if d in dims else s[d] for d in range(len(in_shape)))
+                if need != s and len(shape) == len(in_shape) and any(s[d] for d in dims):
+                    continue
+            else:
+                it = iter(s)
+                need = tuple(() if d in dims else next(it) for d in range(len(in_shape)))
+            out.append(_Strategy(s, [need], work / max(1, _parts(s, sizes))))
+        return out
+    if t is aten.embedding.default and len(ops) == 2:
+        # weight [V, D] whole over V; ids laid out like the output's leading dims
+        return [_Strategy(s, [((), s[-1]), s[:-1]]) for s in candidate_specs(shape, sizes)]
+    # No rule: the op runs on whole operands and its output is whole everywhere.
+    return [_Strategy(_replicated(node), [_replicated(a) for a in ops])]
+
+
+def _follows(node, strategies) -> torch.fx.Node | None:
+    """The operand a unary elementwise node shares its variables with (Alpa's "follow"): one
+    tensor operand of its own shape, already in the program. None: a node of its own."""
+    if node.op != "call_function" or not _pointwise(node.target) or node.target is aten.copy_.default:
+        return None
+    ops = _operands(node)
+    if len(ops) != 1 or _shape(ops[0]) != _shape(node) or ops[0] not in strategies:
+        return None
+    return ops[0]
+
+
+def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: float | None = None,
+          fixed: list | None = None, parameters: set[int] = frozenset(), training: bool = False,
+          model: CostModel | None = None, time_limit: float = 10.0, gap: float = 1e-3) -> Solution:
+    """The cheapest sharding of `gm`'s values over a mesh of `sizes` (see module doc).
+    `fixed`: per placeholder, a spec it must keep (a user annotation) or None. `parameters`:
+    placeholder positions holding parameters; with `training` they count four times in the
+    budget (weights, gradients, two AdamW moments).
+
+    Variables: one binary per (value, strategy); a unary elementwise value shares its
+    operand's. Per edge (operand u of v), continuous e[s, t] >= 0 with sum_t e[s, t] = x_u[s]
+    and sum_s e[s, t] = x_v[t]: the pair chosen, priced by the resharding it needs. This is
+    Alpa's linearisation, much tighter than one product variable per costly pair."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
+
+    model = model or CostModel()
+    t0 = time.perf_counter()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fixed = list(fixed) if fixed is not None else [None] * len(placeholders)
+    nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")
+             and isinstance(_val(n), torch.Tensor) and _shape(n) is not None]
+    strategies: dict = {}
+    root: dict = {}  # node -> the node whose variables it uses
+    for n in nodes:
+        leader = _follows(n, strategies)
+        if leader is not None:
+            root[n] = root[leader]
+            strategies[n] = [_Strategy(st.out, [st.out]) for st in strategies[root[n]]]
+            continue
+        st = strategies_of(n, sizes, model)
+        if n.op == "placeholder":
+            want = fixed[placeholders.index(n)]
+            if want is not None:
+                st = [x for x in st if x.out == want] or [_Strategy(want, [])]
+        strategies[n], root[n] = st, n
+    index: dict = {}  # (root node, k) -> variable
+    cost: list[float] = []
+    for n in nodes:
+        if root[n] is not n:
+            continue
+        whole = math.prod(_shape(n)) * _val(n).element_size() if n.op == "placeholder" else 0
+        for k, st in enumerate(strategies[n]):
+            index[(n, k)] = len(cost)
+            cost.append(st.seconds + whole / max(1, _parts(st.out, sizes)) * model.delta)
+    for n in nodes:  # a follower's own compute lands on its leader's variables
+        if root[n] is not n:
+            work = _flops(n) * model.gamma
+            for k, st in enumerate(strategies[n]):
+                cost[index[(root[n], k)]] += work / max(1, _parts(st.out, sizes))
+    integer = [1] * len(cost)
+    r_idx: list[int] = []
+    c_idx: list[int] = []
+    vals: list[float] = []
+    lo: list[float] = []
+    hi: list[float] = []
+
+    def row(coeffs, low: float, high: float):
+        i = len(lo)
+        for j, c in coeffs:
+            r_idx.append(i)
+            c_idx.append(j)
+            vals.append(c)
+        lo.append(low)
+        hi.append(high)
+
+    for n in nodes:  # one strategy per value
+        if root[n] is n:
+            row([(index[(n, k)], 1.0) for k in range(len(strategies[n]))], 1.0, 1.0)
+    edge_moved: dict = {}
+    for v in nodes:
+        if root[v] is not v or v.op == "placeholder":
+            continue
+        for slot, u in enumerate(_operands(v)):
+            if u not in strategies:
+                continue
+            ru, itemsize = root[u], _val(u).element_size()
+            prices = {}
+            for kv, sv in enumerate(strategies[v]):
+                need = sv.needs[slot] if slot < len(sv.needs) else None
+                for ku, su in enumerate(strategies[u]):
+                    prices[(ku, kv)] = (0.0, 0.0) if need is None else \
+                        reshard_cost(su.out, need, _shape(u), itemsize, sizes, model)
+            if all(p[0] <= 0 for p in prices.values()):
+                continue  # free whatever both choose: no edge variables needed
+            e = {}
+            for (ku, kv), (seconds, moved) in prices.items():
+                e[(ku, kv)] = len(cost)
+                cost.append(seconds)
+                integer.append(0)
+                edge_moved[e[(ku, kv)]] = moved
+            for ku in range(len(strategies[u])):
+                row([(e[(ku, kv)], 1.0) for kv in range(len(strategies[v]))] + [(index[(ru, ku)], -1.0)], 0.0, 0.0)
+            for kv in range(len(strategies[v])):
+                row([(e[(ku, kv)], 1.0) for ku in range(len(strategies[u]))] + [(index[(v, kv)], -1.0)], 0.0, 0.0)
+    memory = {}
+    if memory_budget is not None:
+        for i, p in enumerate(placeholders):
+            if p not in strategies:
+                continue
+            factor = 4.0 if training and i in parameters else 1.0
+            whole = math.prod(_shape(p)) * _val(p).element_size() * factor
+            for k, st in enumerate(strategies[p]):
+                memory[index[(p, k)]] = whole / max(1, _parts(st.out, sizes))
+        row(list(memory.items()), -np.inf, float(memory_budget))
+    n_vars = len(cost)
+    a = coo_array((vals, (r_idx, c_idx)), shape=(len(lo), n_vars)).tocsr()
+    # In microseconds: HiGHS's absolute gap tolerance (1e-6) would call any plan within a
+    # microsecond of the best optimal, were the objective in seconds.
+    res = milp(np.array(cost) * 1e6, constraints=LinearConstraint(a, lo, hi), integrality=np.array(integer),
+               bounds=Bounds(np.zeros(n_vars), np.ones(n_vars)),
+               options={"time_limit": time_limit, "mip_rel_gap": gap, "disp": False})
+    seconds = time.perf_counter() - t0
+    if res.x is None:
+        if memory_budget is not None and res.status == 2:
+            raise InfeasibleBudget(f"fx2xla auto-sharding: no sharding of this graph's inputs fits "
+                                   f"{memory_budget:,.0f} bytes per device on a mesh {sizes}")
+        raise RuntimeError(f"fx2xla auto-sharding: the solver stopped without a solution ({res.message})")
+    x = res.x
+    pick = {n: max(range(len(strategies[n])), key=lambda k: x[index[(n, k)]]) for n in nodes if root[n] is n}
+    chosen = {n: strategies[n][pick[root[n]]] for n in nodes}
+    sol = Solution([chosen[p].out if p in chosen else None for p in placeholders])
+    sol.specs = {n: st.out for n, st in chosen.items()}
+    sol.objective = float(res.fun) * 1e-6
+    sol.collective_bytes = float(sum(st.moved for n, st in chosen.items() if root[n] is n)
+                                 + sum(b for y, b in edge_moved.items() if x[y] > 0.5))
+    sol.memory_bytes = float(sum(c for j, c in memory.items() if x[j] > 0.5))
+    sol.status = "optimal" if res.status == 0 else f"stopped ({res.message})"
+    sol.gap = getattr(res, "mip_gap", None)
+    sol.seconds = seconds
+    sol.variables = n_vars
+    return sol
