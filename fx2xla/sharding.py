@@ -76,7 +76,8 @@ class Mesh:
         flat = list(grid.flat)
         if len({id(d) for d in flat}) != len(flat):
             raise ShardingError("fx2xla.Mesh: a device appears twice")
-        platforms = {d.platform for d in flat}
+        # jax names CUDA devices' platform "gpu"; fx2xla's runtime (and PJRT_DEVICE) say "cuda".
+        platforms = {"cuda" if d.platform == "gpu" else d.platform for d in flat}
         if len(platforms) != 1:
             raise ShardingError(f"fx2xla.Mesh: devices of several platforms {sorted(platforms)}")
         self.platform = platforms.pop()

@@ -10,7 +10,7 @@ Two parts:
   constraints and the inputs' annotations, forward through each op's rule, then backward into
   inputs nobody annotated (an optimizer state takes its parameter's sharding), to a fixed point.
   Each value ends with a spec (one tuple of mesh axes per dim) and where it came from: "user",
-  "propagated", or "default" (replicated: no rule or no annotation reached it).
+  "auto", "forward", "propagated", or "default" (replicated: no rule or annotation reached it).
 
 The plan takes the inputs' and results' specs from here; the module carries them as Shardy
 shardings, with the user's constraints inside, and XLA's partitioner completes the rest.
@@ -171,7 +171,9 @@ class Shardings:
 
     mesh_id: int
     specs: dict = field(default_factory=dict)  # node -> spec (tuple of axis tuples per dim)
-    sources: dict = field(default_factory=dict)  # node -> "user" | "propagated" | "default"
+    # node -> "user" (an annotation or constraint), "auto" (sharding="auto" chose it), "forward"
+    # (a backward's saved activation, as its forward left it), "propagated", or "default"
+    sources: dict = field(default_factory=dict)
 
     def spec(self, node) -> tuple:
         """The node's spec, replicated where nothing reached it."""

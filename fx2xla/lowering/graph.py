@@ -181,6 +181,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
                for p in plan.outputs]
     return LoweredGraph(text, plan, outputs, arg_shapes, tuple(check_records), result_shapes)
 
+
 def passed_spec(spec, perm):
     """A torch-order spec in the order of the value the executable sees (`t.permute(perm)`)."""
     return spec if perm is None else tuple(spec[d] for d in perm)
