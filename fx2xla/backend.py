@@ -134,7 +134,8 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     buckets = options["batch_buckets"] if kind == "inference" else None  # never pad training
     compiled = CompiledGraph(gm, example_inputs, device, name, no_recompile=bool(options["no_recompile"]),
                              batch_buckets=tuple(buckets) if buckets else None,
-                             check_indices=bool(options["check_indices"]), annotations=annotations)
+                             check_indices=bool(options["check_indices"]), annotations=annotations,
+                             solution=solution)
     compiled.input_names = names  # for explain_sharding: the user's names of the inputs
     compiled.auto_sharding = solution
     if made is not None:

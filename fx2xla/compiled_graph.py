@@ -186,7 +186,7 @@ class CompiledGraph:
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str,
                  resident_inputs: set[int] | None = None, no_recompile: bool = False,
                  batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True,
-                 annotations=None):
+                 annotations=None, solution=None):
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -200,7 +200,7 @@ class CompiledGraph:
         self.device = device
         self.example_inputs = list(example_inputs)
         resident = resident_inputs if resident_inputs is not None else static_input_indices(len(self.example_inputs))
-        self.plan = plan = build_plan(gm, self.example_inputs, device, resident, annotations)
+        self.plan = plan = build_plan(gm, self.example_inputs, device, resident, annotations, solution)
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         self._jax_device = device.jax_device

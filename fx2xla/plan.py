@@ -108,6 +108,10 @@ class GraphPlan:
     # holds every value's spec and its source (see passes/sharding.py).
     mesh_id: int | None = None
     shardings: Any = None
+    # Values the module pins to a spec (node -> spec): under sharding="auto", every value the
+    # solver chose a layout for, so XLA's partitioner realises the plan the solver priced
+    # (left to its own propagation, it took other layouts and moved 2-5x the bytes).
+    constraints: dict = field(default_factory=dict)
 
     @property
     def platform(self) -> str:
@@ -301,21 +305,26 @@ def _move(device: torch.device | None, target: Device, torch_target: torch.devic
 
 
 def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
-               resident: set[int] | None = None, annotations=None) -> GraphPlan:
+               resident: set[int] | None = None, annotations=None, solution=None) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
-    annotated inputs runs over their mesh, whose first device replaces `device`."""
+    annotated inputs runs over their mesh, whose first device replaces `device`. `solution`:
+    auto-sharding's (passes/auto_sharding.py): its layouts become the plan's constraints."""
     from .lowering.graph import graph_uses_randomness
     from .passes.sharding import graph_mesh, propagate
 
     resident = resident or set()
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
     mesh_id = graph_mesh(gm, annotations)
-    shardings = None
+    shardings, constraints = None, {}
     if mesh_id is not None:
         device = _mesh_device(mesh_id, example_inputs)
         shardings = propagate(gm, annotations, mesh_id)
+        if solution is not None:
+            constraints = solution.constraints()
+            for node, spec in constraints.items():
+                shardings.specs[node], shardings.sources[node] = spec, "auto"
     torch_device = device.torch_device
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     layouts = [plan_input(v) for v in example_inputs]
@@ -385,7 +394,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         position = placeholders.index(dst)
         mutations.append((position, result(node, home=inputs[position].device)))
     return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
-                     mesh_id, shardings)
+                     mesh_id, shardings, constraints)
 
 
 def _mesh_device(mesh_id: int, example_inputs) -> Device:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -71,6 +72,10 @@ class Solution:
     gap: float | None = None
     seconds: float = 0.0
     variables: int = 0
+
+    def constraints(self) -> dict:
+        """node -> spec of every computed value: the layouts the module pins."""
+        return {n: s for n, s in self.specs.items() if n.op == "call_function"}
 
 
 class InfeasibleBudget(ShardingError):
@@ -136,8 +141,54 @@ def _replicated(node) -> tuple:
     return tuple(() for _ in range(len(_shape(node) or ())))
 
 
+def _producer(node):
+    """For `getitem(op, i)` of an op with several outputs (attention, layer norm, split): the op."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) \
+            and isinstance(_val(node.args[0]), (tuple, list)):
+        return node.args[0]
+    return None
+
+
 def _operands(node) -> list:
-    return [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+    """The tensor operands whose layouts `node`'s strategies set: for one output of a
+    multi-output op, that op's tensor operands."""
+    source = _producer(node) or node
+    return [a for a in source.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+
+
+_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.unbind.int, aten.chunk.default}
+
+
+def _output_strategies(node, producer, sizes, model) -> list[_Strategy]:
+    """Strategies of output `node` of a multi-output op: attention's output follows q over batch
+    and heads (sequence and head dims whole: k and v are read whole over them); a layer norm's
+    output keeps its normalised dims whole; a split's pieces keep the split dim whole. Other
+    multi-output ops: whole operands, whole outputs."""
+    shape, t, index = _shape(node), producer.target, node.args[1]
+    ops = _operands(node)
+    if t in (aten._scaled_dot_product_flash_attention_for_cpu.default,) and index == 0 and len(shape) == 4:
+        out = []
+        for s in candidate_specs(shape, sizes):
+            if s[2] or s[3]:
+                continue
+            out.append(_Strategy(s, [s] + [(s[0], s[1], (), ())] * 2 + [None] * (len(ops) - 3)))
+        return out
+    if t is aten.native_layer_norm.default and index == 0:
+        k = len(producer.args[1])
+        out = []
+        for s in candidate_specs(shape, sizes):
+            if any(s[len(shape) - k:]):
+                continue
+            out.append(_Strategy(s, [s] + [tuple(() for _ in range(k))] * (len(ops) - 1)))
+        return out
+    if t in _SPLITS:
+        dim = _norm_dims(producer.args[1] if t is aten.unbind.int else
+                         (producer.args[2] if len(producer.args) > 2 else producer.kwargs.get("dim", 0)),
+                         len(_shape(ops[0])))[0]
+        if t is aten.unbind.int:
+            return [_Strategy(s, [s[:dim] + ((),) + s[dim:]]) for s in candidate_specs(shape, sizes)]
+        return [_Strategy(s, [s]) for s in candidate_specs(shape, sizes) if not s[dim]]
+    return [_Strategy(_replicated(node), [_replicated(a) for a in ops])]
 
 
 def _flops(node) -> float:
@@ -198,11 +249,17 @@ def strategies_of(node, sizes, model) -> list[_Strategy]:
         return []
     if node.op == "placeholder":
         return [_Strategy(s, []) for s in candidate_specs(shape, sizes)]
+    producer = _producer(node)
+    if producer is not None:
+        return _output_strategies(node, producer, sizes, model) or [
+            _Strategy(_replicated(node), [_replicated(a) for a in _operands(node)])]
     t = node.target
     ops = _operands(node)
     work = _flops(node) * model.gamma
     if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
         return _matmul_strategies(node, sizes, model)
+    if t is aten.copy_.default and len(ops) == 2:  # a written input keeps one layout, old and new
+        return [_Strategy(s, [s, s]) for s in candidate_specs(shape, sizes)]
     if _pointwise(t) and t is not aten.copy_.default:
         out = []
         for s in candidate_specs(shape, sizes):

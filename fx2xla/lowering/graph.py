@@ -144,6 +144,12 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
     if plan.seed:
         avals.append(jax.ShapeDtypeStruct((), np.int64))
     check_records: list = []
+    pinned = None
+    if plan.constraints:
+        from ..sharding import mesh_by_id
+
+        mesh = mesh_by_id(plan.mesh_id)
+        pinned = {node: mesh.named_sharding(spec) for node, spec in plan.constraints.items()}
 
     def trace(*arrays):
         env: dict[torch.fx.Node, Any] = {}
@@ -159,7 +165,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         seed = next(it) if plan.seed else None
         _bind_constants(plan.constants, env)
         checks = RuntimeChecks() if check_indices else None
-        run_nodes(gm, gm.graph.nodes, env, sizes, seed, checks)
+        run_nodes(gm, gm.graph.nodes, env, sizes, seed, checks, pinned)
         results = []
         for r in plan.results:
             value = env[r.node]
@@ -204,12 +210,13 @@ def spmd_shardings(plan: GraphPlan) -> dict:
     return {"in_shardings": tuple(ins), "out_shardings": (outs, replicated)}
 
 
-def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=None) -> dict:
+def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=None, pinned=None) -> dict:
     """Evaluate `nodes` (call_function / get_attr nodes of `gm`, in order) with their rules, on
     the traced jax values in `env` (updated and returned). Placeholders and the output node are
     skipped: the caller binds the first and reads the second. `seed` is the per-call int64 seed
     or a PRNG key (inside loop bodies: a key folded with the iteration), or None. `checks`: the
-    RuntimeChecks of this trace level, where rules record index checks (None: no checks)."""
+    RuntimeChecks of this trace level, where rules record index checks (None: no checks).
+    `pinned`: node -> jax sharding each such value is constrained to (the plan's constraints)."""
     for index, node in enumerate(nodes):
         if node.op in ("placeholder", "output") or node in env:  # bound by the caller
             continue
@@ -234,6 +241,8 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
             args, kwargs = prepare_args(rule, ctx, list(args), dict(kwargs))
             out = rule.fn(ctx, *args, **kwargs)
             env[node] = _check_result(ctx, out)
+            if pinned is not None and node in pinned:
+                env[node] = jax.lax.with_sharding_constraint(env[node], pinned[node])
         except (LoweringError, UnsupportedOpError, InvalidInputError):
             raise
         except RejectedInput as e:  # eager rejects these inputs: the user's error, not a rule's
