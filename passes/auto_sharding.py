@@ -301,6 +301,23 @@ def strategies_of(node, sizes, model) -> list[_Strategy]:
                 need = tuple(() if d in dims else next(it) for d in range(len(in_shape)))
             out.append(_Strategy(s, [need], work / max(1, _parts(s, sizes))))
         return out
+    if t is aten.slice.Tensor and ops:  # the sliced dim whole (unless the slice takes all of it)
+        d = _norm_dims(node.args[1] if len(node.args) > 1 else 0, len(shape))[0]
+        full = _shape(ops[0])[d] == shape[d]
+        return [_Strategy(s, [s]) for s in candidate_specs(shape, sizes) if full or not s[d]]
+    if t is aten.select.int and ops:  # the selected dim whole
+        d = _norm_dims(node.args[1], len(shape) + 1)[0]
+        return [_Strategy(s, [s[:d] + ((),) + s[d:]]) for s in candidate_specs(shape, sizes)]
+    if t is aten.cat.default and ops:  # the concatenated dim whole, every piece alike
+        d = _norm_dims(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape))[0]
+        return [_Strategy(s, [s if len(_shape(a)) == len(shape) else None for a in ops])
+                for s in candidate_specs(shape, sizes) if not s[d]]
+    if t is aten.unsqueeze.default and ops:
+        d = _norm_dims(node.args[1], len(shape))[0]
+        return [_Strategy(s, [s[:d] + s[d + 1:]]) for s in candidate_specs(shape, sizes) if not s[d]]
+    if t is aten.expand.default and ops:  # broadcast dims whole in the operand
+        in_shape = _shape(ops[0])
+        return [_Strategy(s, [_aligned(s, in_shape, shape)]) for s in candidate_specs(shape, sizes)]
     if t is aten.embedding.default and len(ops) == 2:
         # weight [V, D] whole over V; ids laid out like the output's leading dims
         return [_Strategy(s, [((), s[-1]), s[:-1]]) for s in candidate_specs(shape, sizes)]
