@@ -22,6 +22,10 @@ integer program over the core-ATen graph (the Alpa formulation, section 4.2 of i
 - **Solver.** scipy's `milp` (HiGHS), with a time limit and a relative gap. The report says
   whether the optimum was proven, and gives the gap and the solve time.
 
+Known overestimate: each output of a multi-output op (split pieces, attention's output and
+its statistics) prices the layout its op needs from the op's operands on its own, so an op
+read through several outputs pays a resharding once per output read.
+
 User annotations are constraints: an annotated input keeps its spec. The solution is a spec
 per graph input, handed to the propagation pass and the runtime like user annotations.
 """
