@@ -22,10 +22,6 @@ integer program over the core-ATen graph (the Alpa formulation, section 4.2 of i
 - **Solver.** scipy's `milp` (HiGHS), with a time limit and a relative gap. The report says
   whether the optimum was proven, and gives the gap and the solve time.
 
-Known overestimate: each output of a multi-output op (split pieces, attention's output and
-its statistics) prices the layout its op needs from the op's operands on its own, so an op
-read through several outputs pays a resharding once per output read.
-
 User annotations are constraints: an annotated input keeps its spec. The solution is a spec
 per graph input, handed to the propagation pass and the runtime like user annotations.
 """
@@ -148,51 +144,58 @@ def _replicated(node) -> tuple:
 def _producer(node):
     """For `getitem(op, i)` of an op with several outputs (attention, layer norm, split): the op."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) \
-            and isinstance(_val(node.args[0]), (tuple, list)):
+            and _multi_output(node.args[0]):
         return node.args[0]
     return None
 
 
+def _multi_output(node) -> bool:
+    v = _val(node)
+    return node.op == "call_function" and isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v)
+
+
 def _operands(node) -> list:
-    """The tensor operands whose layouts `node`'s strategies set: for one output of a
-    multi-output op, that op's tensor operands."""
-    source = _producer(node) or node
-    return [a for a in source.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+    return [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
 
 
 _SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.unbind.int, aten.chunk.default}
+_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def _output_strategies(node, producer, sizes, model) -> list[_Strategy]:
-    """Strategies of output `node` of a multi-output op: attention's output follows q over batch
-    and heads (sequence and head dims whole: k and v are read whole over them); a layer norm's
-    output keeps its normalised dims whole; a split's pieces keep the split dim whole. Other
-    multi-output ops: whole operands, whole outputs."""
-    shape, t, index = _shape(node), producer.target, node.args[1]
-    ops = _operands(node)
-    if t in (aten._scaled_dot_product_flash_attention_for_cpu.default,) and index == 0 and len(shape) == 4:
-        out = []
-        for s in candidate_specs(shape, sizes):
-            if s[2] or s[3]:
-                continue
-            out.append(_Strategy(s, [s] + [(s[0], s[1], (), ())] * 2 + [None] * (len(ops) - 3)))
-        return out
-    if t is aten.native_layer_norm.default and index == 0:
-        k = len(producer.args[1])
-        out = []
-        for s in candidate_specs(shape, sizes):
-            if any(s[len(shape) - k:]):
-                continue
-            out.append(_Strategy(s, [s] + [tuple(() for _ in range(k))] * (len(ops) - 1)))
-        return out
-    if t in _SPLITS:
-        dim = _norm_dims(producer.args[1] if t is aten.unbind.int else
-                         (producer.args[2] if len(producer.args) > 2 else producer.kwargs.get("dim", 0)),
-                         len(_shape(ops[0])))[0]
+def _multi_output_strategies(node, sizes) -> list[_Strategy]:
+    """Strategies of an op with several outputs; each one's `out` holds a spec per output (None
+    for a non-tensor). Attention follows q over batch and heads (sequence and head dims whole:
+    k and v are read whole over them); a layer norm keeps its normalised dims whole, its
+    statistics follow the rest; a split's pieces keep the split dim whole. Any other: whole
+    operands, whole outputs. Its outputs (getitem nodes) share its variables, so a layout it
+    needs is paid once, however many of its outputs are read."""
+    shapes = [tuple(int(d) for d in v.shape) if isinstance(v, torch.Tensor) else None for v in _val(node)]
+    ops, t = _operands(node), node.target
+    first = shapes[0]
+
+    def whole(shape):
+        return None if shape is None else tuple(() for _ in shape)
+
+    if t in _ATTENTION and first is not None and len(first) == 4 and len(ops) >= 3:
+        return [_Strategy((s,) + tuple(None if sh is None else s[:len(sh)] for sh in shapes[1:]),
+                          [s, (s[0], s[1], (), ()), (s[0], s[1], (), ())] + [None] * (len(ops) - 3))
+                for s in candidate_specs(first, sizes) if not s[2] and not s[3]]
+    if t is aten.native_layer_norm.default and first is not None:
+        k, nd = len(node.args[1]), len(first)
+        return [_Strategy((s,) + tuple(None if sh is None else s[:nd - k] + ((),) * (len(sh) - nd + k)
+                                       for sh in shapes[1:]),
+                          [s] + [whole(_shape(a)) for a in ops[1:]])
+                for s in candidate_specs(first, sizes) if not any(s[nd - k:])]
+    if t in _SPLITS and ops and first is not None:
+        in_shape = _shape(ops[0])
         if t is aten.unbind.int:
-            return [_Strategy(s, [s[:dim] + ((),) + s[dim:]]) for s in candidate_specs(shape, sizes)]
-        return [_Strategy(s, [s]) for s in candidate_specs(shape, sizes) if not s[dim]]
-    return [_Strategy(_replicated(node), [_replicated(a) for a in ops])]
+            d = _norm_dims(node.args[1] if len(node.args) > 1 else 0, len(in_shape))[0]
+            return [_Strategy(tuple(s for _ in shapes), [s[:d] + ((),) + s[d:]]) for s in candidate_specs(first, sizes)]
+        d = _norm_dims(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(in_shape))[0]
+        return [_Strategy(tuple(s for _ in shapes), [s]) for s in candidate_specs(first, sizes)
+                if not s[d] and all(sh is None or all(n % _parts((axes,), sizes) == 0 for n, axes in zip(sh, s))
+                                    for sh in shapes)]
+    return [_Strategy(tuple(whole(sh) for sh in shapes), [whole(_shape(a)) for a in ops])]
 
 
 def _flops(node) -> float:
@@ -253,10 +256,6 @@ def strategies_of(node, sizes, model) -> list[_Strategy]:
         return []
     if node.op == "placeholder":
         return [_Strategy(s, []) for s in candidate_specs(shape, sizes)]
-    producer = _producer(node)
-    if producer is not None:
-        return _output_strategies(node, producer, sizes, model) or [
-            _Strategy(_replicated(node), [_replicated(a) for a in _operands(node)])]
     t = node.target
     ops = _operands(node)
     work = _flops(node) * model.gamma
@@ -360,14 +359,22 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fixed = list(fixed) if fixed is not None else [None] * len(placeholders)
     nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")
-             and isinstance(_val(n), torch.Tensor) and _shape(n) is not None]
+             and ((isinstance(_val(n), torch.Tensor) and _shape(n) is not None) or _multi_output(n))]
     strategies: dict = {}
     root: dict = {}  # node -> the node whose variables it uses
     for n in nodes:
+        if _multi_output(n):
+            strategies[n], root[n] = _multi_output_strategies(n, sizes), n
+            continue
+        producer = _producer(n)
+        if producer is not None:  # one output of a multi-output op: the op's variables
+            root[n] = producer
+            strategies[n] = [_Strategy(st.out[n.args[1]] or _replicated(n), []) for st in strategies[producer]]
+            continue
         leader = _follows(n, strategies)
         if leader is not None:
             root[n] = root[leader]
-            strategies[n] = [_Strategy(st.out, [st.out]) for st in strategies[root[n]]]
+            strategies[n] = [_Strategy(st.out, [st.out]) for st in strategies[leader]]
             continue
         st = strategies_of(n, sizes, model)
         if n.op == "placeholder":
@@ -383,7 +390,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         whole = math.prod(_shape(n)) * _val(n).element_size() if n.op == "placeholder" else 0
         for k, st in enumerate(strategies[n]):
             index[(n, k)] = len(cost)
-            cost.append(st.seconds + whole / max(1, _parts(st.out, sizes)) * model.delta)
+            cost.append(st.seconds + (whole / max(1, _parts(st.out, sizes)) * model.delta if whole else 0.0))
     for n in nodes:  # a follower's own compute lands on its leader's variables
         if root[n] is not n:
             work = _flops(n) * model.gamma
@@ -459,7 +466,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         raise RuntimeError(f"fx2xla auto-sharding: the solver stopped without a solution ({res.message})")
     x = res.x
     pick = {n: max(range(len(strategies[n])), key=lambda k: x[index[(n, k)]]) for n in nodes if root[n] is n}
-    chosen = {n: strategies[n][pick[root[n]]] for n in nodes}
+    chosen = {n: strategies[n][pick[root[n]]] for n in nodes if not _multi_output(n)}
     sol = Solution([chosen[p].out if p in chosen else None for p in placeholders])
     sol.specs = {n: st.out for n, st in chosen.items()}
     sol.objective = float(res.fun) * 1e-6

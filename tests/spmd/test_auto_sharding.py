@@ -159,8 +159,7 @@ def test_auto_inference_matches_eager_and_options_are_checked():
 
 def test_outputs_of_multi_output_ops_are_priced():
     """A split along a sharded dim needs that dim whole first: the solver pays the gather
-    (it once took the pieces of multi-output ops for free). Each piece is priced on its own,
-    so two pieces pay it twice (a known overestimate, see passes/auto_sharding.py)."""
+    once, however many pieces are read (the pieces share the split's variables)."""
     def f(x):
         a, b = torch.split(x, [8, 8], dim=-1)
         return a * 2 + b
@@ -168,8 +167,7 @@ def test_outputs_of_multi_output_ops_are_priced():
     with FakeTensorMode() as mode:
         gm = make_fx(f)(mode.from_tensor(torch.empty(4, 16)))
     sol = solve(gm, {"d": 8}, fixed=[((), ("d",))])
-    # An all-gather of the [4, 16] float32 input over 8 devices (each receives 7 eighths),
-    # once per piece.
-    assert sol.collective_bytes == pytest.approx(2 * 4 * 16 * 4 * 7 / 8)
+    # One all-gather of the [4, 16] float32 input over 8 devices: each receives 7 eighths.
+    assert sol.collective_bytes == pytest.approx(4 * 16 * 4 * 7 / 8)
     pieces = [n for n in gm.graph.nodes if n.target is operator.getitem]
     assert all(not sol.specs[p][1] for p in pieces)
