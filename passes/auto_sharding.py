@@ -7,6 +7,8 @@ integer program over the core-ATen graph (the Alpa formulation, section 4.2 of i
   split its contracted dim: those leave partial sums that are all-reduced.
   - Elementwise ops need their operands laid out like their output (broadcast dims whole).
   - Views map specs both ways; reductions, softmax and attention keep their dims whole.
+  - Unary elementwise ops follow their operand, and the outputs of a multi-output op
+    (attention, layer norm, split) share the op's variables: one decision each.
   - Ops without a rule are replicated.
   The rules are ours, over the core-ATen set, rather than DTensor's op strategies. Ours share
   the spec form of the propagation pass (passes/sharding.py), which turns the solution into
@@ -16,14 +18,17 @@ integer program over the core-ATen graph (the Alpa formulation, section 4.2 of i
   - every all-gather, all-to-all or all-reduce on an axis costs alpha + bytes * beta;
   - compute costs flops / parallelism * gamma, so a plan that parallelises nothing is not free;
   - resharding an operand from its producer's layout to the layout an op needs is an edge
-    cost over pairs of strategies, linearised with continuous pair variables (y >= x_u + x_v - 1).
+    cost over pairs of strategies, linearised with continuous pair variables whose marginals
+    are the two one-hot choices (Alpa's formulation; much tighter than y >= x_u + x_v - 1).
 - **Memory.** The inputs' bytes per device, with parameters counted four times in a training
   step (weights, gradients, AdamW's two moments), stay under `memory_budget`.
 - **Solver.** scipy's `milp` (HiGHS), with a time limit and a relative gap. The report says
   whether the optimum was proven, and gives the gap and the solve time.
 
-User annotations are constraints: an annotated input keeps its spec. The solution is a spec
-per graph input, handed to the propagation pass and the runtime like user annotations.
+User annotations are constraints: an annotated input keeps its spec. The solution gives each
+graph input its spec (handed to the plan and the runtime like a user annotation) and pins every
+computed value's layout in the module (`Solution.constraints`), so that XLA's partitioner
+realises the plan the solver priced.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ import numpy as np
 import torch
 import torch.fx
 
-from fx2xla.sharding import ShardingError
+from fx2xla.sharding import ShardingError, decode_spec, is_mark
 
 from .sharding import _norm_dims, _pointwise, _reshape, _shape, _val
 
@@ -261,6 +266,9 @@ def strategies_of(node, sizes, model) -> list[_Strategy]:
     work = _flops(node) * model.gamma
     if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
         return _matmul_strategies(node, sizes, model)
+    if is_mark(node):  # the user's constraint inside the graph: that layout, whatever it costs
+        spec = decode_spec(node.args[2])
+        return [_Strategy(spec, [spec])]
     if t is aten.copy_.default and len(ops) == 2:  # a written input keeps one layout, old and new
         return [_Strategy(s, [s, s]) for s in candidate_specs(shape, sizes)]
     if _pointwise(t) and t is not aten.copy_.default:

@@ -171,3 +171,21 @@ def test_outputs_of_multi_output_ops_are_priced():
     assert sol.collective_bytes == pytest.approx(4 * 16 * 4 * 7 / 8)
     pieces = [n for n in gm.graph.nodes if n.target is operator.getitem]
     assert all(not sol.specs[p][1] for p in pieces)
+
+
+def test_constraints_inside_the_graph_are_kept():
+    """A mark_sharding inside compiled code is a fixed decision for the solver: its layout is
+    what the solution says for that value."""
+    mesh = fx2xla.Mesh((8,), ("d",))
+
+    def f(x, w):
+        h = fx2xla.mark_sharding(x @ w, mesh, (None, "d"))
+        return torch.relu(h)
+
+    x, w = torch.randn(16, 32), torch.randn(32, 64)
+    before = {id(g) for g in live_graphs}
+    out = torch.compile(f, backend="fx2xla", options={"sharding": "auto", "mesh": mesh})(x, w)
+    torch.testing.assert_close(out, f(x, w), **tolerance(torch.float32))
+    (g,) = [g for g in live_graphs if id(g) not in before]
+    marks = [n for n in g.gm.graph.nodes if n.target is torch.ops.fx2xla.mark_sharding.default]
+    assert marks and all(g.auto_sharding.specs[m] == ((), ("d",)) for m in marks)
