@@ -27,6 +27,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,18 @@ def _op(name: str):
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
+def _warn_unsharded(model, example_inputs, gm) -> None:
+    """Packages hold one-device executables: say so when the model was sharded (values are the
+    same; only the layout over devices is not kept)."""
+    from .sharding import annotation_of, is_mark
+
+    tensors = [*model.parameters(), *model.buffers(), *example_inputs]
+    if any(annotation_of(t) is not None for t in tensors) or any(is_mark(n) for n in gm.graph.nodes):
+        warnings.warn("fx2xla.export: the model is sharded (mark_sharding / shard_module / fsdp), but packages "
+                      "do not keep shardings yet: the package runs on one device, with the same values",
+                      stacklevel=3)
+
+
 def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=None,
            check_indices: bool = True) -> str:
     """Export `model` at `example_inputs` (positional tensors) through `torch.export`, lower it
@@ -156,6 +169,7 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     program = torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes)
     program = program.run_decompositions(_export_table())
     gm = program.graph_module
+    _warn_unsharded(model, example_inputs, gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [n.meta["val"] for n in placeholders]
     signature = program.graph_signature

@@ -425,3 +425,13 @@ def test_backward_takes_the_forwards_shards(monkeypatch):
     assert (8, 64) in taken  # the hidden activation, sharded (data, model) by the forward
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **tolerance(torch.float32))
+
+
+def test_export_of_a_sharded_model_warns_and_runs_on_one_device(tmp_path):
+    mesh = fx2xla.Mesh((8,), ("fsdp",))
+    model, x = mlp(), torch.randn(8, 16)
+    fx2xla.fsdp(model, mesh)
+    with pytest.warns(UserWarning, match="packages do not keep shardings"):
+        fx2xla.export(model, (x,), str(tmp_path / "pkg"))
+    loaded = fx2xla.load(str(tmp_path / "pkg"))
+    torch.testing.assert_close(loaded(x), model(x), **tolerance(torch.float32))
