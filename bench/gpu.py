@@ -84,6 +84,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import _materialise, fmt_time, interleaved_medians, write_json  # noqa: E402
+import train  # noqa: E402  (make_step)
 
 import fx2xla  # noqa: E402
 
@@ -549,22 +550,11 @@ def phase_inference(name: str, dtype: torch.dtype, a, device, sync) -> dict:
 
 
 def make_step(model: torch.nn.Module, backend: str | None, x, y) -> Callable:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    if backend is None:
-        forward, opt_step = model, opt.step
-    else:
-        forward = torch.compile(model, backend=backend)
-        opt_step = torch.compile(opt.step, backend=backend)
-    p0 = next(model.parameters()).detach()  # read on the CPU too: the optimizer step is done
-
-    def step():
-        loss = loss_fn(forward(x), y)
-        loss.backward()
-        opt_step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach(), p0
-
-    return step
+    """train.make_step with foreach AdamW and this bench's loss; each step also returns a
+    parameter, so a CPU sync (reading one element of each output) waits for the update too."""
+    step, _ = train.make_step(model, backend, x, y, foreach=True, loss=loss_fn)
+    p0 = next(model.parameters()).detach()
+    return lambda: (step(), p0)
 
 
 def phase_train(name: str, dtype: torch.dtype, a, device, sync) -> dict:

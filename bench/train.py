@@ -20,9 +20,11 @@ import os
 import sys
 import tempfile
 
-# Cold compiler caches for honest first-step figures; set before torch is imported.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cold-"))
-os.environ["FX2XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fx2xla-cold-")
+if __name__ == "__main__":
+    # Cold compiler caches for honest first-step figures; set before torch is imported. (Only
+    # when run as a script: benches importing `make_step` keep their own cache settings.)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cold-"))
+    os.environ["FX2XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fx2xla-cold-")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

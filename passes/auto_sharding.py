@@ -44,7 +44,7 @@ import torch.fx
 
 from fx2xla.sharding import ShardingError, decode_spec, is_mark
 
-from .sharding import _norm_dims, _pointwise, _reshape, _shape, _val
+from .sharding import _ATTENTION, _norm_dims, _pointwise, _reshape, _shape, _val
 
 aten = torch.ops.aten
 
@@ -164,7 +164,6 @@ def _operands(node) -> list:
 
 
 _SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.unbind.int, aten.chunk.default}
-_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
 def _multi_output_strategies(node, sizes) -> list[_Strategy]:

@@ -411,8 +411,8 @@ def _rule(node, specs):
         shape = _shape(x)
         dims = _norm_dims(args[1], nd) if len(args) > 1 else [d for d, n in enumerate(shape) if n == 1]
         return tuple(s for d, s in enumerate(xs) if not (d in dims and shape[d] == 1))
-    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default):
-        return _reshape(xs, _shape(x), _shape(node)) if t is not aten.clone.default else xs
+    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return _reshape(xs, _shape(x), _shape(node))
     if t is aten.expand.default:
         out_shape, in_shape = _shape(node), _shape(x)
         lead = len(out_shape) - nd
