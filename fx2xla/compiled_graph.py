@@ -167,17 +167,38 @@ def install_input(dst: torch.Tensor, new: torch.Tensor) -> None:
         dst.copy_(new)
 
 
+def aot_metadata():
+    """AOTAutograd's metadata of the graph being compiled (private: read once per graph), or
+    None outside its compile or where the private API moved."""
+    try:
+        from torch._guards import TracingContext
+
+        ctx = TracingContext.try_get()
+        return ctx.fw_metadata if ctx is not None and ctx.fw_metadata else None
+    except (ImportError, AttributeError):
+        return None
+
+
 def static_input_indices(num_inputs: int) -> set[int]:
     """Inputs AOTAutograd knows to be parameters/buffers (stable across calls): their device
     buffers are kept resident. Falls back to every input when the metadata is unavailable."""
-    try:
-        from torch._guards import TracingContext  # private: read once per graph
-
-        ctx = TracingContext.try_get()
-        idx = ctx.fw_metadata.static_input_indices if ctx is not None and ctx.fw_metadata else None
-    except (ImportError, AttributeError):
-        idx = None
+    idx = getattr(aot_metadata(), "static_input_indices", None)
     return set(range(num_inputs)) if idx is None else set(idx)
+
+
+def version_bumps(num_inputs: int) -> frozenset[int]:
+    """Inputs whose version AOTAutograd's wrapper bumps just before each call because the graph
+    writes them (an optimizer step's parameters): a twin recorded after the previous call is
+    still current at one version more. Empty when the metadata is unavailable (or counts other
+    inputs than the graph's): such twins are then not recognised, never wrongly taken."""
+    meta = aot_metadata()
+    try:
+        idx = meta.mutated_graph_handled_indices_seen_by_autograd
+        if len(meta.input_info) != num_inputs:
+            return frozenset()
+        return frozenset(idx)
+    except AttributeError:
+        return frozenset()
 
 
 class CompiledGraph:
@@ -213,11 +234,14 @@ class CompiledGraph:
             for v in self.example_inputs
         )
         self._resident: list = [None] * len(self._tensor_positions)
-        # Per tensor input, decided once: (arg position, resident slot or -1, kind, perm, move).
+        bumps = version_bumps(len(self.example_inputs)) if self.mesh is not None else frozenset()
+        # Per tensor input, decided once: (arg position, resident slot or -1, kind, perm, move,
+        # (donated, version bump): see _moved).
         # Inputs only stacked in torch (per-layer weights of a folded scan) never reach the
         # executable: resident ones are only checked for changes, which renew the stack.
         self._import_steps = [(i, j if plan.inputs[i].resident else -1, plan.inputs[i].kind, plan.inputs[i].perm,
-                               self._input_move(plan.inputs[i]))
+                               self._input_move(plan.inputs[i]),
+                               (plan.inputs[i].donated, int(i in bumps)) if self.mesh is not None else None)
                               for j, i in enumerate(self._tensor_positions) if plan.inputs[i].passed]
         self._check_steps = [(i, j) for j, i in enumerate(self._tensor_positions)
                              if not plan.inputs[i].passed and plan.inputs[i].resident]
@@ -328,7 +352,11 @@ class CompiledGraph:
         return {("concat", j): self._concat_cache[groups[j]][1] for j in spec.concat_outputs}
 
     def _run(self, spec: _Specialization, args):
-        paused = _pause_tracebacks()  # the hand-off's arrays need no recorded Python stack
+        # The hand-off's arrays need no recorded Python stack. A sharded graph's are kept past
+        # the call (twins) and read by jax later, which demands the context recording gives.
+        if spec.twins:
+            return self._run_paused(spec, args)
+        paused = _pause_tracebacks()
         try:
             return self._run_paused(spec, args)
         finally:
@@ -393,7 +421,7 @@ class CompiledGraph:
         import_tensor = self._import_tensor
         resident = self._resident
         bufs = []
-        for i, j, kind, perm, move in self._import_steps:
+        for i, j, kind, perm, move, twin in self._import_steps:
             t = args[i]
             if j >= 0:  # a parameter/buffer: its device buffer stays resident
                 r = resident[j]
@@ -402,7 +430,7 @@ class CompiledGraph:
                     bufs.append(r[3])
                     continue
             dense = t if kind == "tensor" else t.permute(perm) if kind == "permuted" else t.contiguous()
-            buf = import_tensor(dense, dev) if not move else self._moved(dense, move)
+            buf = import_tensor(dense, dev) if not move else self._moved(dense, move, twin)
             if j >= 0:
                 resident[j] = (t, t._version, t.data_ptr(), buf)
                 self._resident_epoch = next(_epochs)
@@ -422,17 +450,22 @@ class CompiledGraph:
             return p.move
         return self.mesh.named_sharding(passed_spec(p.sharding, p.perm if p.kind == "permuted" else None))
 
-    def _moved(self, t: torch.Tensor, move):
+    def _moved(self, t: torch.Tensor, move, twin_use=None):
         """The device buffer of `t`, which lives on another device than the executable's (see
         plan.MOVES): moved in torch, or imported on its own device and copied by PJRT; or, for
-        a graph over a mesh (`move` is a jax sharding), split into per-device shards."""
+        a graph over a mesh (`move` is a jax sharding), split into per-device shards, or the
+        shards a sharded graph left it as. `twin_use`: (donated, bump): whether the executable
+        writes into the shards (which must then be XLA's own, never a view of `t`'s memory),
+        and how far AOTAutograd moved `t`'s version since the shards were recorded."""
         if move == "torch":
             return self._import_tensor(t.to(self._torch_device), self._jax_device)
         import jax
 
         if move != "pjrt":
+            donated, bump = twin_use or (False, 0)
             twin = _sharded_twins.get(id(t))
-            if twin is not None and twin[0] == t._version and twin[1] == t.data_ptr() and twin[2].sharding == move:
+            if (twin is not None and twin[0] + bump == t._version and twin[1] == t.data_ptr() and twin[2].sharding == move
+                    and not twin[2].is_deleted()):  # (a step that donated it raised before installing)
                 return twin[2]  # written by a sharded graph since: its shards are on the devices
             if self._torch_device is None:
                 t = t.cpu()
@@ -440,7 +473,8 @@ class CompiledGraph:
                 t = t.to(self._torch_device)
             # The shards are copied from `t`'s memory asynchronously: done before torch may
             # write `t` again.
-            return jax.device_put(self._import_tensor(t, self._jax_device), move).block_until_ready()
+            return jax.device_put(self._import_tensor(t, self._jax_device), move,
+                                  may_alias=False if donated else None).block_until_ready()
 
         buf = jax.device_put(self._host_import(t, device_of(t.device).jax_device), self._jax_device)
         # The copy reads `t`'s memory asynchronously: done before torch may write `t` again.

@@ -47,6 +47,10 @@ class InputPlan:
     resident: bool = False  # a parameter/buffer: its device buffer is kept across calls
     passed: bool = True  # reaches the executable (False: a size, or read only by a concatenation)
     sharding: Any = None
+    # A written input of a sharded graph (an optimizer step's parameter or moment) whose new
+    # contents have its layout: the executable writes them into its device buffers (donated),
+    # so the update happens in place on every device.
+    donated: bool = False
 
 
 @dataclass(frozen=True)
@@ -313,6 +317,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     auto-sharding's (passes/auto_sharding.py): its layouts become the plan's constraints."""
     from .lowering.graph import graph_uses_randomness
     from .passes.sharding import graph_mesh, propagate
+    from .sharding import mesh_by_id
 
     resident = resident or set()
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -330,14 +335,23 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     layouts = [plan_input(v) for v in example_inputs]
     concats = _input_concats(gm, placeholders, layouts)
     skipped = _read_only_by(placeholders, concats)
+    written = input_mutations(gm)
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
         if layout.kind == "symint":
             inputs.append(layout)
             continue
+        node = placeholders[i]
+        spec = shardings.spec(node) if shardings is not None else None
+        # Replicated ones are not donated: their new contents reach torch as device 0's buffer
+        # itself (zero-copy), which must then outlive the next call.
+        donated = (shardings is not None and layout.kind == "tensor" and i not in skipped and node in written
+                   and _same_value_type(node, written[node]) and shardings.spec(written[node]) == spec
+                   and not mesh_by_id(mesh_id).named_sharding(spec).is_fully_replicated)
+        # A donated buffer is consumed by each call: never kept resident.
         inputs.append(InputPlan(layout.kind, layout.perm, ex.device, _move(ex.device, device, torch_device),
-                                resident=i in resident, passed=i not in skipped,
-                                sharding=shardings.spec(placeholders[i]) if shardings is not None else None))
+                                resident=i in resident and not donated, passed=i not in skipped,
+                                sharding=spec, donated=donated))
     seed = graph_uses_randomness(gm)
     seed_device = torch_device if torch_device is not None else torch.device("cpu")
 
@@ -390,11 +404,17 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             continue
         outputs.append(OutputPlan("tensor", index=result(v, home=meta.device), device=meta.device))
     mutations = []
-    for dst, node in input_mutations(gm).items():  # the inputs' new contents, after the outputs
+    for dst, node in written.items():  # the inputs' new contents, after the outputs
         position = placeholders.index(dst)
         mutations.append((position, result(node, home=inputs[position].device)))
     return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
                      mesh_id, shardings, constraints)
+
+
+def _same_value_type(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    ma, mb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(ma, torch.Tensor) and isinstance(mb, torch.Tensor) and ma.dtype == mb.dtype
+            and not symbolic(ma.shape) and tuple(ma.shape) == tuple(mb.shape))
 
 
 def _mesh_device(mesh_id: int, example_inputs) -> Device:

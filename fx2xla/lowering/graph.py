@@ -180,7 +180,9 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
     with jax.enable_x64(True), warnings.catch_warnings(), lowering_platform(plan.platform):
         # A complex value silently cast to real is a wrong answer, never a warning for users.
         warnings.simplefilter("error", np.exceptions.ComplexWarning)
-        traced = jax.jit(trace, keep_unused=True, **spmd_shardings(plan)).trace(*avals)
+        passed = [p for p in plan.inputs if p.passed]
+        donated = tuple(k for k, p in enumerate(passed) if p.donated)
+        traced = jax.jit(trace, keep_unused=True, donate_argnums=donated, **spmd_shardings(plan)).trace(*avals)
         text = traced.lower(lowering_platforms=(plan.platform,)).as_text()
         result_shapes = [tuple(o.shape) for o in jax.tree.leaves(traced.out_info)]
     outputs = [dataclasses.replace(p, value=_resolve(p.value, bindings)) if p.kind == "const" else p
