@@ -9,10 +9,10 @@ from .package import LoadedModel, PackageError, export, load
 from .scan import scan, scan_layers
 from .serving import RecompileError, TensorSpec, no_recompile, warmup
 from .passes.auto_sharding import InfeasibleBudget
-from .sharding import Mesh, ShardingError, clear_sharding, explain_sharding, fsdp, mark_sharding, shard_module
+from .sharding import Mesh, ShardedTensor, ShardingError, clear_sharding, explain_sharding, fsdp, mark_sharding, shard_module
 
 __version__ = "0.1.0"
 __all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError",
            "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "export", "load", "LoadedModel",
-           "PackageError", "Mesh", "mark_sharding", "clear_sharding", "explain_sharding", "shard_module", "fsdp", "ShardingError", "InfeasibleBudget",
+           "PackageError", "Mesh", "ShardedTensor", "mark_sharding", "clear_sharding", "explain_sharding", "shard_module", "fsdp", "ShardingError", "InfeasibleBudget",
            "__version__"]

@@ -29,6 +29,9 @@ OPTIONS = {
     "sharding": (None, '"auto": shard the graph over `mesh` with no hints, by an integer program (your '
                  'mark_sharding annotations are kept as constraints); None: only what you annotate'),
     "mesh": (None, "the fx2xla.Mesh that sharding=\"auto\" shards over"),
+    "outputs": ("whole", '"whole": every output of a sharded graph comes back as one torch tensor; "sharded": '
+                'inference outputs that are sharded stay on their devices as fx2xla.ShardedTensor (assembled '
+                'only when torch needs them whole)'),
     "memory_budget": (None, "sharding=\"auto\": bytes per device the inputs may hold (parameters counted four "
                       "times in training: weights, gradients, two AdamW moments); None: no limit"),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
@@ -46,6 +49,8 @@ def _check_options(options: dict | None) -> dict:
         raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
     if opts["partitioner"] not in ("min_cut", "default"):
         raise ValueError(f"fx2xla: option partitioner={opts['partitioner']!r}; expected 'min_cut' or 'default'")
+    if opts["outputs"] not in ("whole", "sharded"):
+        raise ValueError(f"fx2xla: option outputs={opts['outputs']!r}; expected 'whole' or 'sharded'")
     if opts["sharding"] not in (None, "auto"):
         raise ValueError(f"fx2xla: option sharding={opts['sharding']!r}; expected 'auto' or None")
     if opts["sharding"] == "auto":
@@ -135,7 +140,9 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     compiled = CompiledGraph(gm, example_inputs, device, name, no_recompile=bool(options["no_recompile"]),
                              batch_buckets=tuple(buckets) if buckets else None,
                              check_indices=bool(options["check_indices"]), annotations=annotations,
-                             solution=solution)
+                             solution=solution,
+                             # Training graphs' outputs feed autograd and the backward: kept whole.
+                             sharded_outputs=kind == "inference" and options["outputs"] == "sharded")
     compiled.input_names = names  # for explain_sharding: the user's names of the inputs
     compiled.auto_sharding = solution
     if made is not None:

@@ -20,7 +20,7 @@ from .metrics import counters, live_graphs
 from .plan import GraphPlan, build_plan, input_mutations
 from .runtime import Device, compile_module
 from .runtime.client import device_of
-from .sharding import mesh_by_id
+from .sharding import ShardedTensor, mesh_by_id
 from .runtime.executor import make_launcher, make_sharded_launcher, make_traceback_pause, optimized_hlo_text
 from .runtime.handoff import make_exporter, make_importer
 
@@ -31,9 +31,9 @@ class _Specialization:
     """One executable and the plan to call it with (one per concrete input signature)."""
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
-                 "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins")
+                 "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "keeps_arrays")
 
-    def __init__(self, exe, lowered: LoweredGraph, exports):
+    def __init__(self, exe, lowered: LoweredGraph, exports, sharded_outputs: bool = False):
         plan = lowered.plan
         self.exe = exe
         # Sharded graphs keep, beside each sharded output and each written input (optimizer
@@ -42,16 +42,19 @@ class _Specialization:
         # forward the parameters a step just wrote) instead of splitting it again.
         # (result index, input position the result is written to, or -1 for an output)
         self.twins: tuple = ()
+        self.keeps_arrays = False  # jax Arrays of this call's results outlive it (twins, ShardedTensors)
         if plan.mesh_id is None:
             self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
         else:  # results come back whole, from their shards
             outs, code = spmd_shardings(plan)["out_shardings"]
             shardings = outs + [code] * (len(lowered.result_shapes) - len(outs))
             written = {r: i for i, r in plan.mutations}
+            lazy = _lazy_results(plan, outs) if sharded_outputs else {}
             self.twins = tuple((r, written.get(r, -1)) for r in range(len(outs))
-                               if r in written or not outs[r].is_fully_replicated)
+                               if r not in lazy and (r in written or not outs[r].is_fully_replicated))
             self.launch = make_sharded_launcher(exe, shardings, lowered.result_shapes, exports,
-                                                keep=[r for r, _ in self.twins])
+                                                keep=[r for r, _ in self.twins], lazy=lazy)
+            self.keeps_arrays = bool(self.twins or lazy)
         self.lowered = lowered
         self.out_plans = lowered.outputs
         self.plain_outputs = all(p.kind == "tensor" and p.inv_perm is None and p.stride is None and not p.views
@@ -120,6 +123,27 @@ def make_storage_use_count(public: bool | None = None):
     if not public and hasattr(torch._C, "_storage_Use_Count"):
         return _storage_use_count_private
     return _storage_use_count_public
+
+
+def donated_input(twin_use) -> bool:
+    return bool(twin_use and twin_use[0])
+
+
+def _lazy_results(plan: GraphPlan, shardings) -> dict:
+    """The results returned as sharding.ShardedTensor under outputs="sharded": sharded graph
+    outputs that reach the caller as they are (no view, permutation or restride in torch)."""
+    used = {}
+    for p in plan.outputs:
+        if p.kind == "tensor":
+            used.setdefault(p.index, []).append(p)
+    lazy = {}
+    for r, ps in used.items():
+        res = plan.results[r]
+        if (r < plan.num_outputs and len(ps) == 1 and not ps[0].views and ps[0].inv_perm is None
+                and ps[0].stride is None and res.perm is None and not shardings[r].is_fully_replicated):
+            meta = res.node.meta["val"]
+            lazy[r] = (plan.mesh_id, res.sharding, meta.dtype, res.device or torch.device("cpu"))
+    return lazy
 
 
 _storage_use_count = make_storage_use_count()
@@ -207,7 +231,7 @@ class CompiledGraph:
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str,
                  resident_inputs: set[int] | None = None, no_recompile: bool = False,
                  batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True,
-                 annotations=None, solution=None):
+                 annotations=None, solution=None, sharded_outputs: bool = False):
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -218,6 +242,7 @@ class CompiledGraph:
         self.name = name
         self.no_recompile = no_recompile
         self.check_indices = check_indices
+        self.sharded_outputs = sharded_outputs  # sharded outputs stay on their devices (ShardedTensor)
         self.device = device
         self.example_inputs = list(example_inputs)
         resident = resident_inputs if resident_inputs is not None else static_input_indices(len(self.example_inputs))
@@ -299,7 +324,7 @@ class CompiledGraph:
         counters.specializations += 1
         suffix = "" if args is None else "_" + "_".join("x".join(map(str, s)) for s, _ in lowered.arg_shapes)[:80]
         dump.write_graph(self.name + suffix, self.gm, lowered.module_text, lambda: optimized_hlo_text(exe))
-        return _Specialization(exe, lowered, result_exports(self.plan, bool(lowered.checks)))
+        return _Specialization(exe, lowered, result_exports(self.plan, bool(lowered.checks)), self.sharded_outputs)
 
     def _signature(self, args):
         return tuple(
@@ -352,9 +377,9 @@ class CompiledGraph:
         return {("concat", j): self._concat_cache[groups[j]][1] for j in spec.concat_outputs}
 
     def _run(self, spec: _Specialization, args):
-        # The hand-off's arrays need no recorded Python stack. A sharded graph's are kept past
-        # the call (twins) and read by jax later, which demands the context recording gives.
-        if spec.twins:
+        # The hand-off's arrays need no recorded Python stack. A sharded graph's may be kept past
+        # the call and read by jax later, which demands the context recording gives.
+        if spec.keeps_arrays:
             return self._run_paused(spec, args)
         paused = _pause_tracebacks()
         try:
@@ -462,6 +487,10 @@ class CompiledGraph:
         import jax
 
         if move != "pjrt":
+            if type(t) is ShardedTensor:  # another sharded graph's output, passed as it is
+                if t.array is not None and t.array.sharding == move and not donated_input(twin_use):
+                    return t.array
+                t = t.full_tensor()
             donated, bump = twin_use or (False, 0)
             twin = _sharded_twins.get(id(t))
             if (twin is not None and twin[0] + bump == t._version and twin[1] == t.data_ptr() and twin[2].sharding == move

@@ -200,6 +200,106 @@ class Annotation:
         return mesh_by_id(self.mesh_id)
 
 
+class ShardedTensor(torch.Tensor):
+    """A compiled graph's output left on its devices (`options={"outputs": "sharded"}`): a torch
+    tensor of the global shape whose data stays as the executable's per-device shards.
+
+    - `shards()`: the distinct pieces, each a torch tensor sharing its device's buffer, with its
+      index (a tuple of slices into the global shape). No copy, no collective.
+    - `full_tensor()`: the whole value as a plain tensor, assembled once (in one process; in
+      several, every process must call it: it gathers the others' shards) and kept.
+    - Any torch op on it works, on the whole value (assembled on first use). An fx2xla graph over
+      the same mesh that reads it takes its shards as they are.
+    - `array`: the global jax Array; `mesh`, `spec`: its layout (`fx2xla.mark_sharding` terms)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, array, mesh_id: int, spec: Spec, dtype: torch.dtype, device: torch.device, assemble=None,
+                whole=None):
+        shape = tuple(array.shape) if array is not None else tuple(whole.shape)
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        t._array, t._assemble, t._whole, t._lock = array, assemble, whole, threading.Lock()
+        t._fx2xla_sharding = Annotation(mesh_id, spec)
+        return t
+
+    @property
+    def array(self):
+        return self._array
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._fx2xla_sharding.mesh
+
+    @property
+    def spec(self) -> Spec:
+        return self._fx2xla_sharding.spec
+
+    def shards(self) -> list[tuple[tuple[slice, ...], torch.Tensor]]:
+        """(index, piece) per distinct shard this process holds, in device order; each piece
+        shares its device buffer's memory (a replica over another mesh axis is listed once)."""
+        out = []
+        for shard in self._array.addressable_shards:
+            if shard.replica_id == 0:
+                out.append((shard.index, torch.from_dlpack(shard.data)))
+        return out
+
+    def full_tensor(self) -> torch.Tensor:
+        whole = self._whole
+        if whole is not None:
+            return whole
+        with self._lock:
+            if self._whole is None:
+                self._whole = self._materialize()
+            return self._whole
+
+    def _materialize(self) -> torch.Tensor:
+        if self._array.is_fully_addressable:
+            whole = self._assemble() if self._assemble is not None else _assemble(self)
+        else:  # the other processes' shards: a collective every process takes part in
+            from jax.experimental import multihost_utils
+
+            whole = torch.from_numpy(multihost_utils.process_allgather(self._array, tiled=True)).to(self.device)
+        from .compiled_graph import _keep_sharded_twin
+
+        _keep_sharded_twin(whole, self._array)  # a sharded graph reading it takes the shards
+        return whole
+
+    # Dynamo and AOTAutograd see the whole value (assembled when a traced graph first reads it;
+    # an fx2xla graph then finds its shards through the twin recorded above).
+    def __tensor_flatten__(self):
+        return ["_full"], (self._fx2xla_sharding.mesh_id, self.spec)
+
+    @property
+    def _full(self) -> torch.Tensor:
+        return self.full_tensor()
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        # Tracing's stand-in: the whole (fake) value, with the layout.
+        whole = inner["_full"]
+        return ShardedTensor(None, *meta, whole.dtype, whole.device, whole=whole)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def whole(x):
+            return x.full_tensor() if isinstance(x, ShardedTensor) else x
+
+        args, kwargs = torch.utils._pytree.tree_map(whole, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"ShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, spec={describe_spec(self.spec)}, "
+                f"mesh={self.mesh!r})")
+
+
+def _assemble(t: ShardedTensor) -> torch.Tensor:
+    whole = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    for index, piece in t.shards():
+        whole[index] = piece
+    return whole
+
+
 def annotation_of(t) -> Annotation | None:
     return getattr(t, "_fx2xla_sharding", None) if isinstance(t, torch.Tensor) else None
 

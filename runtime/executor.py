@@ -310,16 +310,20 @@ def make_launcher(exe, export=None, public: bool | None = None):
     return private or _public_launcher(exe, export)
 
 
-def make_sharded_launcher(exe, shardings, shapes, export, keep=()):
+def make_sharded_launcher(exe, shardings, shapes, export, keep=(), lazy=None):
     """`launch(bufs) -> [torch tensors]` for an SPMD executable: `bufs` are global jax Arrays
     laid out as the executable's input shardings; each result (`shardings[i]`, a jax Sharding
     over the executable's devices, of global shape `shapes[i]`) comes back whole: a replicated
     one is its first device's copy (zero-copy), a sharded one is assembled in torch from its
     shards (each exported zero-copy, then written into place once). `export`: one function
     for every result, or one per result. `keep`: result indices also returned, after all the
-    results, as global jax Arrays (their shards stay on the devices)."""
+    results, as global jax Arrays (their shards stay on the devices). `lazy`: result index ->
+    (mesh id, spec, torch dtype, torch device): returned as sharding.ShardedTensor instead,
+    assembled only when torch needs it whole."""
     import jax
     import torch
+
+    from fx2xla.sharding import ShardedTensor
 
     devices = exe.local_devices()  # the order of every result's shards
     plans = []
@@ -338,21 +342,33 @@ def make_sharded_launcher(exe, shardings, shapes, export, keep=()):
     execute = exe.execute_sharded
     exports = export if isinstance(export, (list, tuple)) else [export] * len(plans)
     keep = [(r, shardings[r], tuple(shapes[r])) for r in keep]
+    lazy = {r: (shardings[r], tuple(shapes[r]), *lazy[r]) for r in (lazy or {})}
+
+    def assemble(shards, plan, export_one):
+        shape, pieces = plan
+        first = export_one(shards[pieces[0][0]])
+        whole = torch.empty(shape, dtype=first.dtype, device=first.device)
+        whole[pieces[0][1]] = first
+        for k, idx in pieces[1:]:
+            whole[idx] = export_one(shards[k])
+        return whole
+
+    def sharded(r, shards):
+        sharding, shape, mesh_id, spec, dtype, device = lazy[r]
+        array = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+        return ShardedTensor(array, mesh_id, spec, dtype, device,
+                             lambda: assemble(shards, plans[r], exports[r]))
 
     def launch_sharded(bufs: list) -> list:
         per_result = execute(bufs).disassemble_into_single_device_arrays()
         outs = []
-        for shards, plan, export_one in zip(per_result, plans, exports):
+        for r, (shards, plan, export_one) in enumerate(zip(per_result, plans, exports)):
             if plan is None:
                 outs.append(export_one(shards[0]))
-                continue
-            shape, pieces = plan
-            first = export_one(shards[pieces[0][0]])
-            whole = torch.empty(shape, dtype=first.dtype, device=first.device)
-            whole[pieces[0][1]] = first
-            for k, idx in pieces[1:]:
-                whole[idx] = export_one(shards[k])
-            outs.append(whole)
+            elif r in lazy:
+                outs.append(sharded(r, shards))
+            else:
+                outs.append(assemble(shards, plan, export_one))
         for r, sharding, shape in keep:
             outs.append(jax.make_array_from_single_device_arrays(shape, sharding, per_result[r]))
         return outs

@@ -483,3 +483,71 @@ def test_fsdp_step_updates_its_shards_in_place(metadata, monkeypatch):
     assert len(replicated) == 4  # the step counts
     assert donated == written - replicated and len(donated) == 12  # 4 parameters, 2 moments each
     assert memory(graphs["inference"]).alias_size_in_bytes == 3 * sum(p.numel() for p in model.parameters()) * 4 // 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_stay_sharded_on_request(dtype, monkeypatch):
+    """options={"outputs": "sharded"}: an inference graph's sharded output comes back as an
+    fx2xla.ShardedTensor holding the executable's shards (not assembled until torch needs it
+    whole); its pieces share the device buffers and equal eager's slices; torch ops on it and its
+    full_tensor() equal eager; a replicated output is a plain tensor; a second compiled graph
+    reading it takes its shards (not a new split) and equals eager. Tolerances per dtype as
+    tests/conftest.py states."""
+    from fx2xla.compiled_graph import CompiledGraph
+
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU()).to(dtype)
+    x = torch.randn(8, 16, dtype=dtype)
+    with torch.no_grad():
+        ref = model(x)
+    fx2xla.shard_module(model, mesh, {"0.weight": ("model", None), "0.bias": ("model",)})
+    fx2xla.mark_sharding(x, mesh, ("data", None))
+    tol = tolerance(dtype)
+    compiled = torch.compile(lambda x: (model(x), model(x).sum()), backend="fx2xla", options={"outputs": "sharded"})
+    with torch.no_grad():
+        out, total = compiled(x)
+        assert type(out) is fx2xla.ShardedTensor and type(total) is torch.Tensor
+        assert out.shape == ref.shape and out.dtype == dtype and out.spec == (("data",), ("model",))
+        assert out.mesh is mesh and out._whole is None  # nothing assembled yet
+        pieces = out.shards()
+        assert len(pieces) == 8
+        for k, (index, piece) in enumerate(pieces):
+            assert piece.shape == (4, 16)
+            assert piece.data_ptr() == out.array.addressable_data(k).unsafe_buffer_pointer()
+            torch.testing.assert_close(piece, ref[index], **tol)
+        torch.testing.assert_close(total, ref.sum(), **tolerance(dtype, scale=4))  # a sum of 512
+        torch.testing.assert_close(out * 2, ref * 2, **tol)  # eager torch on it: assembled once
+        torch.testing.assert_close(out.full_tensor(), ref, **tol)
+        assert "ShardedTensor(shape=(8, 64)" in repr(out)
+
+        consumer = torch.compile(lambda h: torch.tanh(h) * 3, backend="fx2xla")
+        consumer(compiled(x)[0])  # compiled once
+        fresh, _ = compiled(x)
+        handed = []
+        real = CompiledGraph._moved
+        monkeypatch.setattr(CompiledGraph, "_moved",
+                            lambda self, t, move, *rest: handed.append(real(self, t, move, *rest)) or handed[-1])
+        result = consumer(fresh)
+    # Dynamo hands the graph the whole value (assembled in torch: its guards and AOTAutograd
+    # read it), but the graph takes the shards behind it, not a new split of it.
+    assert any(b is fresh.array for b in handed)
+    torch.testing.assert_close(result, torch.tanh(ref) * 3, **tol)
+
+
+def test_sharded_outputs_option_applies_to_inference_only():
+    """Training graphs' outputs feed autograd: they come back whole (plain tensors, gradients
+    equal eager's), and a wrong option value is refused by name."""
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    model, x = mlp(), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    fx2xla.shard_module(model, mesh, MEGATRON_MLP)
+    fx2xla.mark_sharding(x, mesh, ("data", None))
+    out = torch.compile(model, backend="fx2xla", options={"outputs": "sharded"})(x)
+    assert type(out) is torch.Tensor
+    out.sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **tolerance(torch.float32))
+    with pytest.raises(Exception, match="outputs='local'.*'whole' or 'sharded'"):
+        torch.compile(model, backend="fx2xla", options={"outputs": "local"})(x)
