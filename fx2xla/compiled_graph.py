@@ -500,6 +500,10 @@ class CompiledGraph:
                 t = t.cpu()
             elif t.device != self._torch_device:
                 t = t.to(self._torch_device)
+            if self.mesh.spans_processes:  # only this process's devices' shards, each from its slice
+                return jax.make_array_from_callback(
+                    tuple(t.shape), move, lambda index: self._import_tensor(t[index].contiguous(), self._jax_device)
+                ).block_until_ready()
             # The shards are copied from `t`'s memory asynchronously: done before torch may
             # write `t` again.
             return jax.device_put(self._import_tensor(t, self._jax_device), move,

@@ -424,12 +424,16 @@ def _mesh_device(mesh_id: int, example_inputs) -> Device:
     from .sharding import ShardingError, mesh_by_id
 
     mesh = mesh_by_id(mesh_id)
-    first = mesh.devices.flat[0]
     for ex in example_inputs:
         if isinstance(ex, torch.Tensor) and ex.device.type not in ("cpu", "meta") and ex.device.type != mesh.platform:
             raise ShardingError(f"fx2xla: a {ex.device} tensor in a graph sharded over {mesh}")
-    index = next(i for i, d in enumerate(get_backend(mesh.platform).local_devices()) if d.id == first.id)
-    return Device(mesh.platform, index)
+    # Over several processes: this process's first device of the mesh.
+    local = {d.id: i for i, d in enumerate(get_backend(mesh.platform).local_devices())}
+    first = next((d for d in mesh.devices.flat if d.id in local), None)
+    if first is None:
+        raise ShardingError(f"fx2xla: {mesh} has none of this process's devices "
+                            f"({', '.join(map(str, local))}); each process must hold a part of the mesh")
+    return Device(mesh.platform, local[first.id])
 
 
 def _device(meta):

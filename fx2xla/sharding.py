@@ -90,6 +90,11 @@ class Mesh:
 
         # Auto axes: shardings are hints Shardy propagates (jax's default is Explicit types).
         self.jax_mesh = JaxMesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
+        import jax
+
+        # Devices of other processes (jax.distributed): each process hands in, and gets back,
+        # only its own devices' shards; whole values are gathered by a collective.
+        self.spans_processes = any(d.process_index != jax.process_index() for d in flat)
         with _lock:
             self.id = next(_mesh_ids)
             _meshes[self.id] = self
@@ -244,6 +249,35 @@ class ShardedTensor(torch.Tensor):
                 out.append((shard.index, torch.from_dlpack(shard.data)))
         return out
 
+    def local_tensor(self) -> torch.Tensor:
+        """The block of the value this process's devices hold, as one tensor (the whole value in
+        a single process). Raises where those shards do not tile one block."""
+        pieces = self.shards()
+        lo = [min(i[d].start or 0 for i, _ in pieces) for d in range(self.dim())]
+        hi = [max(i[d].stop if i[d].stop is not None else self.shape[d] for i, _ in pieces)
+              for d in range(self.dim())]
+        box = math.prod(h - l for l, h in zip(lo, hi))
+        if box != sum(p.numel() for _, p in pieces):
+            raise ShardingError(f"fx2xla: this process's shards of a {tuple(self.shape)} tensor sharded "
+                                f"{describe_spec(self.spec)} over {self.mesh} do not form one block")
+        block = torch.empty([h - l for l, h in zip(lo, hi)], dtype=self.dtype, device=self.device)
+        for index, piece in pieces:
+            block[tuple(slice((s.start or 0) - l, (s.stop if s.stop is not None else n) - l)
+                        for s, l, n in zip(index, lo, self.shape))] = piece
+        return block
+
+    @classmethod
+    def from_local(cls, local: torch.Tensor, mesh: Mesh, spec) -> "ShardedTensor":
+        """A global tensor from each process's own part of it (a data loader's batch per process):
+        `local` is this process's block, laid out by `spec` over `mesh`; the global shape scales
+        each sharded dim by the number of processes along it. Every process calls it."""
+        import jax
+
+        spec = normalize_spec(spec, local.dim(), mesh)
+        data = jax.dlpack.from_dlpack(local.detach().cpu().contiguous())
+        array = jax.make_array_from_process_local_data(mesh.named_sharding(spec), data)
+        return cls(array, mesh.id, spec, local.dtype, local.device)
+
     def full_tensor(self) -> torch.Tensor:
         whole = self._whole
         if whole is not None:
@@ -256,10 +290,8 @@ class ShardedTensor(torch.Tensor):
     def _materialize(self) -> torch.Tensor:
         if self._array.is_fully_addressable:
             whole = self._assemble() if self._assemble is not None else _assemble(self)
-        else:  # the other processes' shards: a collective every process takes part in
-            from jax.experimental import multihost_utils
-
-            whole = torch.from_numpy(multihost_utils.process_allgather(self._array, tiled=True)).to(self.device)
+        else:
+            whole = gather(self._array, self.device)
         from .compiled_graph import _keep_sharded_twin
 
         _keep_sharded_twin(whole, self._array)  # a sharded graph reading it takes the shards
@@ -291,6 +323,15 @@ class ShardedTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"ShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, spec={describe_spec(self.spec)}, "
                 f"mesh={self.mesh!r})")
+
+
+def gather(array, device: torch.device) -> torch.Tensor:
+    """The whole value of a global jax Array whose shards live in several processes (each holds
+    its own devices'): a collective every process must take part in, in the same order."""
+    from jax.experimental import multihost_utils
+
+    whole = multihost_utils.process_allgather(array, tiled=True)
+    return torch.from_numpy(whole if whole.flags.writeable else whole.copy()).to(device)
 
 
 def _assemble(t: ShardedTensor) -> torch.Tensor:

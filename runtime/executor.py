@@ -323,9 +323,9 @@ def make_sharded_launcher(exe, shardings, shapes, export, keep=(), lazy=None):
     import jax
     import torch
 
-    from fx2xla.sharding import ShardedTensor
+    from fx2xla.sharding import ShardedTensor, gather
 
-    devices = exe.local_devices()  # the order of every result's shards
+    devices = exe.local_devices()  # the order of every result's shards (this process's)
     plans = []
     for sharding, shape in zip(shardings, shapes):
         if sharding.is_fully_replicated:
@@ -338,14 +338,19 @@ def make_sharded_launcher(exe, shardings, shapes, export, keep=(), lazy=None):
             if key not in seen:  # a shard replicated over another axis is written once
                 seen.add(key)
                 pieces.append((k, index[d]))
-        plans.append((tuple(shape), tuple(pieces)))
+        plans.append((tuple(shape), tuple(pieces), sharding))
     execute = exe.execute_sharded
     exports = export if isinstance(export, (list, tuple)) else [export] * len(plans)
     keep = [(r, shardings[r], tuple(shapes[r])) for r in keep]
     lazy = {r: (shardings[r], tuple(shapes[r]), *lazy[r]) for r in (lazy or {})}
 
+    spans = bool(shardings) and len(devices) < len(shardings[0].device_set)  # several processes
+
     def assemble(shards, plan, export_one):
-        shape, pieces = plan
+        shape, pieces, sharding = plan
+        if spans:  # the other processes hold the other shards
+            home = export_one(shards[0]).device
+            return gather(jax.make_array_from_single_device_arrays(shape, sharding, shards), home)
         first = export_one(shards[pieces[0][0]])
         whole = torch.empty(shape, dtype=first.dtype, device=first.device)
         whole[pieces[0][1]] = first
