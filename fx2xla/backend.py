@@ -192,13 +192,13 @@ def _auto_annotations(gm, example_inputs, annotations, tensors, options, trainin
     """Sharding=auto: the user's annotations as constraints, the solver's specs for the rest;
     parameters are marked with theirs, so later graphs (the optimizer step) shard them alike."""
     from .compiled_graph import static_input_indices
-    from .passes.auto_sharding import solve
+    from .passes.auto_sharding import solve_cached
     from .sharding import Annotation, annotation_of
 
     mesh = options["mesh"]
     fixed = [a.spec if a is not None and a.mesh_id == mesh.id else None for a in annotations]
     parameters = static_input_indices(len(example_inputs))
-    solution = solve(gm, mesh.shape, memory_budget=options["memory_budget"], fixed=fixed,
+    solution = solve_cached(gm, mesh.shape, memory_budget=options["memory_budget"], fixed=fixed,
                      parameters=parameters, training=training)
     out = []
     for i, (ann, spec) in enumerate(zip(annotations, solution.input_specs)):

@@ -116,6 +116,9 @@ class GraphPlan:
     # solver chose a layout for, so XLA's partitioner realises the plan the solver priced
     # (left to its own propagation, it took other layouts and moved 2-5x the bytes).
     constraints: dict = field(default_factory=dict)
+    # node -> {operand node: spec}: the layout the solver priced the node's read of an operand
+    # in, where it differs from the operand's own (the reshard happens there, as priced).
+    operand_constraints: dict = field(default_factory=dict)
 
     @property
     def platform(self) -> str:
@@ -322,12 +325,13 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     resident = resident or set()
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
     mesh_id = graph_mesh(gm, annotations)
-    shardings, constraints = None, {}
+    shardings, constraints, operand_constraints = None, {}, {}
     if mesh_id is not None:
         device = _mesh_device(mesh_id, example_inputs)
         shardings = propagate(gm, annotations, mesh_id)
         if solution is not None:
             constraints = solution.constraints()
+            operand_constraints = solution.operand_constraints()
             for node, spec in constraints.items():
                 shardings.specs[node], shardings.sources[node] = spec, "auto"
     torch_device = device.torch_device
@@ -408,7 +412,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         position = placeholders.index(dst)
         mutations.append((position, result(node, home=inputs[position].device)))
     return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
-                     mesh_id, shardings, constraints)
+                     mesh_id, shardings, constraints, operand_constraints)
 
 
 def _same_value_type(a: torch.fx.Node, b: torch.fx.Node) -> bool:

@@ -522,7 +522,8 @@ def explain_sharding(graph=None, file=None) -> str:
         lines.append(f"graph {g.name} over {mesh}")
         solution = getattr(g, "auto_sharding", None)
         if solution is not None:
-            lines.append(f"  auto-sharding: {solution.status} in {solution.seconds:.2f} s ({solution.variables} "
+            origin = f" (reused from the {solution.cached} cache)" if getattr(solution, "cached", None) else ""
+            lines.append(f"  auto-sharding{origin}: {solution.status} in {solution.seconds:.2f} s ({solution.variables} "
                          f"variables); predicted: {_fmt_bytes(solution.collective_bytes)} of collectives per device, "
                          f"{_fmt_bytes(solution.memory_bytes)} of inputs per device, ~{solution.objective * 1e3:.3f} ms")
         placeholders = [n for n in g.gm.graph.nodes if n.op == "placeholder"]

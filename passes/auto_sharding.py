@@ -23,12 +23,15 @@ integer program over the core-ATen graph (the Alpa formulation, section 4.2 of i
 - **Memory.** The inputs' bytes per device, with parameters counted four times in a training
   step (weights, gradients, AdamW's two moments), stay under `memory_budget`.
 - **Solver.** scipy's `milp` (HiGHS), with a time limit and a relative gap. The report says
-  whether the optimum was proven, and gives the gap and the solve time.
+  whether the optimum was proven, and gives the gap and the solve time. `solve_cached` keeps
+  each solution by its graph, mesh, budget, constraints and cost model, in memory and in the
+  disk cache beside the executables: a recompile or a new process does not solve again.
 
 User annotations are constraints: an annotated input keeps its spec. The solution gives each
 graph input its spec (handed to the plan and the runtime like a user annotation) and pins every
-computed value's layout in the module (`Solution.constraints`), so that XLA's partitioner
-realises the plan the solver priced.
+computed value's layout in the module (`Solution.constraints`), and each operand an op reads in
+another layout than its own at that read (`Solution.operand_constraints`), so that XLA's
+partitioner realises the plan the solver priced.
 """
 from __future__ import annotations
 
@@ -54,9 +57,12 @@ class CostModel:
     """alpha: seconds per collective; beta: seconds per byte moved per device; gamma: seconds
     per flop on one device; delta: seconds per input byte held per device, a tie-break: of
     two plans that move and compute alike, the one holding less wins (a batch taken as shards
-    rather than whole). Defaults: a fast interconnect and a ~10 TFLOP/s device."""
+    rather than whole). Defaults: a fast interconnect (1 µs a collective, 50 GB/s) and a ~10
+    TFLOP/s device. A larger alpha lets the count of collectives outweigh their bytes: at 5 µs,
+    FSDP of the MLP in bench/autoshard.py gathered a 256 KiB activation rather than a 1 KiB bias
+    and an all-reduce of 64 KiB (2.5x the hand plan's bytes)."""
 
-    alpha: float = 5e-6
+    alpha: float = 1e-6
     beta: float = 1 / 50e9
     gamma: float = 1 / 10e12
     delta: float = 1e-3 / 50e9
@@ -73,6 +79,8 @@ class Solution:
     objective: float = 0.0
     collective_bytes: float = 0.0
     memory_bytes: float = 0.0
+    needs: dict = field(default_factory=dict)  # see operand_constraints
+    cached: str | None = None  # "memory" / "disk": taken from an earlier solve (see solve_cached)
     status: str = ""
     gap: float | None = None
     seconds: float = 0.0
@@ -81,6 +89,13 @@ class Solution:
     def constraints(self) -> dict:
         """node -> spec of every computed value: the layouts the module pins."""
         return {n: s for n, s in self.specs.items() if n.op == "call_function"}
+
+    def operand_constraints(self) -> dict:
+        """node -> {operand node: spec}: where the chosen strategy of an op reads an operand in
+        another layout than the operand's own, that layout, pinned on the op's read of it (so
+        the partitioner reshards the operand there, as priced, rather than choosing its own
+        way: e.g. sharding a bias-add's result and gathering it instead of gathering the bias)."""
+        return self.needs
 
 
 class InfeasibleBudget(ShardingError):
@@ -476,6 +491,17 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     chosen = {n: strategies[n][pick[root[n]]] for n in nodes if not _multi_output(n)}
     sol = Solution([chosen[p].out if p in chosen else None for p in placeholders])
     sol.specs = {n: st.out for n, st in chosen.items()}
+    for v in nodes:
+        if root[v] is not v or v.op == "placeholder":
+            continue
+        st = strategies[v][pick[v]]
+        reads = {}
+        for slot, u in enumerate(_operands(v)):
+            need = st.needs[slot] if slot < len(st.needs) else None
+            if need is not None and u in sol.specs and sol.specs[u] != need:
+                reads[u] = need
+        if reads:
+            sol.needs[v] = reads
     sol.objective = float(res.fun) * 1e-6
     sol.collective_bytes = float(sum(st.moved for n, st in chosen.items() if root[n] is n)
                                  + sum(b for y, b in edge_moved.items() if x[y] > 0.5))
@@ -484,4 +510,82 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     sol.gap = getattr(res, "mip_gap", None)
     sol.seconds = seconds
     sol.variables = n_vars
+    return sol
+
+
+# Solutions by key, in this process; on disk beside the executables (FX2XLA_CACHE_DIR), so a
+# new process (a restart, another rank) takes the same plan without solving again.
+_solutions: dict = {}
+_FORMAT = "fx2xla-auto-sharding-1"
+
+
+def graph_key(gm: torch.fx.GraphModule) -> str:
+    """The graph as the solver sees it: every node's op, target, arguments, shape and dtype."""
+    lines = []
+    for n in gm.graph.nodes:
+        v = _val(n)
+        meta = (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else \
+            tuple((tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x) for x in v) \
+            if isinstance(v, (tuple, list)) else repr(v)
+        lines.append(f"{n.name} {n.op} {n.target} {n.args} {n.kwargs} {meta}")
+    return "\n".join(lines)
+
+
+def solve_cached(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> Solution:
+    """`solve`, or the solution an earlier solve of the same graph, mesh, budget, constraints
+    and cost model left in this process or in the disk cache (`Solution.cached` says which)."""
+    import json
+
+    from fx2xla.runtime.executor import disk_cache
+
+    args = {k: kwargs.get(k) for k in ("memory_budget", "fixed", "training", "model", "time_limit", "gap")}
+    args["parameters"] = sorted(kwargs.get("parameters") or ())
+    key = (_FORMAT, graph_key(gm), repr(sorted(sizes.items())), repr(args))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    hit = _solutions.get(key)
+    disk = None
+    if hit is None:
+        disk = disk_cache()
+        store = None if disk is None else _solution_store(disk.folder)
+        blob = None if store is None else store.get(key)
+        if blob is not None:
+            hit = json.loads(blob)
+            _solutions[key] = hit
+    if hit is not None:
+        return _from_record(hit, nodes, "memory" if disk is None else "disk")
+    sol = solve(gm, sizes, **kwargs)
+    record = _to_record(sol)
+    _solutions[key] = record
+    disk = disk_cache()
+    if disk is not None:
+        _solution_store(disk.folder).put(key, json.dumps(record).encode())
+    return sol
+
+
+def _solution_store(folder: str):
+    import os
+
+    from fx2xla.runtime.disk_cache import DiskCache
+
+    return DiskCache(os.path.join(folder, "auto-sharding"))
+
+
+def _to_record(sol: Solution) -> dict:
+    return {"input_specs": sol.input_specs, "specs": {n.name: s for n, s in sol.specs.items()},
+            "needs": {v.name: {u.name: s for u, s in reads.items()} for v, reads in sol.needs.items()},
+            "objective": sol.objective, "collective_bytes": sol.collective_bytes, "memory_bytes": sol.memory_bytes,
+            "status": sol.status, "gap": sol.gap, "seconds": sol.seconds, "variables": sol.variables}
+
+
+def _spec(s) -> tuple | None:
+    return None if s is None else tuple(tuple(axes) for axes in s)
+
+
+def _from_record(r: dict, nodes: dict, where: str) -> Solution:
+    sol = Solution([_spec(s) for s in r["input_specs"]])
+    sol.specs = {nodes[k]: _spec(s) for k, s in r["specs"].items()}
+    sol.needs = {nodes[v]: {nodes[u]: _spec(s) for u, s in reads.items()} for v, reads in r["needs"].items()}
+    sol.objective, sol.collective_bytes, sol.memory_bytes = r["objective"], r["collective_bytes"], r["memory_bytes"]
+    sol.status, sol.gap, sol.seconds, sol.variables = r["status"], r["gap"], r["seconds"], r["variables"]
+    sol.cached = where
     return sol

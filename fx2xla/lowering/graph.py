@@ -144,12 +144,14 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
     if plan.seed:
         avals.append(jax.ShapeDtypeStruct((), np.int64))
     check_records: list = []
-    pinned = None
+    pinned = reads = None
     if plan.constraints:
         from ..sharding import mesh_by_id
 
         mesh = mesh_by_id(plan.mesh_id)
         pinned = {node: mesh.named_sharding(spec) for node, spec in plan.constraints.items()}
+        reads = {node: {u: mesh.named_sharding(spec) for u, spec in specs.items()}
+                 for node, specs in plan.operand_constraints.items()}
 
     def trace(*arrays):
         env: dict[torch.fx.Node, Any] = {}
@@ -165,7 +167,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         seed = next(it) if plan.seed else None
         _bind_constants(plan.constants, env)
         checks = RuntimeChecks() if check_indices else None
-        run_nodes(gm, gm.graph.nodes, env, sizes, seed, checks, pinned)
+        run_nodes(gm, gm.graph.nodes, env, sizes, seed, checks, pinned, reads)
         results = []
         for r in plan.results:
             value = env[r.node]
@@ -212,13 +214,15 @@ def spmd_shardings(plan: GraphPlan) -> dict:
     return {"in_shardings": tuple(ins), "out_shardings": (outs, replicated)}
 
 
-def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=None, pinned=None) -> dict:
+def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=None, pinned=None,
+              reads=None) -> dict:
     """Evaluate `nodes` (call_function / get_attr nodes of `gm`, in order) with their rules, on
     the traced jax values in `env` (updated and returned). Placeholders and the output node are
     skipped: the caller binds the first and reads the second. `seed` is the per-call int64 seed
     or a PRNG key (inside loop bodies: a key folded with the iteration), or None. `checks`: the
     RuntimeChecks of this trace level, where rules record index checks (None: no checks).
-    `pinned`: node -> jax sharding each such value is constrained to (the plan's constraints)."""
+    `pinned`: node -> jax sharding each such value is constrained to (the plan's constraints).
+    `reads`: node -> {operand node: jax sharding}: the layouts the node reads those operands in."""
     for index, node in enumerate(nodes):
         if node.op in ("placeholder", "output") or node in env:  # bound by the caller
             continue
@@ -229,8 +233,14 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
             continue
         if node.op != "call_function":
             raise LoweringError(node, TypeError(f"unsupported FX node kind {node.op!r}"))
-        args = torch.fx.node.map_arg(node.args, env.__getitem__)
-        kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+        look = env.__getitem__
+        if reads is not None and node in reads:
+            constrained = {u: jax.lax.with_sharding_constraint(env[u], sh) for u, sh in reads[node].items()}
+
+            def look(u, constrained=constrained):
+                return constrained[u] if u in constrained else env[u]
+        args = torch.fx.node.map_arg(node.args, look)
+        kwargs = torch.fx.node.map_arg(node.kwargs, look)
         if node.target in PYTHON_OPS:
             env[node] = node.target(*args, **kwargs)
             continue

@@ -189,3 +189,48 @@ def test_constraints_inside_the_graph_are_kept():
     (g,) = [g for g in live_graphs if id(g) not in before]
     marks = [n for n in g.gm.graph.nodes if n.target is torch.ops.fx2xla.mark_sharding.default]
     assert marks and all(g.auto_sharding.specs[m] == ((), ("d",)) for m in marks)
+
+
+def test_the_solution_is_cached_with_the_executable(monkeypatch, tmp_path):
+    """A graph solved once is not solved again: a recompile in this process takes the solution
+    from memory, a new process (the in-memory table cleared) from the disk cache beside the
+    executables, with the same layouts and results equal to eager; another budget is solved
+    anew; explain_sharding says where the plan came from."""
+    import fx2xla.passes.auto_sharding as auto
+
+    monkeypatch.setenv("FX2XLA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "_solutions", {})
+    solves = []
+    real = auto.solve
+    monkeypatch.setattr(auto, "solve", lambda *a, **k: solves.append(1) or real(*a, **k))
+    mesh = fx2xla.Mesh((8,), ("x",))
+    x = torch.randn(64, 256)
+    with torch.no_grad():
+        expected = mlp()(x)
+
+    def compile_once(budget):
+        # A fresh model each time, as a new process builds it: the solve marks the parameters
+        # it shards, and a marked parameter is a constraint, which makes another problem.
+        model = mlp()
+        torch._dynamo.reset()
+        before = {id(g) for g in live_graphs}
+        with torch.no_grad():
+            out = torch.compile(model, backend="fx2xla",
+                                options={"sharding": "auto", "mesh": mesh, "memory_budget": budget})(x)
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+        (g,) = [g for g in live_graphs if id(g) not in before]
+        return g
+
+    first = compile_once(400_000)
+    assert len(solves) == 1 and first.auto_sharding.cached is None
+    again = compile_once(400_000)
+    assert len(solves) == 1 and again.auto_sharding.cached == "memory"
+    auto._solutions.clear()  # as a new process starts
+    reloaded = compile_once(400_000)
+    assert len(solves) == 1 and reloaded.auto_sharding.cached == "disk"
+    assert [p.sharding for p in reloaded.plan.inputs] == [p.sharding for p in first.plan.inputs]
+    assert {n.name: s for n, s in reloaded.plan.constraints.items()} == \
+        {n.name: s for n, s in first.plan.constraints.items()}
+    assert "reused from the disk cache" in fx2xla.explain_sharding(reloaded)
+    compile_once(2_000_000)
+    assert len(solves) == 2

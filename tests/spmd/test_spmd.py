@@ -490,7 +490,8 @@ def test_outputs_stay_sharded_on_request(dtype, monkeypatch):
     """options={"outputs": "sharded"}: an inference graph's sharded output comes back as an
     fx2xla.ShardedTensor holding the executable's shards (not assembled until torch needs it
     whole); its pieces share the device buffers and equal eager's slices; torch ops on it and its
-    full_tensor() equal eager; a replicated output is a plain tensor; a second compiled graph
+    full_tensor() and local_tensor() equal eager; from_local of a whole tensor is that tensor; a
+    replicated output is a plain tensor; a second compiled graph
     reading it takes its shards (not a new split) and equals eager. Tolerances per dtype as
     tests/conftest.py states."""
     from fx2xla.compiled_graph import CompiledGraph
@@ -519,7 +520,11 @@ def test_outputs_stay_sharded_on_request(dtype, monkeypatch):
         torch.testing.assert_close(total, ref.sum(), **tolerance(dtype, scale=4))  # a sum of 512
         torch.testing.assert_close(out * 2, ref * 2, **tol)  # eager torch on it: assembled once
         torch.testing.assert_close(out.full_tensor(), ref, **tol)
+        torch.testing.assert_close(out.local_tensor(), ref, **tol)  # one process holds every shard
         assert "ShardedTensor(shape=(8, 64)" in repr(out)
+        own = fx2xla.ShardedTensor.from_local(x, mesh, ("data", None))  # one process: its rows are all
+        assert own.shape == x.shape and own.spec == (("data",), ())
+        torch.testing.assert_close(own.full_tensor(), x, rtol=0, atol=0)
 
         consumer = torch.compile(lambda h: torch.tanh(h) * 3, backend="fx2xla")
         consumer(compiled(x)[0])  # compiled once
