@@ -269,7 +269,10 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     if any(annotations) or opts["sharding"] == "auto":
         refs = [weakref.ref(t) if isinstance(t, torch.Tensor) else _no_tensor for t in input_tensors(gm)]
         dynamo_inputs = (annotations, _input_names(gm), refs)
-    passed, records = run_passes(gm, example_inputs, opts, name)
+    from .sharding import is_mark
+
+    sharded = any(annotations) or opts["sharding"] == "auto" or any(is_mark(n) for n in gm.graph.nodes)
+    passed, records = run_passes(gm, example_inputs, dict(opts, _sharded_graph=sharded), name)
     if passed is not gm:
         try:
             compiled = _aot_compile(passed, example_inputs, opts, dynamo_inputs)

@@ -417,6 +417,11 @@ def scan_folding(gm: torch.fx.GraphModule, example_inputs, options) -> PassResul
     min_layers = int(options.get("scan_min_layers", MIN_LAYERS))
     if min_layers < 2:
         raise ValueError(f"fx2xla: option scan_min_layers={min_layers}; expected at least 2")
+    if options.get("_sharded_graph"):
+        # The stacked weights would be one replicated input, and neither the propagation pass
+        # nor the auto-sharding solver sees inside a scan body yet: each layer stays unrolled,
+        # with its own weights' shardings (and memory per device as the plan says).
+        return PassResult(gm, False, ["not folded: the graph is sharded over a mesh"])
     notes, plans = [], []
     claimed: set = set()  # nodes of runs already folded (regions, then outer levels first)
 

@@ -234,3 +234,21 @@ def test_the_solution_is_cached_with_the_executable(monkeypatch, tmp_path):
     assert "reused from the disk cache" in fx2xla.explain_sharding(reloaded)
     compile_once(2_000_000)
     assert len(solves) == 2
+
+
+def test_a_deep_stack_stays_within_the_budget():
+    """Eight identical layers (which scan-folding would stack into one replicated input) under
+    sharding="auto": every layer is solved unrolled, the inputs per device stay within the
+    budget (a quarter of the weights), and the output equals eager (float32 tolerances)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(8)])
+    x = torch.randn(32, 64)
+    budget = sum(p.numel() for p in model.parameters()) * 4 // 4
+    before = {id(g) for g in live_graphs}
+    with torch.no_grad():
+        expected = model(x)
+        out = torch.compile(model, backend="fx2xla",
+                            options={"sharding": "auto", "mesh": fx2xla.Mesh((8,), ("x",)), "memory_budget": budget})(x)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    (g,) = [g for g in live_graphs if id(g) not in before]
+    assert g._static.exe.get_compiled_memory_stats().argument_size_in_bytes <= budget

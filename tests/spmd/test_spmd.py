@@ -556,3 +556,35 @@ def test_sharded_outputs_option_applies_to_inference_only():
         torch.testing.assert_close(p.grad, q.grad, **tolerance(torch.float32))
     with pytest.raises(Exception, match="outputs='local'.*'whole' or 'sharded'"):
         torch.compile(model, backend="fx2xla", options={"outputs": "local"})(x)
+
+
+def test_a_sharded_deep_stack_is_not_folded_and_keeps_its_memory_share():
+    """Eight identical layers are folded into a scan when nothing is sharded, but a stack under
+    FSDP is not (the scan's stacked weights would be one replicated input): each device holds
+    1/8 of the weights and of the batch, and the output equals eager (float32 tolerances)."""
+    from fx2xla.metrics import metrics
+
+    def stack():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                     for _ in range(8)])
+
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        expected = stack()(x)
+        folds = metrics()["scan_folds"]
+        torch.testing.assert_close(torch.compile(stack(), backend="fx2xla")(x), expected, **tolerance(torch.float32))
+        assert metrics()["scan_folds"] == folds + 1
+        torch._dynamo.reset()
+        mesh = fx2xla.Mesh((8,), ("fsdp",))
+        model = stack()
+        fx2xla.fsdp(model, mesh, axis="fsdp")
+        xs = x.clone()
+        fx2xla.mark_sharding(xs, mesh, ("fsdp", None))
+        before = snapshot()
+        out = torch.compile(model, backend="fx2xla")(xs)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    assert metrics()["scan_folds"] == folds + 1
+    (g,) = graphs_since(before)
+    params = sum(p.numel() for p in model.parameters()) * 4
+    assert memory(g).argument_size_in_bytes == (params + x.numel() * 4) // 8
