@@ -4,6 +4,7 @@
 """
 from .runtime import client as _client  # noqa: F401  (its memory policy applies before any jax client starts)
 from .errors import Fx2XlaError, IndexOutOfRangeError, InvalidInputError
+from . import distributed  # noqa: F401  (fx2xla.distributed: many processes, one global mesh; starts nothing)
 from .metrics import metrics, metrics_report
 from .package import LoadedModel, PackageError, export, load
 from .scan import scan, scan_layers

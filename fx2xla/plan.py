@@ -424,7 +424,7 @@ def _same_value_type(a: torch.fx.Node, b: torch.fx.Node) -> bool:
 def _mesh_device(mesh_id: int, example_inputs) -> Device:
     """The first device of a graph's mesh, as the plan's device; tensors of another platform
     than the mesh's are refused (they would be moved device by device behind the user's back)."""
-    from .runtime.client import get_backend
+    from .runtime.client import get_backend, torch_index
     from .sharding import ShardingError, mesh_by_id
 
     mesh = mesh_by_id(mesh_id)
@@ -432,12 +432,12 @@ def _mesh_device(mesh_id: int, example_inputs) -> Device:
         if isinstance(ex, torch.Tensor) and ex.device.type not in ("cpu", "meta") and ex.device.type != mesh.platform:
             raise ShardingError(f"fx2xla: a {ex.device} tensor in a graph sharded over {mesh}")
     # Over several processes: this process's first device of the mesh.
-    local = {d.id: i for i, d in enumerate(get_backend(mesh.platform).local_devices())}
+    local = {d.id for d in get_backend(mesh.platform).local_devices()}
     first = next((d for d in mesh.devices.flat if d.id in local), None)
     if first is None:
         raise ShardingError(f"fx2xla: {mesh} has none of this process's devices "
-                            f"({', '.join(map(str, local))}); each process must hold a part of the mesh")
-    return Device(mesh.platform, local[first.id])
+                            f"({', '.join(map(str, sorted(local)))}); each process must hold a part of the mesh")
+    return Device(mesh.platform, torch_index(first))
 
 
 def _device(meta):

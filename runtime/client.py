@@ -46,7 +46,7 @@ class Device:
 
     @property
     def jax_device(self):
-        return self.client.local_devices()[self.index]
+        return self.client.local_devices()[local_position(self.platform, self.index)]
 
     @property
     def kind(self) -> str:
@@ -74,6 +74,43 @@ class Device:
         return device.type == "cuda" and self.platform in ("cuda", "rocm") and (device.index or 0) == self.index
 
 
+def _hardware_ids(devices) -> list | None:
+    """Each local device's number on its host, where jax.distributed gave this process only
+    some of the host's accelerators (local_device_ids: one GPU per torchrun process); None where
+    jax numbers them as the host does (every CPU, every unrestricted process)."""
+    ids = [getattr(d, "local_hardware_id", None) for d in devices]
+    if not ids or None in ids or ids == list(range(len(ids))):
+        return None
+    return ids
+
+
+def local_position(platform: str, index: int) -> int:
+    """The position in `platform`'s local_devices() of the device torch numbers `index`: the
+    same number, unless this process was given some of its host's GPUs only (jax numbers those
+    from 0, torch keeps the host's numbers: cuda:3 is jax's local device 0 under torchrun's
+    fourth process)."""
+    if platform == "cpu":
+        return index
+    ids = _hardware_ids(get_backend(platform).local_devices())
+    if ids is None:
+        return index
+    try:
+        return ids.index(index)
+    except ValueError:
+        raise ValueError(f"fx2xla: {platform}:{index} is not one of this process's devices (its "
+                         f"{platform} devices are {', '.join(f'{platform}:{i}' for i in ids)}; "
+                         "jax.distributed gave it those)") from None
+
+
+def torch_index(jax_device) -> int:
+    """The number torch gives one of this process's jax devices (see local_position)."""
+    platform = "cuda" if jax_device.platform == "gpu" else jax_device.platform
+    devices = get_backend(platform).local_devices()
+    position = next(i for i, d in enumerate(devices) if d.id == jax_device.id)
+    ids = None if platform == "cpu" else _hardware_ids(devices)
+    return position if ids is None else ids[position]
+
+
 def device_of(device) -> Device:
     """The PJRT device that holds torch tensors on `device` (cpu -> CPU 0, cuda:N -> CUDA N)."""
     if device.type == "cpu":
@@ -99,7 +136,9 @@ def _local_device(platform: str, index: int, why: str) -> Device:
         hint = "pip install 'fx2xla[cuda13]' (jax's CUDA plugin)" if platform == "cuda" else "install the jax plugin for it"
         raise RuntimeError(f"fx2xla: {why} needs jax's {platform!r} PJRT client, which is not available ({e}); "
                            f"{hint}, or set PJRT_DEVICE to a platform you have") from e
-    if not 0 <= index < n:
+    if platform != "cpu" and _hardware_ids(get_backend(platform).local_devices()) is not None:
+        local_position(platform, index)  # raises, naming this process's devices, if not one of them
+    elif not 0 <= index < n:
         raise ValueError(f"fx2xla: device index {index} ({why}) but {platform} has {n} devices")
     return Device(platform, index)
 

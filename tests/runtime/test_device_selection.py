@@ -73,3 +73,38 @@ def test_missing_plugin_and_foreign_devices_say_what_to_do(monkeypatch):
         device_for([torch.device("cuda", 0)])
     with pytest.raises(ValueError, match="mps"):
         device_for([torch.device("mps")])
+
+
+def test_a_process_given_some_gpus_keeps_torchs_numbers(monkeypatch):
+    """Under torchrun each process gets one GPU from jax.distributed (local_device_ids): jax
+    numbers it 0, torch keeps the host's number. cuda:3 in torchrun's fourth process is jax's
+    local device 0 (local_hardware_id 3), and back; a GPU the process was not given is refused
+    by name. A process with every GPU, and the CPU, keep plain positions."""
+    from fx2xla.runtime import client
+
+    class FakeDevice:
+        platform = "gpu"
+
+        def __init__(self, id, hardware):
+            self.id, self.local_hardware_id = id, hardware
+
+    given = [FakeDevice(7, 3)]
+    every = [FakeDevice(0, 0), FakeDevice(1, 1)]
+    devices = {"cuda": given}
+
+    class FakeClient:
+        def __init__(self, platform):
+            self.platform = platform
+
+        def local_devices(self):
+            return devices[self.platform]
+
+    monkeypatch.setattr(client, "get_backend", FakeClient)
+    assert client.local_position("cuda", 3) == 0
+    assert client.Device("cuda", 3).jax_device is given[0]
+    assert client.torch_index(given[0]) == 3
+    with pytest.raises(ValueError, match="cuda:0 is not one of this process's devices.*cuda:3"):
+        client.local_position("cuda", 0)
+    devices["cuda"] = every
+    assert client.local_position("cuda", 1) == 1 and client.torch_index(every[1]) == 1
+    assert client.local_position("cpu", 5) == 5

@@ -1,0 +1,282 @@
+"""fx2xla.distributed: groups of real processes on 127.0.0.1 (2 processes x 4 CPU devices), started
+directly and by torchrun; a peer killed mid-loop; settings that are wrong before anything starts.
+Every subprocess runs under a timeout and is killed in a `finally` if still alive."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fx2xla import distributed
+
+WORKER = Path(__file__).with_name("worker.py")
+ROOT = WORKER.parents[2]
+TIMEOUT_S = 120
+# What a launcher may have left in this process's environment; the workers start clean of it.
+GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+              "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FX2XLA_COORDINATOR_ADDRESS", "FX2XLA_COORDINATOR_PORT",
+              "FX2XLA_PUBLIC_DISTRIBUTED", "JAX_COORDINATOR_ADDRESS", "XLA_FLAGS")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in GROUP_VARS and not k.startswith("TORCHELASTIC_")}
+    env.update(extra)
+    return env
+
+
+class Group:
+    """Processes started together, their output in files (no pipe can fill up and stall one)."""
+
+    def __init__(self, tmp_path: Path, commands: list, env: dict):
+        self.procs, self.files = [], []
+        for i, cmd in enumerate(commands):
+            out, err = open(tmp_path / f"{i}.out", "w+"), open(tmp_path / f"{i}.err", "w+")
+            self.files.append((out, err))
+            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err))
+
+    def wait(self, i: int, timeout: float = TIMEOUT_S) -> int:
+        return self.procs[i].wait(timeout=timeout)
+
+    def output(self, i: int) -> tuple[str, str]:
+        out, err = self.files[i]
+        out.seek(0)
+        err.seek(0)
+        return out.read(), err.read()
+
+    def kill_leftovers(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for out, err in self.files:
+            out.close()
+            err.close()
+
+
+def worker(mode: str, *args) -> list:
+    return [sys.executable, str(WORKER), mode, *map(str, args)]
+
+
+def explicit(mode: str, port: int, pid: int, *args) -> list:
+    return worker(mode, "--address", f"127.0.0.1:{port}", "--n", 2, "--pid", pid, *args)
+
+
+def results(text: str) -> list:
+    # Gloo's C++ logging shares stdout and writes lines in pieces: a RESULT may follow one on its line.
+    return [json.loads(m) for m in re.findall(r"RESULT (\{.*\})$", text, re.MULTILINE)]
+
+
+def check_reduction(found: list):
+    assert sorted(r["process_index"] for r in found) == [0, 1]
+    for r in sorted(found, key=lambda r: r["process_index"]):
+        me = r["process_index"]
+        assert r["process_count"] == 2 and r["jax_process_index"] == me and r["is_initialized"]
+        assert r["global_ids"] == [0, 1, 2, 3, 2048, 2049, 2050, 2051]
+        assert r["local_ids"] == [me * 2048 + i for i in range(4)]
+        assert r["sum"] == r["expected"] == sum(range(64))
+        assert "already initialized" in r["different_args"] and "local_device_count=4 (now 5)" in r["different_args"]
+        assert r["private_client"] and not r["public_client"]
+
+
+def test_two_processes_one_global_mesh(tmp_path):
+    port = free_port()
+    group = Group(tmp_path, [explicit("reduce", port, i) for i in (0, 1)], clean_env())
+    try:
+        codes = [group.wait(i) for i in (0, 1)]
+        outputs = [group.output(i) for i in (0, 1)]
+        assert codes == [0, 0], outputs
+        check_reduction([r for out, _ in outputs for r in results(out)])
+    finally:
+        group.kill_leftovers()
+
+
+def test_torchrun_without_arguments(tmp_path):
+    if not torch_distributed_available():
+        pytest.skip("this torch build has no torch.distributed (torchrun and TCPStore need it)")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(WORKER), "reduce"]
+    group = Group(tmp_path, [cmd], clean_env())
+    try:
+        code = group.wait(0)
+        out, err = group.output(0)
+        assert code == 0, (out, err)
+        check_reduction(results(out))
+    finally:
+        group.kill_leftovers()
+
+
+def test_killed_peer_is_named_and_the_survivor_exits(tmp_path):
+    # The timeouts of jax's own bounds are long enough that exiting well before them is the watchdog.
+    port, bound_s = free_port(), 20
+    args = ("--heartbeat-timeout", bound_s, "--collective-timeout", bound_s, "--victim", 1)
+    group = Group(tmp_path, [explicit("kill", port, i, *args) for i in (0, 1)], clean_env())
+    try:
+        assert group.wait(1) == -9, group.output(1)
+        killed_at = time.monotonic()
+        code = group.wait(0, timeout=bound_s * 3)
+        elapsed = time.monotonic() - killed_at
+        out, err = group.output(0)
+        assert code == distributed.EXIT_CODE, (out, err)
+        assert elapsed < bound_s / 2, elapsed
+        victim = f"process 1 of 2 (host {socket.gethostname()}, pid {group.procs[1].pid}) is gone"
+        assert victim in err and f"pid {group.procs[0].pid}) exits now" in err, err
+    finally:
+        group.kill_leftovers()
+
+
+def test_public_mode_killed_peer_raises_after_the_collective_timeout(tmp_path):
+    # No private jax, so no watchdog: the collective waiting for the dead peer raises after
+    # collective_timeout_s, and the survivor exits at once instead of waiting in jax's shutdown.
+    port, collective_s, heartbeat_s = free_port(), 5, 60
+    args = ("--heartbeat-timeout", heartbeat_s, "--collective-timeout", collective_s, "--victim", 1)
+    group = Group(tmp_path, [explicit("kill", port, i, *args) for i in (0, 1)],
+                  clean_env(FX2XLA_PUBLIC_DISTRIBUTED="1"))
+    try:
+        assert group.wait(1) == -9, group.output(1)
+        killed_at = time.monotonic()
+        code = group.wait(0, timeout=heartbeat_s)
+        elapsed = time.monotonic() - killed_at
+        out, err = group.output(0)
+        assert code == 1, (out, err)
+        assert "JaxRuntimeError" in err and "Gloo" in err, err
+        assert collective_s - 1 < elapsed < collective_s + 10, elapsed
+    finally:
+        group.kill_leftovers()
+
+
+def test_join_times_out_naming_the_coordinator(tmp_path):
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there: process 0 never comes
+    cmd = worker("join", "--address", address, "--n", 2, "--pid", 1, "--init-timeout", 3)
+    group = Group(tmp_path, [cmd], clean_env())
+    try:
+        code = group.wait(0, timeout=60)
+        out, err = group.output(0)
+        assert code == distributed.EXIT_CODE, (out, err)
+        assert f"nothing answers at the coordinator address {address}" in err, err
+        assert "init_timeout_s=3" in err
+    finally:
+        group.kill_leftovers()
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but RANK is unset"),
+    ({"RANK": "1"}, "RANK=1 but WORLD_SIZE is unset"),
+    ({"WORLD_SIZE": "2", "RANK": "two"}, "RANK='two' is not an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 with WORLD_SIZE=2: need 0 <= RANK < WORLD_SIZE"),
+    ({}, "no process group given"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "no coordinator address"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}, "MASTER_ADDR=127.0.0.1 but MASTER_PORT is unset"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "FX2XLA_COORDINATOR_ADDRESS": "nohostport"},
+     "FX2XLA_COORDINATOR_ADDRESS='nohostport' is not 'host:port'"),
+], ids=["no-rank", "no-world-size", "bad-rank", "rank-out-of-range", "nothing", "no-address", "no-master-port",
+        "bad-address"])
+def test_bad_environment_raises_before_anything_starts(monkeypatch, env, message):
+    import jax
+
+    for name in GROUP_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(distributed.DistributedError, match=re.escape(message)):
+        distributed.initialize()
+    assert not jax.distributed.is_initialized() and distributed._state.request is None
+
+
+def test_initialize_after_the_backend_started_says_to_call_it_first():
+    import jax
+
+    jax.devices()  # this pytest process's backend (conftest's 8 CPU devices)
+    for kwargs in ({}, {"local_device_count": 2}):
+        with pytest.raises(distributed.DistributedError, match="must run before jax's backend starts"):
+            distributed.initialize("127.0.0.1:1", 1, 0, **kwargs)
+    assert not jax.distributed.is_initialized()
+
+
+class FakeClient:
+    def __init__(self):
+        self.barriers = []
+
+    def key_value_set(self, key, value):
+        raise AssertionError("not used here")
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        raise AssertionError("not used here")
+
+    def wait_at_barrier(self, barrier_id, timeout_ms):
+        self.barriers.append((barrier_id, timeout_ms))
+
+
+def test_coordination_client_private_path_and_public_fallback(monkeypatch):
+    from jax._src import distributed as jax_distributed
+    from jax.experimental import multihost_utils
+
+    synced = []
+    monkeypatch.setattr(multihost_utils, "sync_global_devices", synced.append)
+    monkeypatch.delenv("FX2XLA_PUBLIC_DISTRIBUTED", raising=False)
+    fake = FakeClient()
+    monkeypatch.setattr(jax_distributed.global_state, "client", fake)
+
+    assert distributed._coordination_client() is fake
+    distributed.barrier("step", timeout_s=1.5)
+    assert fake.barriers == [("fx2xla/barrier/step", 1500)] and synced == []
+
+    assert distributed._coordination_client(public=True) is None
+    monkeypatch.setenv("FX2XLA_PUBLIC_DISTRIBUTED", "1")
+    distributed.barrier("step", timeout_s=1.5)
+    assert synced == ["step"] and len(fake.barriers) == 1
+
+    # A jax whose client lacks what this module calls: the public path, not an AttributeError.
+    monkeypatch.delenv("FX2XLA_PUBLIC_DISTRIBUTED")
+    monkeypatch.setattr(jax_distributed.global_state, "client", object())
+    assert distributed._coordination_client() is None
+
+
+def torch_distributed_available() -> bool:
+    import torch.distributed
+
+    return torch.distributed.is_available()
+
+
+@pytest.mark.parametrize("agent_store", [True, False], ids=["torchrun-agent-store", "process-0-hosts"])
+def test_processes_agree_on_the_coordinator_port(agent_store):
+    if not torch_distributed_available():
+        pytest.skip("this torch build has no torch.distributed (TCPStore)")
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store_port = free_port()
+    # torchrun's agent store stands in as a server of this process's own.
+    agent = TCPStore("127.0.0.1", store_port, 1, is_master=True, timeout=timedelta(seconds=30),
+                     wait_for_workers=False) if agent_store else None
+    got, errors = {}, []
+
+    def join(pid):
+        try:
+            got[pid] = distributed._agree_port("127.0.0.1", store_port, pid, 2, 30, agent_store=agent_store)
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=join, args=(pid,)) for pid in (1, 0)]  # the reader may come first
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and sorted(got) == [0, 1], errors
+    assert got[0][0] == got[1][0] and 0 < got[0][0] < 65536
+    if agent is not None:
+        assert agent.num_keys() > 0  # the port went through the store torchrun's agent would hold
