@@ -82,6 +82,30 @@ def train_case(plan: str, steps: int = 5) -> dict:
     return {"losses": torch.stack(losses), "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def train_until_killed(me: int, victim: int, after: int) -> None:
+    """FSDP steps in a loop; process `victim` SIGKILLs itself in the middle of step `after`
+    (after the forward, before its backward's collectives)."""
+    import os
+    import signal
+
+    import fx2xla
+
+    model, x, y = model_and_data()
+    mesh = fx2xla.Mesh((8,), ("fsdp",))
+    fx2xla.fsdp(model, mesh, axis="fsdp")
+    fx2xla.mark_sharding(x, mesh, ("fsdp", None))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    forward, step = torch.compile(model, backend="fx2xla"), torch.compile(opt.step, backend="fx2xla")
+    for i in range(10_000):
+        loss = F.mse_loss(forward(x), y)
+        if me == victim and i == after:
+            print(f"process {me}: killing itself in step {i}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        step()
+        opt.zero_grad(set_to_none=True)
+
+
 def run(me: int, n: int) -> dict:
     torch._dynamo.reset()
     results = {"forward": forward_cases(me, n)}
@@ -98,6 +122,7 @@ def main():
     p.add_argument("--n", type=int)
     p.add_argument("--pid", type=int)
     p.add_argument("--single", action="store_true")
+    p.add_argument("--kill-after", type=int, help="train until process 1 kills itself in this step")
     a = p.parse_args()
     if a.single:
         import jax
@@ -110,6 +135,9 @@ def main():
         distributed.initialize(a.address, a.n, a.pid, local_device_count=4, init_timeout_s=60,
                                heartbeat_timeout_s=60, collective_timeout_s=60)
         me, n = distributed.process_index(), distributed.process_count()
+    if a.kill_after is not None:
+        train_until_killed(me, 1, a.kill_after)
+        raise SystemExit("trained on after the peer was killed")
     torch.save(run(me, n), f"{a.out}.{me}")
     if not a.single:
         distributed.shutdown()

@@ -121,3 +121,32 @@ def test_five_training_steps_equal_one_process(group, plan):
         for p, q, r in zip(res[plan]["params"], single[plan]["params"], model.parameters()):
             torch.testing.assert_close(p, q, **TOL)
             torch.testing.assert_close(p, r.detach(), **TOL)
+
+
+def test_a_peer_killed_mid_step_ends_the_other_naming_it(tmp_path):
+    """Process 1 is SIGKILLed in the middle of an FSDP training step: process 0, waiting in a
+    collective or about to, exits with fx2xla.distributed.EXIT_CODE within 30 s of the kill
+    (jax's own bounds are 60 s and more here), and says which process is gone."""
+    import time
+
+    from fx2xla.distributed import EXIT_CODE
+
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "r"), "--address", address, "--n", "2",
+                               "--pid", str(k), "--kill-after", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+             for k in range(2)]
+    try:
+        victim = procs[1].communicate(timeout=TIMEOUT)[0]
+        killed = time.monotonic()
+        survivor = procs[0].communicate(timeout=30)[0]  # the bound: well before any jax timeout
+        waited = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[1].returncode == -9 and "killing itself in step 2" in victim
+    assert procs[0].returncode == EXIT_CODE, survivor[-3000:]
+    assert "process 1 of 2" in survivor and "is gone" in survivor
+    assert waited < 30
