@@ -121,7 +121,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     solution = None
     if options["sharding"] == "auto" and kind != "backward" and annotations is not None:
         annotations, solution = _auto_annotations(gm, example_inputs, annotations, tensors, options,
-                                                  training=kind == "forward")
+                                                  training=kind == "forward", names=names)
     if kind == "backward":
         annotations = _saved_annotations(gm, example_inputs)
     if options["fallback"] == "eager" and unsupported_nodes(gm):
@@ -188,18 +188,18 @@ def _saved_annotations(gm, example_inputs):
     return annotations if any(annotations) else None
 
 
-def _auto_annotations(gm, example_inputs, annotations, tensors, options, training: bool):
+def _auto_annotations(gm, example_inputs, annotations, tensors, options, training: bool, names=None):
     """Sharding=auto: the user's annotations as constraints, the solver's specs for the rest;
     parameters are marked with theirs, so later graphs (the optimizer step) shard them alike."""
     from .compiled_graph import static_input_indices
-    from .passes.auto_sharding import solve_cached
+    from .passes.auto_sharding import repeated_layers, solve_cached
     from .sharding import Annotation, annotation_of
 
     mesh = options["mesh"]
     fixed = [a.spec if a is not None and a.mesh_id == mesh.id else None for a in annotations]
     parameters = static_input_indices(len(example_inputs))
     solution = solve_cached(gm, mesh.shape, memory_budget=options["memory_budget"], fixed=fixed,
-                     parameters=parameters, training=training)
+                     parameters=parameters, training=training, ties=repeated_layers(gm, names))
     out = []
     for i, (ann, spec) in enumerate(zip(annotations, solution.input_specs)):
         if ann is not None or spec is None or not isinstance(example_inputs[i], torch.Tensor):

@@ -9,6 +9,9 @@ integer program over the core-ATen graph (the Alpa formulation, section 4.2 of i
   - Views map specs both ways; reductions, softmax and attention keep their dims whole.
   - Unary elementwise ops follow their operand, and the outputs of a multi-output op
     (attention, layer norm, split) share the op's variables: one decision each.
+  - Repeated layers (a ModuleList's identical blocks, found by `repeated_layers` from the
+    module paths Dynamo records) share one set of variables, and their edges one set of pair
+    variables, priced for every layer: the program's size stops growing with depth.
   - Ops without a rule are replicated.
   The rules are ours, over the core-ATen set, rather than DTensor's op strategies. Ours share
   the spec form of the propagation pass (passes/sharding.py), which turns the solution into
@@ -38,6 +41,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -81,6 +85,7 @@ class Solution:
     memory_bytes: float = 0.0
     needs: dict = field(default_factory=dict)  # see operand_constraints
     cached: str | None = None  # "memory" / "disk": taken from an earlier solve (see solve_cached)
+    tied: int = 0  # values that share another layer's variables (see repeated_layers)
     status: str = ""
     gap: float | None = None
     seconds: float = 0.0
@@ -361,13 +366,75 @@ def _follows(node, strategies) -> torch.fx.Node | None:
     return ops[0]
 
 
+# The first numbered component of a module path or parameter name: "h[0]", "['0']", ".0".
+_NUMBERED = re.compile(r"(?:\[\'?(\d+)\'?\]|\.(\d+))(?=[.\[]|$)")
+
+
+def _layer_of(path: str):
+    """(the path before its first numbered component, that number, the rest), or None."""
+    m = _NUMBERED.search(path)
+    if m is None:
+        return None
+    return path[:m.start()], int(m.group(1) or m.group(2)), path[m.end():]
+
+
+def repeated_layers(gm: torch.fx.GraphModule, input_names=None) -> dict:
+    """node -> the node it corresponds to in the first of a run of identical layers (a
+    ModuleList's blocks): the same op on the same shapes at the same place in its layer, by
+    the module path Dynamo records on each node. Inputs are matched by their names
+    (`input_names`, per placeholder: "h.3.attn.c_attn.weight" -> "h.0.attn.c_attn.weight").
+    Layers that differ anywhere are left alone. `solve(ties=...)` gives each such group one
+    set of variables: Alpa's shared variables for repeated layers."""
+    groups: dict = {}
+    for n in gm.graph.nodes:
+        stack = n.meta.get("nn_module_stack") if n.op == "call_function" else None
+        if not stack:
+            continue
+        where = _layer_of(list(stack.values())[-1][0])
+        if where is not None:
+            groups.setdefault(where[0], {}).setdefault(where[1], []).append(n)
+
+    def signature(n):
+        v = _val(n)
+        meta = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+        return n.target, meta, len(n.args)
+
+    ties = {}
+    for layers in groups.values():
+        if len(layers) < 2:
+            continue
+        order = sorted(layers)
+        first = layers[order[0]]
+        shape = [signature(n) for n in first]
+        for i in order[1:]:
+            if [signature(n) for n in layers[i]] == shape:
+                ties.update(zip(layers[i], first))
+    if input_names:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        firsts: dict = {}
+        for n, name in sorted(zip(placeholders, input_names), key=lambda t: _layer_of(t[1] or "") or ("", -1, "")):
+            where = _layer_of(name or "")
+            v = _val(n)
+            if where is None or not isinstance(v, torch.Tensor):
+                continue
+            key = (where[0], where[2], tuple(v.shape), v.dtype)
+            if key in firsts:
+                ties[n] = firsts[key]
+            else:
+                firsts[key] = n
+    return ties
+
+
 def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: float | None = None,
           fixed: list | None = None, parameters: set[int] = frozenset(), training: bool = False,
-          model: CostModel | None = None, time_limit: float = 10.0, gap: float = 1e-3) -> Solution:
+          model: CostModel | None = None, time_limit: float = 10.0, gap: float = 1e-3,
+          ties: dict | None = None) -> Solution:
     """The cheapest sharding of `gm`'s values over a mesh of `sizes` (see module doc).
     `fixed`: per placeholder, a spec it must keep (a user annotation) or None. `parameters`:
     placeholder positions holding parameters; with `training` they count four times in the
-    budget (weights, gradients, two AdamW moments).
+    budget (weights, gradients, two AdamW moments). `ties`: node -> an earlier node whose
+    variables it shares (the same value in another of a run of identical layers, see
+    `repeated_layers`): one decision per layer position, priced for every layer.
 
     Variables: one binary per (value, strategy); a unary elementwise value shares its
     operand's. Per edge (operand u of v), continuous e[s, t] >= 0 with sum_t e[s, t] = x_u[s]
@@ -384,6 +451,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
              and ((isinstance(_val(n), torch.Tensor) and _shape(n) is not None) or _multi_output(n))]
     strategies: dict = {}
     root: dict = {}  # node -> the node whose variables it uses
+    tied: set = set()  # nodes with their own strategies on another node's variables (ties)
     for n in nodes:
         if _multi_output(n):
             strategies[n], root[n] = _multi_output_strategies(n, sizes), n
@@ -403,6 +471,12 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
             want = fixed[placeholders.index(n)]
             if want is not None:
                 st = [x for x in st if x.out == want] or [_Strategy(want, [])]
+        rep = ties.get(n) if ties else None
+        if rep is not None and rep in strategies and root[rep] is rep \
+                and [x.out for x in strategies[rep]] == [x.out for x in st]:
+            strategies[n], root[n] = st, rep
+            tied.add(n)
+            continue
         strategies[n], root[n] = st, n
     index: dict = {}  # (root node, k) -> variable
     cost: list[float] = []
@@ -413,8 +487,13 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         for k, st in enumerate(strategies[n]):
             index[(n, k)] = len(cost)
             cost.append(st.seconds + (whole / max(1, _parts(st.out, sizes)) * model.delta if whole else 0.0))
+    for n in tied:  # a tied node's own cost (collectives inside, compute, inputs held) is its root's too
+        whole = math.prod(_shape(n)) * _val(n).element_size() if n.op == "placeholder" else 0
+        for k, st in enumerate(strategies[n]):
+            cost[index[(root[n], k)]] += st.seconds + (whole / max(1, _parts(st.out, sizes)) * model.delta
+                                                       if whole else 0.0)
     for n in nodes:  # a follower's own compute lands on its leader's variables
-        if root[n] is not n:
+        if root[n] is not n and n not in tied:
             work = _flops(n) * model.gamma
             for k, st in enumerate(strategies[n]):
                 cost[index[(root[n], k)]] += work / max(1, _parts(st.out, sizes))
@@ -438,9 +517,11 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         if root[n] is n:
             row([(index[(n, k)], 1.0) for k in range(len(strategies[n]))], 1.0, 1.0)
     edge_moved: dict = {}
+    pairs: dict = {}  # (root of u, root of v) -> its pair variables
     for v in nodes:
-        if root[v] is not v or v.op == "placeholder":
+        if (root[v] is not v and v not in tied) or v.op == "placeholder":
             continue
+        rv = root[v]
         for slot, u in enumerate(_operands(v)):
             if u not in strategies:
                 continue
@@ -453,7 +534,13 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
                         reshard_cost(su.out, need, _shape(u), itemsize, sizes, model)
             if all(p[0] <= 0 for p in prices.values()):
                 continue  # free whatever both choose: no edge variables needed
-            e = {}
+            if (ru, rv) in pairs:  # the same two decisions (tied layers): their pair, priced once more
+                for (ku, kv), (seconds, moved) in prices.items():
+                    j = pairs[(ru, rv)][(ku, kv)]
+                    cost[j] += seconds
+                    edge_moved[j] += moved
+                continue
+            e = pairs[(ru, rv)] = {}
             for (ku, kv), (seconds, moved) in prices.items():
                 e[(ku, kv)] = len(cost)
                 cost.append(seconds)
@@ -462,16 +549,17 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
             for ku in range(len(strategies[u])):
                 row([(e[(ku, kv)], 1.0) for kv in range(len(strategies[v]))] + [(index[(ru, ku)], -1.0)], 0.0, 0.0)
             for kv in range(len(strategies[v])):
-                row([(e[(ku, kv)], 1.0) for ku in range(len(strategies[u]))] + [(index[(v, kv)], -1.0)], 0.0, 0.0)
+                row([(e[(ku, kv)], 1.0) for ku in range(len(strategies[u]))] + [(index[(rv, kv)], -1.0)], 0.0, 0.0)
     memory = {}
     if memory_budget is not None:
         for i, p in enumerate(placeholders):
-            if p not in strategies:
+            if p not in strategies or (root[p] is not p and p not in tied):
                 continue
             factor = 4.0 if training and i in parameters else 1.0
             whole = math.prod(_shape(p)) * _val(p).element_size() * factor
             for k, st in enumerate(strategies[p]):
-                memory[index[(p, k)]] = whole / max(1, _parts(st.out, sizes))
+                j = index[(root[p], k)]
+                memory[j] = memory.get(j, 0.0) + whole / max(1, _parts(st.out, sizes))
         row(list(memory.items()), -np.inf, float(memory_budget))
     n_vars = len(cost)
     a = coo_array((vals, (r_idx, c_idx)), shape=(len(lo), n_vars)).tocsr()
@@ -492,9 +580,9 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     sol = Solution([chosen[p].out if p in chosen else None for p in placeholders])
     sol.specs = {n: st.out for n, st in chosen.items()}
     for v in nodes:
-        if root[v] is not v or v.op == "placeholder":
+        if (root[v] is not v and v not in tied) or v.op == "placeholder":
             continue
-        st = strategies[v][pick[v]]
+        st = strategies[v][pick[root[v]]]
         reads = {}
         for slot, u in enumerate(_operands(v)):
             need = st.needs[slot] if slot < len(st.needs) else None
@@ -503,13 +591,14 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         if reads:
             sol.needs[v] = reads
     sol.objective = float(res.fun) * 1e-6
-    sol.collective_bytes = float(sum(st.moved for n, st in chosen.items() if root[n] is n)
+    sol.collective_bytes = float(sum(st.moved for n, st in chosen.items() if root[n] is n or n in tied)
                                  + sum(b for y, b in edge_moved.items() if x[y] > 0.5))
     sol.memory_bytes = float(sum(c for j, c in memory.items() if x[j] > 0.5))
     sol.status = "optimal" if res.status == 0 else f"stopped ({res.message})"
     sol.gap = getattr(res, "mip_gap", None)
     sol.seconds = seconds
     sol.variables = n_vars
+    sol.tied = len(tied)
     return sol
 
 
@@ -540,6 +629,7 @@ def solve_cached(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> S
 
     args = {k: kwargs.get(k) for k in ("memory_budget", "fixed", "training", "model", "time_limit", "gap")}
     args["parameters"] = sorted(kwargs.get("parameters") or ())
+    args["ties"] = sorted((a.name, b.name) for a, b in (kwargs.get("ties") or {}).items())
     key = (_FORMAT, graph_key(gm), repr(sorted(sizes.items())), repr(args))
     nodes = {n.name: n for n in gm.graph.nodes}
     hit = _solutions.get(key)
