@@ -125,10 +125,6 @@ def make_storage_use_count(public: bool | None = None):
     return _storage_use_count_public
 
 
-def donated_input(twin_use) -> bool:
-    return bool(twin_use and twin_use[0])
-
-
 def _lazy_results(plan: GraphPlan, shardings) -> dict:
     """The results returned as sharding.ShardedTensor under outputs="sharded": sharded graph
     outputs that reach the caller as they are (no view, permutation or restride in torch)."""
@@ -487,11 +483,11 @@ class CompiledGraph:
         import jax
 
         if move != "pjrt":
+            donated, bump = twin_use or (False, 0)
             if type(t) is ShardedTensor:  # another sharded graph's output, passed as it is
-                if t.array is not None and t.array.sharding == move and not donated_input(twin_use):
+                if t.array is not None and t.array.sharding == move and not donated:
                     return t.array
                 t = t.full_tensor()
-            donated, bump = twin_use or (False, 0)
             twin = _sharded_twins.get(id(t))
             if (twin is not None and twin[0] + bump == t._version and twin[1] == t.data_ptr() and twin[2].sharding == move
                     and not twin[2].is_deleted()):  # (a step that donated it raised before installing)
@@ -501,9 +497,11 @@ class CompiledGraph:
             elif t.device != self._torch_device:
                 t = t.to(self._torch_device)
             if self.mesh.spans_processes:  # only this process's devices' shards, each from its slice
-                return jax.make_array_from_callback(
-                    tuple(t.shape), move, lambda index: self._import_tensor(t[index].contiguous(), self._jax_device)
-                ).block_until_ready()
+                def piece(index):  # (a donated shard must be a copy, never a view of `t`)
+                    part = t[index].clone() if donated else t[index].contiguous()
+                    return self._import_tensor(part, self._jax_device)
+
+                return jax.make_array_from_callback(tuple(t.shape), move, piece).block_until_ready()
             # The shards are copied from `t`'s memory asynchronously: done before torch may
             # write `t` again.
             return jax.device_put(self._import_tensor(t, self._jax_device), move,

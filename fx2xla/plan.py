@@ -422,7 +422,7 @@ def _same_value_type(a: torch.fx.Node, b: torch.fx.Node) -> bool:
 
 
 def _mesh_device(mesh_id: int, example_inputs) -> Device:
-    """The first device of a graph's mesh, as the plan's device; tensors of another platform
+    """This process's first device of a graph's mesh, as the plan's device; tensors of another platform
     than the mesh's are refused (they would be moved device by device behind the user's back)."""
     from .runtime.client import get_backend, torch_index
     from .sharding import ShardingError, mesh_by_id

@@ -8,7 +8,6 @@ from each process's own rows, and 5 AdamW steps under DP and under FSDP."""
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 

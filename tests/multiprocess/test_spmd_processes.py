@@ -6,8 +6,6 @@ run and eager. float32 throughout: rtol 1e-4, atol 1e-5 (the collectives sum in 
 than one device does)."""
 from __future__ import annotations
 
-import copy
-import os
 import socket
 import subprocess
 import sys
@@ -45,9 +43,9 @@ def _run_group(cmds: list[list[str]], env: dict) -> list[str]:
 
 
 def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1])}
-    env.pop("XLA_FLAGS", None)
-    return env
+    from tests.multiprocess.test_distributed import clean_env  # no launcher's leftovers
+
+    return clean_env(PYTHONPATH=str(HERE.parents[1]))
 
 
 @pytest.fixture(scope="module")
