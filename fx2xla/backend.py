@@ -199,7 +199,7 @@ def _auto_annotations(gm, example_inputs, annotations, tensors, options, trainin
     fixed = [a.spec if a is not None and a.mesh_id == mesh.id else None for a in annotations]
     parameters = static_input_indices(len(example_inputs))
     solution = solve_cached(gm, mesh.shape, memory_budget=options["memory_budget"], fixed=fixed,
-                     parameters=parameters, training=training, ties=repeated_layers(gm, names))
+                            parameters=parameters, training=training, ties=repeated_layers(gm, names))
     out = []
     for i, (ann, spec) in enumerate(zip(annotations, solution.input_specs)):
         if ann is not None or spec is None or not isinstance(example_inputs[i], torch.Tensor):
@@ -259,6 +259,7 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     import weakref
 
     from .passes.sharding import input_annotations, input_tensors
+    from .sharding import is_mark
 
     opts = _check_options(options)
     name = _graph_name("dynamo")
@@ -269,8 +270,6 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     if any(annotations) or opts["sharding"] == "auto":
         refs = [weakref.ref(t) if isinstance(t, torch.Tensor) else _no_tensor for t in input_tensors(gm)]
         dynamo_inputs = (annotations, _input_names(gm), refs)
-    from .sharding import is_mark
-
     sharded = any(annotations) or opts["sharding"] == "auto" or any(is_mark(n) for n in gm.graph.nodes)
     passed, records = run_passes(gm, example_inputs, dict(opts, _sharded_graph=sharded), name)
     if passed is not gm:

@@ -21,10 +21,12 @@ from .plan import GraphPlan, build_plan, input_mutations
 from .runtime import Device, compile_module
 from .runtime.client import device_of
 from .sharding import ShardedTensor, mesh_by_id
-from .runtime.executor import make_launcher, make_sharded_launcher, make_traceback_pause, optimized_hlo_text
+from .runtime.executor import (make_launcher, make_recording, make_sharded_launcher, make_traceback_pause,
+                               optimized_hlo_text)
 from .runtime.handoff import make_exporter, make_importer
 
 _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
+_recording = make_recording()
 
 
 class _Specialization:
@@ -376,7 +378,8 @@ class CompiledGraph:
         # The hand-off's arrays need no recorded Python stack. A sharded graph's may be kept past
         # the call and read by jax later, which demands the context recording gives.
         if spec.keeps_arrays:
-            return self._run_paused(spec, args)
+            with _recording():
+                return self._run_paused(spec, args)
         paused = _pause_tracebacks()
         try:
             return self._run_paused(spec, args)

@@ -244,9 +244,10 @@ class ShardedTensor(torch.Tensor):
         """(index, piece) per distinct shard this process holds, in device order; each piece
         shares its device buffer's memory (a replica over another mesh axis is listed once)."""
         out = []
-        for shard in self._array.addressable_shards:
-            if shard.replica_id == 0:
-                out.append((shard.index, torch.from_dlpack(shard.data)))
+        with _recording():
+            for shard in self._array.addressable_shards:
+                if shard.replica_id == 0:
+                    out.append((shard.index, torch.from_dlpack(shard.data)))
         return out
 
     def local_tensor(self) -> torch.Tensor:
@@ -274,8 +275,9 @@ class ShardedTensor(torch.Tensor):
         import jax
 
         spec = normalize_spec(spec, local.dim(), mesh)
-        data = jax.dlpack.from_dlpack(local.detach().cpu().contiguous())
-        array = jax.make_array_from_process_local_data(mesh.named_sharding(spec), data)
+        with _recording():
+            data = jax.dlpack.from_dlpack(local.detach().cpu().contiguous())
+            array = jax.make_array_from_process_local_data(mesh.named_sharding(spec), data)
         return cls(array, mesh.id, spec, local.dtype, local.device)
 
     def full_tensor(self) -> torch.Tensor:
@@ -288,10 +290,11 @@ class ShardedTensor(torch.Tensor):
             return self._whole
 
     def _materialize(self) -> torch.Tensor:
-        if self._array.is_fully_addressable:
-            whole = self._assemble() if self._assemble is not None else _assemble(self)
-        else:
-            whole = gather(self._array, self.device)
+        with _recording():
+            if self._array.is_fully_addressable:
+                whole = self._assemble() if self._assemble is not None else _assemble(self)
+            else:
+                whole = gather(self._array, self.device)
         from .compiled_graph import _keep_sharded_twin
 
         _keep_sharded_twin(whole, self._array)  # a sharded graph reading it takes the shards
@@ -323,6 +326,14 @@ class ShardedTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"ShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, spec={describe_spec(self.spec)}, "
                 f"mesh={self.mesh!r})")
+
+
+def _recording():
+    """Recording of jax tracebacks on while making jax objects that outlive the call (another
+    thread's compiled call may have paused it, see runtime/executor.py)."""
+    from .runtime.executor import make_recording
+
+    return make_recording()()
 
 
 def gather(array, device: torch.device) -> torch.Tensor:

@@ -8,6 +8,7 @@ the hand-off's own arrays; fallback: no pause). `FX2XLA_PUBLIC_EXECUTE=1` forces
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -137,6 +138,10 @@ def _environment_key(platform: str) -> tuple:
             os.environ.get("XLA_FLAGS", ""))
 
 
+def _recording():
+    return make_recording()()
+
+
 def compile_module(module_text: str, device: Device, cache: ExecutableCache | None = None,
                    use_disk: bool = True, mesh_devices: tuple | None = None):
     """A loaded PJRT executable for `module_text` (StableHLO) on `device`: from memory if this
@@ -165,7 +170,8 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
         if blob is not None:
             t0 = time.perf_counter()
             try:
-                exe = device.client.deserialize_executable(blob, targets, options)
+                with _recording():
+                    exe = device.client.deserialize_executable(blob, targets, options)
             except Exception as e:  # an entry this jaxlib cannot load: recompile and replace it
                 disk.drop(disk.path(disk_key), f"deserialize failed: {e}")
                 exe = None
@@ -175,7 +181,8 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
                 return exe
     t0 = time.perf_counter()
     try:
-        exe = device.client.compile_and_load(module_text, targets, options)
+        with _recording():
+            exe = device.client.compile_and_load(module_text, targets, options)
     except Exception as e:
         if not (_unknown_option(e) and options.env_option_overrides):
             raise
@@ -184,7 +191,8 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
             options = _spmd_options(options, ids)
         if disk_key is not None:
             disk_key = (fp, options.SerializeAsString().hex(), device.kind, *_environment_key(device.platform))
-        exe = device.client.compile_and_load(module_text, targets, options)
+        with _recording():
+            exe = device.client.compile_and_load(module_text, targets, options)
     cache.stats.compiles += 1
     cache.stats.compile_seconds += time.perf_counter() - t0
     cache.put(key, exe)
@@ -245,19 +253,25 @@ def _private_launcher(exe, export):
     return launch_private
 
 
+@functools.cache
 def _private_traceback_pause():
     """jaxlib records the Python stack on every array it creates; for the hand-off's arrays
     (never seen by users) that is ~2 µs a call, ~10 µs under Dynamo's deeper stack. Returns
-    (pause, resume) over jaxlib's switch, or None if absent. `pause()` is True when the call
-    runs paused; only then does the caller `resume()`.
+    (pause, resume, recording) over jaxlib's switch, or None if absent: one state per process.
+    `pause()` is True when the call runs paused; only then does the caller `resume()`.
 
     The switch is process-global, and jaxlib reads it more than once inside one execute (it
     sets up a traceback "user context" when recording is on, and demands one when it is on):
     flipped by one thread while another executes, that thread fails with "a null user
     context". So it is flipped under a count: off when the first paused call starts, back on
     when the last one in flight ends, so every concurrent call of ours runs with it off from
-    start to end. jax code of the user's own running in another thread at that moment could
-    still see it flip; FX2XLA_PUBLIC_EXECUTE=1 (no pause, ~2-10 µs a call) rules that out."""
+    start to end.
+
+    Work that makes jax objects which outlive it (compiling an executable, a sharded call that
+    keeps its results' shards) needs recording on throughout: `with recording():` waits until
+    no paused call is in flight, and while it lasts new calls run unpaused (recorded) instead
+    of waiting. jax code of the user's own running in another thread could still see the
+    switch flip; FX2XLA_PUBLIC_EXECUTE=1 (no pause, ~2-10 µs a call) rules that out."""
     try:
         from jax._src.lib import _jax
 
@@ -265,24 +279,48 @@ def _private_traceback_pause():
     except (ImportError, AttributeError):
         return None
     lock = threading.Lock()
-    in_flight = [0]  # paused calls running now
+    count = [0, 0]  # paused calls in flight; `recording` blocks open (recording must stay on)
+    drained = threading.Event()  # set when the last paused call ends while a block waits
 
     def pause_private() -> bool:
         with lock:
-            if not in_flight[0]:
+            if count[1]:
+                return False
+            if not count[0]:
                 if not enabled():  # the user turned recording off: leave the switch alone
                     return False
                 set_enabled(False)
-            in_flight[0] += 1
+            count[0] += 1
         return True
 
     def resume_private() -> None:
         with lock:
-            in_flight[0] -= 1
-            if not in_flight[0]:
+            count[0] -= 1
+            if not count[0]:
                 set_enabled(True)
+                if count[1]:
+                    drained.set()
 
-    return pause_private, resume_private
+    @contextlib.contextmanager
+    def recording_private():
+        with lock:
+            count[1] += 1
+        try:
+            # Calls in flight end in microseconds to seconds. No path of ours records inside a
+            # paused call of its own thread, but were one to, the wait is bounded, not a hang.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with lock:
+                    if not count[0]:
+                        break
+                    drained.clear()
+                drained.wait(0.05)
+            yield
+        finally:
+            with lock:
+                count[1] -= 1
+
+    return pause_private, resume_private, recording_private
 
 
 def _public_traceback_pause():
@@ -292,11 +330,21 @@ def _public_traceback_pause():
     def resume_public() -> None:
         pass
 
-    return pause_public, resume_public
+    return pause_public, resume_public, contextlib.nullcontext
 
 
 def make_traceback_pause(public: bool | None = None):
     """(pause, resume): `if pause(): ...; resume()` around a call's imports and launch."""
+    return _traceback_switch(public)[:2]
+
+
+def make_recording(public: bool | None = None):
+    """`with recording(): ...` around work whose jax objects outlive it (see
+    _private_traceback_pause): a context manager factory."""
+    return _traceback_switch(public)[2]
+
+
+def _traceback_switch(public):
     private = None if _use_public(public, "FX2XLA_PUBLIC_EXECUTE") else _private_traceback_pause()
     return private or _public_traceback_pause()
 

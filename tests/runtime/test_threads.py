@@ -159,3 +159,37 @@ def test_traceback_pause_never_flips_under_another_thread(public):
         t.join(timeout=60)
     assert states == {"a": True, "b": True, "during_b": False}
     assert _jax.tracebacks_enabled()
+
+
+def test_recording_waits_for_paused_calls_and_new_calls_run_recorded():
+    """A compile (or a sharded call keeping its shards) needs jaxlib's traceback recording on
+    from start to end: `recording()` waits until no paused call is in flight, and while it
+    lasts new calls run unpaused instead of turning the switch off under it."""
+    from jax._src.lib import _jax
+
+    from fx2xla.runtime.executor import make_recording
+
+    pause, resume = make_traceback_pause(False)
+    recording = make_recording(False)
+    inside, release, states = threading.Event(), threading.Event(), {}
+
+    def compile_like():
+        with recording():
+            states["on_inside"] = _jax.tracebacks_enabled()
+            inside.set()
+            release.wait(30)
+
+    assert pause() is True and not _jax.tracebacks_enabled()  # a call in flight
+    t = threading.Thread(target=compile_like)
+    t.start()
+    assert not inside.wait(0.3)  # the compile waits for the paused call
+    resume()
+    assert inside.wait(30) and states["on_inside"]
+    assert pause() is False and _jax.tracebacks_enabled()  # a new call runs recorded meanwhile
+    release.set()
+    t.join(30)
+    assert pause() is True and not _jax.tracebacks_enabled()  # and pauses again afterwards
+    resume()
+    assert _jax.tracebacks_enabled()
+    with make_recording(True)():  # the public form: nothing to wait for
+        assert _jax.tracebacks_enabled()
