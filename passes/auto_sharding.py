@@ -487,7 +487,8 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         for k, st in enumerate(strategies[n]):
             index[(n, k)] = len(cost)
             cost.append(st.seconds + (whole / max(1, _parts(st.out, sizes)) * model.delta if whole else 0.0))
-    for n in tied:  # a tied node's own cost (collectives inside, compute, inputs held) is its root's too
+    for n in (n for n in nodes if n in tied):  # (graph order: every process sums alike)
+        # A tied node's own cost (collectives inside, compute, inputs held) is its root's too.
         whole = math.prod(_shape(n)) * _val(n).element_size() if n.op == "placeholder" else 0
         for k, st in enumerate(strategies[n]):
             cost[index[(root[n], k)]] += st.seconds + (whole / max(1, _parts(st.out, sizes)) * model.delta
@@ -605,7 +606,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
 # Solutions by key, in this process; on disk beside the executables (FX2XLA_CACHE_DIR), so a
 # new process (a restart, another rank) takes the same plan without solving again.
 _solutions: dict = {}
-_FORMAT = "fx2xla-auto-sharding-1"
+_FORMAT = "fx2xla-auto-sharding-1"  # bumped when the formulation changes what a key's solution is
 
 
 def graph_key(gm: torch.fx.GraphModule) -> str:
@@ -622,34 +623,84 @@ def graph_key(gm: torch.fx.GraphModule) -> str:
 
 def solve_cached(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> Solution:
     """`solve`, or the solution an earlier solve of the same graph, mesh, budget, constraints
-    and cost model left in this process or in the disk cache (`Solution.cached` says which)."""
+    and cost model left in this process or in the disk cache (`Solution.cached` says which).
+
+    Over several processes (fx2xla.distributed) every process must run the same plan, and a
+    solve stopped by its time limit may differ from one process to another: process 0 decides
+    (from its caches or by solving) and publishes the solution in jax's coordination service;
+    the others take it from there ("process 0")."""
+    import hashlib
     import json
 
     from fx2xla.runtime.executor import disk_cache
 
-    args = {k: kwargs.get(k) for k in ("memory_budget", "fixed", "training", "model", "time_limit", "gap")}
+    args = {k: kwargs.get(k) for k in ("memory_budget", "fixed", "training", "time_limit", "gap")}
+    args["model"] = kwargs.get("model") or CostModel()  # (the defaults' values: a new default re-solves)
     args["parameters"] = sorted(kwargs.get("parameters") or ())
     args["ties"] = sorted((a.name, b.name) for a, b in (kwargs.get("ties") or {}).items())
     key = (_FORMAT, graph_key(gm), repr(sorted(sizes.items())), repr(args))
     nodes = {n.name: n for n in gm.graph.nodes}
+    group = _process_group()
     hit = _solutions.get(key)
-    disk = None
-    if hit is None:
-        disk = disk_cache()
-        store = None if disk is None else _solution_store(disk.folder)
-        blob = None if store is None else store.get(key)
-        if blob is not None:
-            hit = json.loads(blob)
-            _solutions[key] = hit
     if hit is not None:
-        return _from_record(hit, nodes, "memory" if disk is None else "disk")
-    sol = solve(gm, sizes, **kwargs)
-    record = _to_record(sol)
-    _solutions[key] = record
+        return _from_record(hit, nodes, "memory")
+    kv_key = "fx2xla/auto-sharding/" + hashlib.sha256("\x00".join(key).encode()).hexdigest()
+    if group is not None and group[0] != 0:
+        text = (group[1].blocking_key_value_get(kv_key, _PUBLISH_TIMEOUT_MS) if group[1] is not None
+                else _broadcast_from_process_0(None))
+        record = json.loads(text)
+        _solutions[key] = record
+        return _from_record(record, nodes, "process 0")
     disk = disk_cache()
-    if disk is not None:
-        _solution_store(disk.folder).put(key, json.dumps(record).encode())
-    return sol
+    store = None if disk is None else _solution_store(disk.folder)
+    blob = None if store is None else store.get(key)
+    if blob is not None:
+        record, sol = json.loads(blob), None
+        where = "disk"
+    else:
+        sol = solve(gm, sizes, **kwargs)
+        record, where = _to_record(sol), None
+        if store is not None:
+            store.put(key, json.dumps(record).encode())
+    _solutions[key] = record
+    if group is not None:  # process 0: what every other process runs
+        if group[1] is None:
+            _broadcast_from_process_0(json.dumps(record))
+        else:
+            try:
+                group[1].key_value_set(kv_key, json.dumps(record))
+            except Exception:  # published before (this process cleared its table): the same record
+                pass
+    return sol if sol is not None else _from_record(record, nodes, where)
+
+
+# How long the other processes wait for process 0's solution: it may be compiling graphs before
+# this one, as each of them did.
+_PUBLISH_TIMEOUT_MS = 600_000
+
+
+def _process_group():
+    """(this process's index, jax's coordination client or None in public mode) when this
+    process is one of several (fx2xla.distributed); else None."""
+    import jax
+
+    if not jax.distributed.is_initialized() or jax.process_count() < 2:
+        return None
+    from fx2xla.distributed import _coordination_client
+
+    return jax.process_index(), _coordination_client()
+
+
+def _broadcast_from_process_0(text: str | None) -> str:
+    """Public jax only: process 0's `text` in every process, by two collectives over every
+    device (its length, then its bytes). Every process calls it, in the same order."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(text.encode(), np.uint8) if text is not None else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int64)))
+    buf = data if text is not None else np.zeros(n, np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)).decode()
 
 
 def _solution_store(folder: str):

@@ -105,9 +105,34 @@ def train_until_killed(me: int, victim: int, after: int) -> None:
         opt.zero_grad(set_to_none=True)
 
 
+def auto_cases() -> dict:
+    """sharding="auto" twice: process 0's solution reaches the others through jax's
+    coordination service, then (public mode) through a broadcast collective."""
+    import os
+
+    import fx2xla
+    from fx2xla.metrics import live_graphs
+
+    out = {}
+    for mode, budget in (("private", 400_000), ("public", 300_000)):
+        if mode == "public":
+            os.environ["FX2XLA_PUBLIC_DISTRIBUTED"] = "1"
+        torch._dynamo.reset()
+        model, x, _ = model_and_data()
+        before = {id(g) for g in live_graphs}
+        with torch.no_grad():
+            y = torch.compile(model, backend="fx2xla", options={
+                "sharding": "auto", "mesh": fx2xla.Mesh((8,), ("x",)), "memory_budget": budget})(x)
+        (g,) = [g for g in live_graphs if id(g) not in before]
+        out[mode] = {"output": y, "cached": g.auto_sharding.cached,
+                     "specs": [p.sharding for p in g.plan.inputs]}
+        os.environ.pop("FX2XLA_PUBLIC_DISTRIBUTED", None)
+    return out
+
+
 def run(me: int, n: int) -> dict:
     torch._dynamo.reset()
-    results = {"forward": forward_cases(me, n)}
+    results = {"forward": forward_cases(me, n), "auto": auto_cases()}
     for plan in ("data", "fsdp"):
         torch._dynamo.reset()
         results[plan] = train_case(plan)

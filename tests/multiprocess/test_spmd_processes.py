@@ -42,17 +42,18 @@ def _run_group(cmds: list[list[str]], env: dict) -> list[str]:
     return logs
 
 
-def _env() -> dict:
+def _env(cache_dir=None) -> dict:
     from tests.multiprocess.test_distributed import clean_env  # no launcher's leftovers
 
-    return clean_env(PYTHONPATH=str(HERE.parents[1]))
+    extra = {} if cache_dir is None else {"FX2XLA_CACHE_DIR": str(cache_dir)}  # a cold cache
+    return clean_env(PYTHONPATH=str(HERE.parents[1]), **extra)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process with every device (8), the same code."""
     out = tmp_path_factory.mktemp("single") / "results"
-    _run_group([[sys.executable, str(WORKER), str(out), "--single"]], _env())
+    _run_group([[sys.executable, str(WORKER), str(out), "--single"]], _env(out.parent / "cache"))
     return torch.load(f"{out}.0")
 
 
@@ -68,7 +69,7 @@ def group(request, reference, tmp_path_factory):
     else:
         cmds = [[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                  f"--master-port={_free_port()}", str(WORKER), str(out)]]
-    _run_group(cmds, _env())
+    _run_group(cmds, _env(out.parent / "cache"))
     return [torch.load(f"{out}.{k}") for k in range(2)], reference
 
 
@@ -148,3 +149,21 @@ def test_a_peer_killed_mid_step_ends_the_other_naming_it(tmp_path):
     assert procs[0].returncode == EXIT_CODE, survivor[-3000:]
     assert "process 1 of 2" in survivor and "is gone" in survivor
     assert waited < 30
+
+
+def test_auto_sharding_runs_process_0s_plan_everywhere(group):
+    """Every process must run the same plan: process 0 solves and the others take its
+    solution, through jax's coordination service or (public mode) a broadcast collective; the
+    outputs equal eager's (float32 tolerances)."""
+    (p0, p1), _ = group
+    from tests.multiprocess.spmd_worker import model_and_data
+
+    model, x, _ = model_and_data()
+    with torch.no_grad():
+        eager = model(x)
+    for mode in ("private", "public"):
+        assert p0["auto"][mode]["cached"] is None  # process 0 solved (cold cache)
+        assert p1["auto"][mode]["cached"] == "process 0"
+        assert p0["auto"][mode]["specs"] == p1["auto"][mode]["specs"]
+        for res in (p0, p1):
+            torch.testing.assert_close(res["auto"][mode]["output"], eager, **tolerance(torch.float32))
