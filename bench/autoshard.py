@@ -4,7 +4,8 @@
 
 For each model (inference, eval mode) and each hand plan (1-D mesh of 8: data parallel, FSDP,
 Megatron TP; 2-D mesh 2 x 4: DP x TP), the hand plan is compiled and measured:
-- its inputs' bytes per device (XLA's memory_analysis: arguments);
+- its inputs' bytes per device (XLA's memory_analysis: arguments), and its peak per device
+  (arguments, outputs not written in place, temporaries);
 - the collective bytes per device its optimized HLO holds;
 - its median latency.
 Then `options={"sharding": "auto", "mesh": <the same mesh>, "memory_budget": <those bytes>}`
@@ -60,7 +61,12 @@ def compiled_figures(model, x, options=None) -> tuple:
     (g,) = [g for g in live_graphs if id(g) not in before]
     stats = g._static.exe.get_compiled_memory_stats()
     coll = sum(c.bytes for c in collectives(optimized_hlo_text(g._static.exe)))
-    return fn, {"arguments_per_device": stats.argument_size_in_bytes, "collective_bytes": coll}, g
+    # Peak per device as XLA's memory analysis gives it: inputs, outputs (less those written in
+    # place of an input) and temporaries live at once.
+    peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            + stats.temp_size_in_bytes)
+    return fn, {"arguments_per_device": stats.argument_size_in_bytes, "peak_per_device": peak,
+                "collective_bytes": coll}, g
 
 
 def bench_model(name: str, rounds: int) -> dict:
@@ -94,9 +100,11 @@ def bench_model(name: str, rounds: int) -> dict:
         r["auto_over_budget"] = auto["arguments_per_device"] > hand["arguments_per_device"]
         r["collective_ratio"] = (auto["collective_bytes"] / hand["collective_bytes"]) if hand["collective_bytes"] else None
         res["plans"][plan] = r
-        print(f"  {name:6s} {plan:8s} {kind}: hand {hand['arguments_per_device'] / 1024:8.0f} KiB/dev, "
+        print(f"  {name:6s} {plan:8s} {kind}: hand {hand['arguments_per_device'] / 1024:8.0f} KiB/dev "
+              f"(peak {hand['peak_per_device'] / 1024:.0f}), "
               f"{hand['collective_bytes'] / 1024:8.1f} KiB coll, {fmt_time(med['hand'])} | auto "
-              f"{auto['arguments_per_device'] / 1024:8.0f} KiB/dev, {auto['collective_bytes'] / 1024:8.1f} KiB coll "
+              f"{auto['arguments_per_device'] / 1024:8.0f} KiB/dev (peak {auto['peak_per_device'] / 1024:.0f}), "
+              f"{auto['collective_bytes'] / 1024:8.1f} KiB coll "
               f"(predicted {sol.collective_bytes / 1024:7.1f}), {fmt_time(med['auto'])}, solve {sol.seconds:5.2f} s "
               f"{sol.status}; |err| {err:.1e}", flush=True)
     return res
