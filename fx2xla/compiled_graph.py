@@ -488,7 +488,7 @@ class CompiledGraph:
         if move != "pjrt":
             donated, bump = twin_use or (False, 0)
             if type(t) is ShardedTensor:  # another sharded graph's output, passed as it is
-                if t.array is not None and t.array.sharding == move and not donated:
+                if t.array.sharding == move and not donated:
                     return t.array
                 t = t.full_tensor()
             twin = _sharded_twins.get(id(t))

@@ -331,7 +331,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         shardings = propagate(gm, annotations, mesh_id)
         if solution is not None:
             constraints = solution.constraints()
-            operand_constraints = solution.operand_constraints()
+            operand_constraints = solution.operand_constraints
             for node, spec in constraints.items():
                 shardings.specs[node], shardings.sources[node] = spec, "auto"
     torch_device = device.torch_device

@@ -83,7 +83,11 @@ class Solution:
     objective: float = 0.0
     collective_bytes: float = 0.0
     memory_bytes: float = 0.0
-    needs: dict = field(default_factory=dict)  # see operand_constraints
+    # node -> {operand node: spec}: where the chosen strategy of an op reads an operand in
+    # another layout than the operand's own, that layout, pinned on the op's read of it (so the
+    # partitioner reshards the operand there, as priced, rather than choosing its own way: e.g.
+    # sharding a bias-add's result and gathering it instead of gathering the bias).
+    operand_constraints: dict = field(default_factory=dict)
     cached: str | None = None  # "memory" / "disk": taken from an earlier solve (see solve_cached)
     tied: int = 0  # values that share another layer's variables (see repeated_layers)
     status: str = ""
@@ -94,13 +98,6 @@ class Solution:
     def constraints(self) -> dict:
         """node -> spec of every computed value: the layouts the module pins."""
         return {n: s for n, s in self.specs.items() if n.op == "call_function"}
-
-    def operand_constraints(self) -> dict:
-        """node -> {operand node: spec}: where the chosen strategy of an op reads an operand in
-        another layout than the operand's own, that layout, pinned on the op's read of it (so
-        the partitioner reshards the operand there, as priced, rather than choosing its own
-        way: e.g. sharding a bias-add's result and gathering it instead of gathering the bias)."""
-        return self.needs
 
 
 class InfeasibleBudget(ShardingError):
@@ -590,7 +587,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
             if need is not None and u in sol.specs and sol.specs[u] != need:
                 reads[u] = need
         if reads:
-            sol.needs[v] = reads
+            sol.operand_constraints[v] = reads
     sol.objective = float(res.fun) * 1e-6
     sol.collective_bytes = float(sum(st.moved for n, st in chosen.items() if root[n] is n or n in tied)
                                  + sum(b for y, b in edge_moved.items() if x[y] > 0.5))
@@ -713,7 +710,7 @@ def _solution_store(folder: str):
 
 def _to_record(sol: Solution) -> dict:
     return {"input_specs": sol.input_specs, "specs": {n.name: s for n, s in sol.specs.items()},
-            "needs": {v.name: {u.name: s for u, s in reads.items()} for v, reads in sol.needs.items()},
+            "needs": {v.name: {u.name: s for u, s in reads.items()} for v, reads in sol.operand_constraints.items()},
             "objective": sol.objective, "collective_bytes": sol.collective_bytes, "memory_bytes": sol.memory_bytes,
             "status": sol.status, "gap": sol.gap, "seconds": sol.seconds, "variables": sol.variables}
 
@@ -725,7 +722,8 @@ def _spec(s) -> tuple | None:
 def _from_record(r: dict, nodes: dict, where: str) -> Solution:
     sol = Solution([_spec(s) for s in r["input_specs"]])
     sol.specs = {nodes[k]: _spec(s) for k, s in r["specs"].items()}
-    sol.needs = {nodes[v]: {nodes[u]: _spec(s) for u, s in reads.items()} for v, reads in r["needs"].items()}
+    sol.operand_constraints = {nodes[v]: {nodes[u]: _spec(s) for u, s in reads.items()}
+                               for v, reads in r["needs"].items()}
     sol.objective, sol.collective_bytes, sol.memory_bytes = r["objective"], r["collective_bytes"], r["memory_bytes"]
     sol.status, sol.gap, sol.seconds, sol.variables = r["status"], r["gap"], r["seconds"], r["variables"]
     sol.cached = where
