@@ -385,7 +385,7 @@ class CompiledGraph:
             return self._run_paused(spec, args)
         finally:
             if paused:
-                _resume_tracebacks()
+                _resume_tracebacks(paused)
 
     def _run_paused(self, spec: _Specialization, args):
         self.executions += 1

@@ -253,12 +253,18 @@ def _private_launcher(exe, export):
     return launch_private
 
 
+# pause()'s answer for a call that runs recorded while a block needs recording on: truthy, so
+# the caller resumes it too (resume(kind)), which ends its membership of the recorded group.
+RECORDED = "recorded"
+
+
 @functools.cache
 def _private_traceback_pause():
     """jaxlib records the Python stack on every array it creates; for the hand-off's arrays
     (never seen by users) that is ~2 µs a call, ~10 µs under Dynamo's deeper stack. Returns
     (pause, resume, recording) over jaxlib's switch, or None if absent: one state per process.
-    `pause()` is True when the call runs paused; only then does the caller `resume()`.
+    `pause()` is True when the call runs paused (RECORDED when it runs recorded, see below);
+    then the caller `resume(kind)`s it.
 
     The switch is process-global, and jaxlib reads it more than once inside one execute (it
     sets up a traceback "user context" when recording is on, and demands one when it is on):
@@ -269,8 +275,9 @@ def _private_traceback_pause():
 
     Work that makes jax objects which outlive it (compiling an executable, a sharded call that
     keeps its results' shards) needs recording on throughout: `with recording():` waits until
-    no paused call is in flight, and while it lasts new calls run unpaused (recorded) instead
-    of waiting. jax code of the user's own running in another thread could still see the
+    no paused call is in flight. While it lasts, a new call waits for those too and runs
+    recorded (pause() returns RECORDED); the switch goes off again only once every recorded
+    call and block has ended, so no call of either kind runs under a flip. jax code of the user's own running in another thread could still see the
     switch flip; FX2XLA_PUBLIC_EXECUTE=1 (no pause, ~2-10 µs a call) rules that out."""
     try:
         from jax._src.lib import _jax
@@ -279,22 +286,37 @@ def _private_traceback_pause():
     except (ImportError, AttributeError):
         return None
     lock = threading.Lock()
-    count = [0, 0]  # paused calls in flight; `recording` blocks open (recording must stay on)
+    count = [0, 0]  # paused calls in flight; recording blocks and recorded calls in flight
     drained = threading.Event()  # set when the last paused call ends while a block waits
 
-    def pause_private() -> bool:
-        with lock:
-            if count[1]:
-                return False
-            if not count[0]:
-                if not enabled():  # the user turned recording off: leave the switch alone
-                    return False
-                set_enabled(False)
-            count[0] += 1
-        return True
+    def wait_drained() -> None:
+        # Paused calls in flight end in microseconds to seconds; bounded, never a hang.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with lock:
+                if not count[0]:
+                    return
+                drained.clear()
+            drained.wait(0.05)
 
-    def resume_private() -> None:
+    def pause_private():
         with lock:
+            if not count[1]:
+                if not count[0]:
+                    if not enabled():  # the user turned recording off: leave the switch alone
+                        return False
+                    set_enabled(False)
+                count[0] += 1
+                return True
+            count[1] += 1  # a block needs recording on: this call runs recorded, in its group
+        wait_drained()
+        return RECORDED
+
+    def resume_private(kind=True) -> None:
+        with lock:
+            if kind is RECORDED:
+                count[1] -= 1
+                return
             count[0] -= 1
             if not count[0]:
                 set_enabled(True)
@@ -306,15 +328,7 @@ def _private_traceback_pause():
         with lock:
             count[1] += 1
         try:
-            # Calls in flight end in microseconds to seconds. No path of ours records inside a
-            # paused call of its own thread, but were one to, the wait is bounded, not a hang.
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                with lock:
-                    if not count[0]:
-                        break
-                    drained.clear()
-                drained.wait(0.05)
+            wait_drained()
             yield
         finally:
             with lock:
@@ -327,14 +341,15 @@ def _public_traceback_pause():
     def pause_public() -> bool:
         return False
 
-    def resume_public() -> None:
+    def resume_public(kind=True) -> None:
         pass
 
     return pause_public, resume_public, contextlib.nullcontext
 
 
 def make_traceback_pause(public: bool | None = None):
-    """(pause, resume): `if pause(): ...; resume()` around a call's imports and launch."""
+    """(pause, resume): `kind = pause()` ... `if kind: resume(kind)` around a call's imports
+    and launch."""
     return _traceback_switch(public)[:2]
 
 

@@ -164,10 +164,11 @@ def test_traceback_pause_never_flips_under_another_thread(public):
 def test_recording_waits_for_paused_calls_and_new_calls_run_recorded():
     """A compile (or a sharded call keeping its shards) needs jaxlib's traceback recording on
     from start to end: `recording()` waits until no paused call is in flight, and while it
-    lasts new calls run unpaused instead of turning the switch off under it."""
+    lasts new calls run recorded instead of turning the switch off under it; the switch goes
+    off again only once every recorded call has ended too."""
     from jax._src.lib import _jax
 
-    from fx2xla.runtime.executor import make_recording
+    from fx2xla.runtime.executor import RECORDED, make_recording
 
     pause, resume = make_traceback_pause(False)
     recording = make_recording(False)
@@ -185,9 +186,14 @@ def test_recording_waits_for_paused_calls_and_new_calls_run_recorded():
     assert not inside.wait(0.3)  # the compile waits for the paused call
     resume()
     assert inside.wait(30) and states["on_inside"]
-    assert pause() is False and _jax.tracebacks_enabled()  # a new call runs recorded meanwhile
+    kind = pause()  # a new call runs recorded meanwhile, as a member of the recorded group
+    assert kind is RECORDED and _jax.tracebacks_enabled()
     release.set()
     t.join(30)
+    second = pause()  # the recorded call is still in flight: this one runs recorded too
+    assert second is RECORDED and _jax.tracebacks_enabled()
+    resume(second)
+    resume(kind)
     assert pause() is True and not _jax.tracebacks_enabled()  # and pauses again afterwards
     resume()
     assert _jax.tracebacks_enabled()
