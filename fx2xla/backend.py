@@ -32,8 +32,9 @@ OPTIONS = {
     "outputs": ("whole", '"whole": every output of a sharded graph comes back as one torch tensor; "sharded": '
                 'inference outputs that are sharded stay on their devices as fx2xla.ShardedTensor (assembled '
                 'only when torch needs them whole)'),
-    "memory_budget": (None, "sharding=\"auto\": bytes per device the inputs may hold (parameters counted four "
-                      "times in training: weights, gradients, two AdamW moments); None: no limit"),
+    "memory_budget": (None, "sharding=\"auto\": peak bytes per device the graph may hold: its inputs and the values "
+                      "live at once (in training, the parameters' gradients and two AdamW moments too), checked "
+                      "against XLA's memory analysis of the compiled executable; None: no limit"),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -100,7 +101,8 @@ def aot_wrappers_needed(meta, graph_inputs: int, dynamo_inputs: int) -> bool:
         return True
 
 
-def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None = None, dynamo_inputs=None):
+def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None = None, dynamo_inputs=None,
+             solution=None):
     from .compiled_graph import CompiledGraph
     from .runtime import device_for
 
@@ -118,10 +120,8 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     annotations, names, tensors = dynamo_inputs if dynamo_inputs is not None else (None, None, None)
     if annotations is not None and len(annotations) != len(example_inputs):
         annotations = names = tensors = None
-    solution = None
-    if options["sharding"] == "auto" and kind != "backward" and annotations is not None:
-        annotations, solution = _auto_annotations(gm, example_inputs, annotations, tensors, options,
-                                                  training=kind == "forward", names=names)
+    if options["sharding"] == "auto" and kind != "backward" and annotations is not None and solution is None:
+        return _compile_auto(gm, example_inputs, annotations, tensors, names, name, kind, options, made)
     if kind == "backward":
         annotations = _saved_annotations(gm, example_inputs)
     if options["fallback"] == "eager" and unsupported_nodes(gm):
@@ -188,17 +188,88 @@ def _saved_annotations(gm, example_inputs):
     return annotations if any(annotations) else None
 
 
-def _auto_annotations(gm, example_inputs, annotations, tensors, options, training: bool, names=None):
-    """Sharding=auto: the user's annotations as constraints, the solver's specs for the rest;
-    parameters are marked with theirs, so later graphs (the optimizer step) shard them alike."""
+def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, kind, options, made):
+    """sharding="auto": solve, compile, and check the executable's peak memory per device (XLA's
+    memory analysis) against the budget. The solver's estimate of a plan's peak misses what XLA
+    adds (temporaries of fusions and collectives, buffer packing): where the executable is over,
+    the plan is solved again under the budget less that miss, at most `_BUDGET_ROUNDS` times."""
+    from .passes.auto_sharding import InfeasibleBudget
+
+    budget = options["memory_budget"]
+    training = kind == "forward"
+    target, measured = budget, []
+    for _ in range(_BUDGET_ROUNDS):
+        try:
+            annotations, solution = _auto_annotations(gm, example_inputs, user_annotations, options, training,
+                                                      names, target)
+        except InfeasibleBudget:
+            if not measured:
+                raise
+            peak = None  # nothing fits the tightened budget: the error below says what was measured
+            break
+        compiled = _compile(gm, example_inputs, kind=kind, options=options, dynamo_inputs=(annotations, names, tensors),
+                            solution=solution)
+        peak = _step_peak(compiled, training)
+        solution.xla_peak_bytes = peak
+        if budget is None or peak is None or peak <= budget:
+            break
+        measured.append(peak)
+        # Less what XLA added to the solver's estimate, and at least by the overshoot.
+        target = min(target - (peak - budget), budget - (peak - solution.memory_bytes))
+        if target <= 0:
+            break
+    else:
+        peak = None
+    if budget is not None and (peak is None or peak > budget) and measured:
+        raise InfeasibleBudget(
+            f"fx2xla auto-sharding: graph {name}: no plan found whose compiled peak fits memory_budget="
+            f"{budget:,.0f} bytes per device on {options['mesh']}: XLA's memory analysis gave "
+            f"{', '.join(f'{m:,.0f}' for m in measured)} bytes for the plans tried (the solver's own estimate "
+            f"of the last was {solution.memory_bytes:,.0f})")
+    _mark_parameters(example_inputs, tensors, solution, options["mesh"].id)
+    if made is not None:
+        made.append((compiled, _fw_metadata()))
+    return compiled
+
+
+# Solves of one graph that the executable's measured peak may ask for (see _compile_auto).
+_BUDGET_ROUNDS = 4
+
+
+def _step_peak(compiled, training: bool) -> float | None:
+    """Peak bytes per device of a compiled graph by XLA's memory analysis (arguments, outputs
+    not written in place of an argument, temporaries), plus in a training step the gradients
+    and two AdamW moments of its parameters, laid out as the parameters; None for a graph
+    compiled per shape (dynamic) or a runtime without the analysis."""
+    from .compiled_graph import static_input_indices
+    from .sharding import _per_device
+
+    spec = compiled._static
+    try:
+        stats = spec.exe.get_compiled_memory_stats() if spec is not None else None
+    except Exception:  # noqa: BLE001  (a PJRT plugin without memory analysis)
+        stats = None
+    if stats is None:
+        return None
+    peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    if training and compiled.mesh is not None:
+        params = static_input_indices(len(compiled.example_inputs))
+        for i, (p, ex) in enumerate(zip(compiled.plan.inputs, compiled.example_inputs)):
+            if i in params and isinstance(ex, torch.Tensor):
+                peak += 3 * _per_device(tuple(ex.shape), p.sharding, compiled.mesh) * ex.element_size()
+    return float(peak)
+
+
+def _auto_annotations(gm, example_inputs, annotations, options, training: bool, names, budget):
+    """Sharding=auto: the user's annotations as constraints, the solver's specs for the rest."""
     from .compiled_graph import static_input_indices
     from .passes.auto_sharding import repeated_layers, solve_cached
-    from .sharding import Annotation, annotation_of
+    from .sharding import Annotation
 
     mesh = options["mesh"]
     fixed = [a.spec if a is not None and a.mesh_id == mesh.id else None for a in annotations]
     parameters = static_input_indices(len(example_inputs))
-    solution = solve_cached(gm, mesh.shape, memory_budget=options["memory_budget"], fixed=fixed,
+    solution = solve_cached(gm, mesh.shape, memory_budget=budget, fixed=fixed,
                             parameters=parameters, training=training, ties=repeated_layers(gm, names))
     out = []
     for i, (ann, spec) in enumerate(zip(annotations, solution.input_specs)):
@@ -206,10 +277,22 @@ def _auto_annotations(gm, example_inputs, annotations, tensors, options, trainin
             out.append(ann)
             continue
         out.append(Annotation(mesh.id, spec, "auto"))
-        t = tensors[i]() if tensors is not None else None
-        if i in parameters and t is not None and annotation_of(t) is None:
-            t._fx2xla_sharding = Annotation(mesh.id, spec, "auto")
     return out, solution
+
+
+def _mark_parameters(example_inputs, tensors, solution, mesh_id: int) -> None:
+    """Parameters are marked with the solution's specs, so later graphs (the optimizer step)
+    shard them alike."""
+    from .compiled_graph import static_input_indices
+    from .sharding import Annotation, annotation_of
+
+    if tensors is None:
+        return
+    for i in static_input_indices(len(example_inputs)):
+        spec = solution.input_specs[i] if i < len(solution.input_specs) else None
+        t = tensors[i]() if i < len(tensors) else None
+        if spec is not None and t is not None and annotation_of(t) is None:
+            t._fx2xla_sharding = Annotation(mesh_id, spec, "auto")
 
 
 def _refuse_sharded_islands(gm, annotations, name: str) -> None:

@@ -536,7 +536,10 @@ def explain_sharding(graph=None, file=None) -> str:
             origin = f" (reused from the {solution.cached} cache)" if getattr(solution, "cached", None) else ""
             lines.append(f"  auto-sharding{origin}: {solution.status} in {solution.seconds:.2f} s ({solution.variables} "
                          f"variables); predicted: {_fmt_bytes(solution.collective_bytes)} of collectives per device, "
-                         f"{_fmt_bytes(solution.memory_bytes)} of inputs per device, ~{solution.objective * 1e3:.3f} ms")
+                         f"peak {_fmt_bytes(solution.memory_bytes)} per device ({_fmt_bytes(solution.input_bytes)} of "
+                         f"inputs), ~{solution.objective * 1e3:.3f} ms"
+                         + (f"; compiled peak {_fmt_bytes(solution.xla_peak_bytes)} per device (XLA's memory analysis)"
+                            if getattr(solution, "xla_peak_bytes", None) is not None else ""))
         placeholders = [n for n in g.gm.graph.nodes if n.op == "placeholder"]
         names = getattr(g, "input_names", None) or [n.name for n in placeholders]
         rows = [("input", n, p.sharding, name) for n, p, name in zip(placeholders, plan.inputs, names) if p.passed]
