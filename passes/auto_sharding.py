@@ -763,6 +763,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
                 coeffs[j] = coeffs.get(j, 0.0) + nbytes
         memory_rows.append(coeffs)
     unbounded: list[int] = []
+    budget_rows: list[int] = []
     if memory_budget is not None:
         # Each value's bytes (and the inputs') as one continuous variable, defined once: a row
         # per peak step then holds one coefficient per live value rather than one per strategy
@@ -790,6 +791,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
             key = tuple(sorted(acc.items()))
             if key not in seen:
                 seen.add(key)
+                budget_rows.append(len(lo))
                 row(list(key), -np.inf, float(memory_budget))
     n_vars = len(cost)
     upper = np.ones(n_vars)
@@ -803,9 +805,12 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     seconds = time.perf_counter() - t0
     if res.x is None:
         if memory_budget is not None and res.status == 2:
+            least = _least_peak(a, lo, hi, integer, upper, budget_rows, time_limit)
             raise InfeasibleBudget(f"fx2xla auto-sharding: no sharding of this graph fits {memory_budget:,.0f} "
                                    f"bytes per device on a mesh {sizes} (its inputs, and the values live at "
-                                   f"once at its peak, checked at {len(memory_rows)} steps)")
+                                   f"once at its peak, checked at {len(memory_rows)} steps); "
+                                   + (f"the least any plan holds is about {least:,.0f} bytes by this estimate"
+                                      if least is not None else "no least peak was found within the time limit"))
         raise RuntimeError(f"fx2xla auto-sharding: the solver stopped without a solution ({res.message})")
     x = res.x
     pick = {n: max(range(len(strategies[n])), key=lambda k: x[index[(n, k)]]) for n in nodes if root[n] is n}
@@ -834,6 +839,25 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     sol.variables = n_vars
     sol.tied = len(tied)
     return sol
+
+
+def _least_peak(a, lo, hi, integer, upper, budget_rows, time_limit) -> float | None:
+    """The smallest peak any plan holds, by the program's own estimate: its rows with the peak
+    steps' bound replaced by one more variable, minimised. None if the solver stops first."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array, hstack
+
+    n = a.shape[1]
+    col = coo_array((-np.ones(len(budget_rows)), (budget_rows, np.zeros(len(budget_rows), dtype=int))),
+                    shape=(a.shape[0], 1))
+    hi = np.array(hi, dtype=float)
+    hi[budget_rows] = 0.0
+    cost = np.zeros(n + 1)
+    cost[n] = 1.0
+    res = milp(cost, constraints=LinearConstraint(hstack([a, col]).tocsr(), lo, hi),
+               integrality=np.array(list(integer) + [0]), bounds=Bounds(np.zeros(n + 1), np.append(upper, np.inf)),
+               options={"time_limit": time_limit, "mip_rel_gap": 1e-3, "disp": False})
+    return None if res.x is None else float(res.x[n])
 
 
 # Solutions by key, in this process; on disk beside the executables (FX2XLA_CACHE_DIR), so a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import re
 
 import pytest
 import torch
@@ -298,7 +299,8 @@ def test_live_values_count_towards_the_budget():
     parallel (2.5 MiB of inputs, 5 MiB at its peak per device) is refused under 4.75 MiB, and
     the plan chosen holds at most the budget at every step by the solver's estimate. The
     schedule: the first matmul's result is fused into gelu (its epilogue), whose result lives
-    from that matmul to the second; the output lives to the end; views are not counted."""
+    from that matmul to the second; the output lives to the end; views are not counted. Under
+    4.5 MiB nothing fits, and the error names the least peak any plan holds."""
     from fx2xla.passes.auto_sharding import live_values
 
     def f(x, w1, b1, w2, b2):
@@ -327,6 +329,12 @@ def test_live_values_count_towards_the_budget():
     # (Split on either dim: the two plans cost the same.)
     assert sol.input_specs[0] == (("d",), ()) and sol.input_specs[1] in ((("d",), ()), ((), ("d",)))
     assert sol.collective_bytes == pytest.approx(1024 * 256 * 4 * 7 / 8)
+    # Under 4.5 MiB nothing fits; the error gives the least peak any plan holds: this plan's,
+    # within the solver's 0.1% gap.
+    with pytest.raises(InfeasibleBudget, match="least any plan holds is about") as err:
+        solve(gm, {"d": 8}, parameters=PARAMS, memory_budget=4.5 * mib)
+    least = float(re.search(r"about ([\d,]+) bytes", str(err.value)).group(1).replace(",", ""))
+    assert least == pytest.approx(sol.memory_bytes, rel=1e-3)
 
 
 def test_the_compiled_peak_is_checked_against_the_budget():
