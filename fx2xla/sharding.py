@@ -481,7 +481,9 @@ def collectives(hlo_text: str) -> list[Collective]:
     pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
     found = []
     for line in hlo_text.splitlines():
-        m = pattern.search(line)
+        # A long tuple's shape numbers its elements in comments, "/*index=5*/", whose "=" would
+        # end the match early and drop the shapes before it.
+        m = pattern.search(re.sub(r"/\*.*?\*/", "", line))
         if m is None:
             continue
         types = re.findall(r"([a-z]+\d*)\[([\d,]*)\]", m.group(1))
