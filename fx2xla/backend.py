@@ -149,7 +149,22 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
         made.append((compiled, _fw_metadata()))
     if kind == "forward" and compiled.mesh is not None:
         _forward_shardings[_compile_key()] = _result_annotations(compiled)
+    if kind == "backward" and options["sharding"] == "auto" and options["memory_budget"] is not None:
+        _warn_if_over_budget(compiled, options["memory_budget"])
     return compiled
+
+
+def _warn_if_over_budget(compiled, budget: float) -> None:
+    """The plan is solved on the forward graph: the backward's temporaries are not in it. Its
+    compiled peak over the budget is said, once, when it compiles."""
+    peak = _step_peak(compiled, training=False)
+    if peak is not None and peak > budget:
+        import warnings
+
+        warnings.warn(f"fx2xla auto-sharding: backward graph {compiled.name} holds {peak:,.0f} bytes per device at "
+                      f"its peak (XLA's memory analysis), over memory_budget={budget:,.0f}: the budget plans the "
+                      f"forward graph, the activations it saves, and the gradients and AdamW moments, not the "
+                      f"backward's own temporaries", stacklevel=2)
 
 
 # A sharded forward graph's result shardings, by compile id, until its backward is compiled:

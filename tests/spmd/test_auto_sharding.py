@@ -426,3 +426,39 @@ def test_advanced_indexing_has_a_rule():
     assert g.auto_sharding.collective_bytes == 0
     # The only collective: the index check's flag (an out-of-range id on any device raises).
     assert [(c.op, c.type) for c in collectives(optimized_hlo_text(g._static.exe))] == [("all-reduce", "pred[]")]
+
+
+def test_a_backward_over_the_budget_is_said():
+    """In training the plan is solved on the forward graph (its peak, the activations it saves,
+    gradients and AdamW moments); the backward's own temporaries are not planned. When the
+    backward compiles to a peak over the budget (XLA's memory analysis), a warning names the
+    graph and both figures; under the budget, none. The gradients equal eager's (float32
+    tolerances)."""
+    import warnings
+
+    torch.manual_seed(0)
+    x, y = torch.randn(512, 256), torch.randn(512, 256)
+    warned = {}
+    for budget in (3 << 20, 4 << 20):
+        torch._dynamo.reset()
+        model = mlp()
+        ref = copy.deepcopy(model)
+        F.mse_loss(ref(x), y).backward()
+        before = {id(g) for g in live_graphs}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn = torch.compile(model, backend="fx2xla",
+                               options={"sharding": "auto", "mesh": fx2xla.Mesh((8,), ("x",)), "memory_budget": budget})
+            F.mse_loss(fn(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **tolerance(torch.float32))
+        graphs = {g.name.rsplit("_", 1)[-1]: g for g in live_graphs if id(g) not in before}
+        assert graphs["forward"].auto_sharding.xla_peak_bytes <= budget
+        messages = [str(w.message) for w in caught if "backward graph" in str(w.message)]
+        over = peak_of(graphs["backward"]) > budget
+        assert len(messages) == int(over)
+        if over:
+            assert f"holds {peak_of(graphs['backward']):,.0f} bytes" in messages[0]
+            assert f"memory_budget={budget:,.0f}" in messages[0]
+        warned[budget] = over
+    assert warned == {3 << 20: True, 4 << 20: False}
