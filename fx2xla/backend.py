@@ -124,6 +124,8 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
         return _compile_auto(gm, example_inputs, annotations, tensors, names, name, kind, options, made)
     if kind == "backward":
         annotations = _saved_annotations(gm, example_inputs)
+        if options["sharding"] == "auto" and annotations is not None and solution is None:
+            annotations, solution = _auto_backward(gm, example_inputs, annotations, options)
     if options["fallback"] == "eager" and unsupported_nodes(gm):
         _refuse_sharded_islands(gm, annotations, name)
         from .compiled_graph import static_input_indices
@@ -155,16 +157,15 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
 
 
 def _warn_if_over_budget(compiled, budget: float) -> None:
-    """The plan is solved on the forward graph: the backward's temporaries are not in it. Its
-    compiled peak over the budget is said, once, when it compiles."""
+    """The backward's inputs are fixed by the forward's plan, and its compiled peak is not solved
+    again: over the budget, it is said, once, when it compiles."""
     peak = _step_peak(compiled, training=False)
     if peak is not None and peak > budget:
         import warnings
 
         warnings.warn(f"fx2xla auto-sharding: backward graph {compiled.name} holds {peak:,.0f} bytes per device at "
-                      f"its peak (XLA's memory analysis), over memory_budget={budget:,.0f}: the budget plans the "
-                      f"forward graph, the activations it saves, and the gradients and AdamW moments, not the "
-                      f"backward's own temporaries", stacklevel=2)
+                      f"its peak (XLA's memory analysis), over memory_budget={budget:,.0f}: its inputs are the activations "
+                      f"the forward's plan saved, laid out as that plan left them", stacklevel=2)
 
 
 # A sharded forward graph's result shardings, by compile id, until its backward is compiled:
@@ -201,6 +202,25 @@ def _saved_annotations(gm, example_inputs):
             ann = out[1] if out is not None and isinstance(ex, torch.Tensor) and tuple(ex.shape) == out[0] else None
         annotations.append(ann)
     return annotations if any(annotations) else None
+
+
+def _auto_backward(gm, example_inputs, annotations, options):
+    """sharding="auto" in training: the backward graph solved too, its inputs (the activations
+    the forward saved, the tangents) fixed in the layouts the forward gave them, so that its own
+    values are laid out by the same costs (and the budget) rather than left to XLA's
+    propagation."""
+    from .passes.auto_sharding import InfeasibleBudget, solve_cached
+    from .sharding import Annotation
+
+    mesh = options["mesh"]
+    fixed = [a.spec if a is not None and a.mesh_id == mesh.id else None for a in annotations]
+    try:
+        solution = solve_cached(gm, mesh.shape, fixed=fixed, memory_budget=options["memory_budget"])
+    except InfeasibleBudget:  # its inputs are fixed: the cheapest plan, and a warning once compiled
+        solution = solve_cached(gm, mesh.shape, fixed=fixed)
+    out = [a if a is not None or spec is None or not isinstance(ex, torch.Tensor) else Annotation(mesh.id, spec, "auto")
+           for a, spec, ex in zip(annotations, solution.input_specs, example_inputs)]
+    return out, solution
 
 
 def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, kind, options, made):

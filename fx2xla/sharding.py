@@ -466,11 +466,27 @@ _HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16":
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective in an optimized HLO module: op, result type (per device), bytes."""
+    """One collective in an optimized HLO module: op, result type (per device), bytes of the
+    result, and the devices in each of its groups (0: not read from the HLO)."""
 
     op: str
     type: str
     bytes: int
+    group: int = 0
+
+    @property
+    def moved(self) -> float:
+        """Bytes each device sends by a ring over its group: what the auto-sharding cost model
+        prices. An all-reduce moves 2 (n-1)/n of its result, an all-gather or all-to-all
+        (n-1)/n, a reduce-scatter (n-1) times its result (a 1/n share of its operand), a
+        permute its result. Unknown group: the result's bytes."""
+        n = self.group
+        if n == 1:
+            return 0.0
+        if n < 1 or self.op == "collective-permute":
+            return float(self.bytes)
+        share = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1}.get(self.op, (n - 1) / n)
+        return self.bytes * share
 
 
 def collectives(hlo_text: str) -> list[Collective]:
@@ -490,8 +506,27 @@ def collectives(hlo_text: str) -> list[Collective]:
         sizes = [_HLO_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in types]
         # An async start returns (operand, result, ...): its last shape is the result.
         nbytes = sizes[-1] if m.group(3) and sizes else sum(sizes)
-        found.append(Collective(m.group(2), m.group(1).strip(), nbytes))
+        found.append(Collective(m.group(2), m.group(1).strip(), nbytes, _group_size(line)))
     return found
+
+
+def _group_size(line: str) -> int:
+    """The devices in each replica group of an HLO collective, in any of the forms XLA prints:
+    `mesh['x'=2,'y'=4] {'y'}` (the named axes' sizes), `[2,4]<=[8]` (groups x size, an iota),
+    `{{0,1},{2,3}}` (explicit). 0 if there is none to read."""
+    import re
+
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m is not None:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        return math.prod(sizes.get(a, 1) for a in re.findall(r"'([^']+)'", m.group(2)))
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+    if m is not None:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m is not None:
+        return len([d for d in m.group(1).split(",") if d])
+    return 0
 
 
 def _fmt_bytes(n: float) -> str:

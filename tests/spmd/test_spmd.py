@@ -611,3 +611,24 @@ def test_collectives_count_every_element_of_a_tuple():
     found = collectives(optimized_hlo_text(bw._static.exe))
     assert {c.op for c in found} == {"all-reduce"}
     assert sum(c.bytes for c in found) == sum(p.numel() for p in model.parameters()) * 4
+    # Over the 8 devices of the mesh, a ring all-reduce sends 2 * 7/8 of those bytes.
+    assert all(c.group == 8 for c in found)
+    assert sum(c.moved for c in found) == pytest.approx(sum(c.bytes for c in found) * 2 * 7 / 8)
+
+
+def test_collectives_read_their_group_size():
+    """Each form XLA prints replica groups in gives the group's size, and `moved` the bytes a
+    ring over it sends per device: all-reduce 2 (n-1)/n of its result, all-gather (n-1)/n,
+    reduce-scatter (n-1) times its result, a group of one nothing."""
+    cases = [
+        ("%a = f32[64,64]{1,0} all-gather(%p), replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={0}",
+         8, 16384 * 7 / 8),
+        ("%b = f32[16]{0} all-reduce(%p), channel_id=2, replica_groups=[2,4]<=[8], to_apply=%s", 4, 64 * 2 * 3 / 4),
+        ("%c = f32[16]{0} all-reduce(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%s", 2, 64.0),
+        ("%d = f32[2]{0} reduce-scatter(%p), replica_groups=mesh['a'=2,'b'=4] {'a','b'}, dimensions={0}", 8, 8 * 7),
+        ("%e = f32[4]{0} all-to-all(%p), replica_groups=mesh['a'=2,'b'=4] {'a'}, dimensions={0}", 2, 16 / 2),
+        ("%f = f32[4]{0} all-reduce(%p), replica_groups=mesh['a'=2,'b'=4] {}, to_apply=%s", 1, 0.0),
+    ]
+    for line, group, moved in cases:
+        (c,) = collectives(line)
+        assert (c.group, c.moved) == (group, moved), line
