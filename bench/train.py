@@ -64,14 +64,16 @@ def loss_fn(out, target):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
-def make_step(model, backend: str | None, x, y, foreach: bool | None = None, loss=loss_fn, lr: float = 1e-4):
+def make_step(model, backend: str | None, x, y, foreach: bool | None = None, loss=loss_fn, lr: float = 1e-4,
+              options: dict | None = None):
     """A training step closure for one contender (backend None: eager). foreach None is
-    torch's default, which on CPU is the single-tensor AdamW."""
+    torch's default, which on CPU is the single-tensor AdamW. `options`: the backend's, for the
+    model (the optimizer step is compiled without them)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
     if backend is None:
         forward, opt_step = model, opt.step
     else:
-        forward = torch.compile(model, backend=backend)
+        forward = torch.compile(model, backend=backend, options=options)
         opt_step = torch.compile(opt.step, backend=backend)
 
     def step():
