@@ -228,6 +228,7 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
     memory analysis) against the budget. The solver's estimate of a plan's peak misses what XLA
     adds (temporaries of fusions and collectives, buffer packing): where the executable is over,
     the plan is solved again under the budget less that miss, at most `_BUDGET_ROUNDS` times."""
+    from .metrics import live_graphs
     from .passes.auto_sharding import InfeasibleBudget
 
     budget = options["memory_budget"]
@@ -249,6 +250,7 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
         if budget is None or peak is None or peak <= budget:
             break
         measured.append(peak)
+        live_graphs.discard(compiled)  # not the graph that runs: out of reports and metrics now
         # Less what XLA added to the solver's estimate, and at least by the overshoot.
         target = min(target - (peak - budget), budget - (peak - solution.memory_bytes))
         if target <= 0:

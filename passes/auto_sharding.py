@@ -738,7 +738,8 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
             j = index[(root[p], k)]
             held[j] = held.get(j, 0.0) + whole / max(1, _parts(st.out, sizes))
     for v in nodes:  # attention's scores, [batch, heads, queries, keys], while it runs
-        if _multi_output(v) and v.target in _ATTENTION and (root[v] is v or v in tied):
+        if _multi_output(v) and v.target in _ATTENTION and (root[v] is v or v in tied) \
+                and len(_shape(_operands(v)[0])) == 4 and len(_operands(v)) >= 3:
             (b, h, sq, _), sk = _shape(_operands(v)[0]), _shape(_operands(v)[1])[2]
             scores = {}
             for k, st in enumerate(strategies[v]):
