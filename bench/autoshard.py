@@ -89,7 +89,7 @@ from spmd import apply_plan  # noqa: E402
 from train import make_step  # noqa: E402
 
 from fx2xla.metrics import live_graphs  # noqa: E402
-from fx2xla.runtime.executor import optimized_hlo_text  # noqa: E402
+from fx2xla.runtime.executor import optimized_hlo_text, peak_bytes  # noqa: E402
 from fx2xla.sharding import collectives  # noqa: E402
 from fx2xla.testing import LogitsOnly, gpt2, llama, mlp, token_ids  # noqa: E402
 
@@ -132,11 +132,7 @@ def compiled_figures(model, x, options=None) -> tuple:
     stats = g._static.exe.get_compiled_memory_stats()
     found = collectives(optimized_hlo_text(g._static.exe))
     coll, moved = sum(c.bytes for c in found), sum(c.moved for c in found)
-    # Peak per device as XLA's memory analysis gives it: inputs, outputs (less those written in
-    # place of an input) and temporaries live at once.
-    peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-            + stats.temp_size_in_bytes)
-    return fn, {"arguments_per_device": stats.argument_size_in_bytes, "peak_per_device": peak,
+    return fn, {"arguments_per_device": stats.argument_size_in_bytes, "peak_per_device": peak_bytes(stats),
                 "collective_bytes": coll, "collective_moved": moved}, g
 
 
@@ -247,8 +243,7 @@ def step_figures(graphs, model, mesh) -> dict:
             per_graph[g.name] = {"kind": kind, "compiled": False}
             continue
         stats = g._static.exe.get_compiled_memory_stats()
-        peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-                + stats.temp_size_in_bytes)
+        peak = peak_bytes(stats)
         ops: dict = {}
         found = collectives(optimized_hlo_text(g._static.exe))
         for c in found:

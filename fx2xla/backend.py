@@ -210,17 +210,28 @@ def _auto_backward(gm, example_inputs, annotations, options):
     values are laid out by the same costs (and the budget) rather than left to XLA's
     propagation."""
     from .passes.auto_sharding import InfeasibleBudget, solve_cached
-    from .sharding import Annotation
 
     mesh = options["mesh"]
-    fixed = [a.spec if a is not None and a.mesh_id == mesh.id else None for a in annotations]
+    fixed = _fixed_specs(annotations, mesh)
     try:
         solution = solve_cached(gm, mesh.shape, fixed=fixed, memory_budget=options["memory_budget"])
     except InfeasibleBudget:  # its inputs are fixed: the cheapest plan, and a warning once compiled
         solution = solve_cached(gm, mesh.shape, fixed=fixed)
-    out = [a if a is not None or spec is None or not isinstance(ex, torch.Tensor) else Annotation(mesh.id, spec, "auto")
-           for a, spec, ex in zip(annotations, solution.input_specs, example_inputs)]
-    return out, solution
+    return _solved_annotations(annotations, solution, example_inputs, mesh), solution
+
+
+def _fixed_specs(annotations, mesh) -> list:
+    """Per input, the spec an annotation on `mesh` fixes (a constraint of the program), or None."""
+    return [a.spec if a is not None and a.mesh_id == mesh.id else None for a in annotations]
+
+
+def _solved_annotations(annotations, solution, example_inputs, mesh) -> list:
+    """The inputs' annotations: the given ones, and the solver's spec (marked "auto") for the
+    other tensors."""
+    from .sharding import Annotation
+
+    return [a if a is not None or spec is None or not isinstance(ex, torch.Tensor) else Annotation(mesh.id, spec, "auto")
+            for a, spec, ex in zip(annotations, solution.input_specs, example_inputs)]
 
 
 def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, kind, options, made):
@@ -279,6 +290,7 @@ def _step_peak(compiled, training: bool) -> float | None:
     and two AdamW moments of its parameters, laid out as the parameters; None for a graph
     compiled per shape (dynamic) or a runtime without the analysis."""
     from .compiled_graph import static_input_indices
+    from .runtime.executor import peak_bytes
     from .sharding import _per_device
 
     spec = compiled._static
@@ -288,7 +300,7 @@ def _step_peak(compiled, training: bool) -> float | None:
         stats = None
     if stats is None:
         return None
-    peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    peak = peak_bytes(stats)
     if training and compiled.mesh is not None:
         params = static_input_indices(len(compiled.example_inputs))
         for i, (p, ex) in enumerate(zip(compiled.plan.inputs, compiled.example_inputs)):
@@ -301,20 +313,12 @@ def _auto_annotations(gm, example_inputs, annotations, options, training: bool, 
     """Sharding=auto: the user's annotations as constraints, the solver's specs for the rest."""
     from .compiled_graph import static_input_indices
     from .passes.auto_sharding import repeated_layers, solve_cached
-    from .sharding import Annotation
 
     mesh = options["mesh"]
-    fixed = [a.spec if a is not None and a.mesh_id == mesh.id else None for a in annotations]
-    parameters = static_input_indices(len(example_inputs))
-    solution = solve_cached(gm, mesh.shape, memory_budget=budget, fixed=fixed,
-                            parameters=parameters, training=training, ties=repeated_layers(gm, names))
-    out = []
-    for i, (ann, spec) in enumerate(zip(annotations, solution.input_specs)):
-        if ann is not None or spec is None or not isinstance(example_inputs[i], torch.Tensor):
-            out.append(ann)
-            continue
-        out.append(Annotation(mesh.id, spec, "auto"))
-    return out, solution
+    solution = solve_cached(gm, mesh.shape, memory_budget=budget, fixed=_fixed_specs(annotations, mesh),
+                            parameters=static_input_indices(len(example_inputs)), training=training,
+                            ties=repeated_layers(gm, names))
+    return _solved_annotations(annotations, solution, example_inputs, mesh), solution
 
 
 def _mark_parameters(example_inputs, tensors, solution, mesh_id: int) -> None:

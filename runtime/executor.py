@@ -206,6 +206,14 @@ def optimized_hlo_text(exe) -> str:
     return "\n\n".join(m.to_string() for m in exe.hlo_modules())
 
 
+def peak_bytes(stats) -> int:
+    """Peak bytes per device by XLA's memory analysis (`exe.get_compiled_memory_stats()`): the
+    arguments, the outputs not written in place of an argument, and the temporaries, live at
+    once."""
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            + stats.temp_size_in_bytes)
+
+
 def _public_launcher(exe, export):
     execute = exe.execute
     if not callable(export):  # one export per result
