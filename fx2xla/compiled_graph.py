@@ -9,6 +9,7 @@ import itertools
 import os
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -23,7 +24,7 @@ from .runtime.client import device_of
 from .sharding import ShardedTensor, mesh_by_id
 from .runtime.executor import (make_launcher, make_recording, make_sharded_launcher, make_traceback_pause,
                                optimized_hlo_text)
-from .runtime.handoff import make_exporter, make_importer
+from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_order
 
 _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
 _recording = make_recording()
@@ -93,8 +94,9 @@ def _raise_failed_now(code: torch.Tensor, records) -> None:
 def _assert_async_private(code: torch.Tensor, records) -> None:
     # Enqueued on the tensor's stream: the call stays asynchronous, and a failure surfaces at
     # the next synchronisation, like the device-side asserts of eager CUDA's index kernels.
-    torch._assert_async(code == 0, "fx2xla: an index was out of range: " +
-                        " | ".join(r.message.splitlines()[0] for r in records))
+    # torch caps the message at 254 characters: the op names; the full text is the records'.
+    ops = ", ".join(dict.fromkeys(r.message.split(":")[1].strip() for r in records if r.message.count(":") > 1))
+    torch._assert_async(code == 0, f"fx2xla: index out of range in {ops}"[:254])
 
 
 def make_check_raiser(platform: str, public: bool | None = None):
@@ -250,6 +252,12 @@ class CompiledGraph:
         self._jax_device = device.jax_device
         self._torch_device = plan.torch_device
         self._import_tensor = make_importer(platform=device.platform)
+        # CUDA: jax's import stream waits once per call for the torch kernels that made the
+        # inputs (see handoff.make_stream_order); inputs are made aligned before that.
+        gpu_torch = plan.torch_device is not None and plan.torch_device.type == "cuda"
+        self._order_in = make_stream_order(platform=device.platform) if gpu_torch else None
+        self._torch_index = plan.torch_device.index if gpu_torch else None
+        self._align = gpu_torch
         self._tensor_positions = [i for i, p in enumerate(plan.inputs) if p.kind != "symint"]
         self.dynamic = any(
             isinstance(v, torch.SymInt)
@@ -316,8 +324,22 @@ class CompiledGraph:
         t0 = time.perf_counter()
         lowered = lower_graph(self.gm, self.plan, self.example_inputs, args, check_indices=self.check_indices)
         t1 = time.perf_counter()
-        exe = compile_module(lowered.module_text, self.device,
-                             mesh_devices=None if self.mesh is None else tuple(self.mesh.devices.flat))
+        mesh_devices = None if self.mesh is None else tuple(self.mesh.devices.flat)
+        try:
+            exe = compile_module(lowered.module_text, self.device, mesh_devices=mesh_devices)
+        except Exception as e:  # noqa: BLE001
+            if "cudnn" not in lowered.module_text:
+                raise
+            # XLA or cuDNN refused a fused attention that jax's checks let through (a head
+            # dim, a mask form, this cuDNN version): the math rules lower it instead.
+            from .lowering.nn import cudnn_attention_disabled
+
+            warnings.warn(f"fx2xla: graph {self.name}: cuDNN fused attention did not compile "
+                          f"({str(e).splitlines()[0][:300]}); attention runs on the math rules instead")
+            with cudnn_attention_disabled():
+                lowered = lower_graph(self.gm, self.plan, self.example_inputs, args, check_indices=self.check_indices)
+            t1 = time.perf_counter()
+            exe = compile_module(lowered.module_text, self.device, mesh_devices=mesh_devices)
         counters.lower_seconds += t1 - t0
         counters.specializations += 1
         suffix = "" if args is None else "_" + "_".join("x".join(map(str, s)) for s, _ in lowered.arg_shapes)[:80]
@@ -363,6 +385,8 @@ class CompiledGraph:
                 continue
             with torch.no_grad():
                 stacked = torch.cat([args[i] for i in group])
+            if not move:
+                self._order()
             buf = self._import_tensor(stacked, self._jax_device) if not move else self._moved(stacked, move)
             valid = epoch if self._resident_args.issuperset(group) else -1
             cache[group] = (valid, stacked, buf)
@@ -394,6 +418,8 @@ class CompiledGraph:
             bufs += self._concat_buffers(spec.lowered.input_concats, args)
         if spec.lowered.needs_seed:  # random ops: a fresh seed from torch's generator of that device
             seed = draw_seed(self.plan.seed_device)
+            if not self._seed_move:
+                self._order()
             bufs.append(self._import_tensor(seed, self._jax_device) if not self._seed_move
                         else self._moved(seed, self._seed_move))
         held = {i: args[i] for i in spec.input_outputs} if spec.input_outputs else None
@@ -445,6 +471,7 @@ class CompiledGraph:
         import_tensor = self._import_tensor
         resident = self._resident
         bufs = []
+        fresh = []  # inputs to import, made dense (and aligned) in torch first
         for i, j, kind, perm, move, twin in self._import_steps:
             t = args[i]
             if j >= 0:  # a parameter/buffer: its device buffer stays resident
@@ -454,18 +481,33 @@ class CompiledGraph:
                     bufs.append(r[3])
                     continue
             dense = t if kind == "tensor" else t.permute(perm) if kind == "permuted" else t.contiguous()
-            buf = import_tensor(dense, dev) if not move else self._moved(dense, move, twin)
-            if j >= 0:
-                resident[j] = (t, t._version, t.data_ptr(), buf)
-                self._resident_epoch = next(_epochs)
-                self._hold(t, j)
-            bufs.append(buf)
+            if move == "torch":  # (a CPU scalar beside CUDA tensors) moved before the order below
+                dense, move = dense.to(self._torch_device, non_blocking=True), ""
+            if self._align and not move:
+                dense = aligned(dense)
+            fresh.append((len(bufs), dense, move, twin, j, t))
+            bufs.append(None)
+        if fresh:
+            if self._order_in is not None:  # once per call, after every torch kernel queued above
+                self._order_in(dev, self._torch_index)
+            for pos, dense, move, twin, j, t in fresh:
+                buf = import_tensor(dense, dev) if not move else self._moved(dense, move, twin)
+                if j >= 0:
+                    resident[j] = (t, t._version, t.data_ptr(), buf)
+                    self._resident_epoch = next(_epochs)
+                    self._hold(t, j)
+                bufs[pos] = buf
         for i, j in self._check_steps:
             t, r = args[i], resident[j]
             if r is None or r[0] is not t or r[1] != t._version or r[2] != t.data_ptr():
                 resident[j] = (t, t._version, t.data_ptr(), None)
                 self._resident_epoch = next(_epochs)
         return bufs
+
+    def _order(self) -> None:
+        """jax's import stream waits for torch's current stream (CUDA; see _import)."""
+        if self._order_in is not None:
+            self._order_in(self._jax_device, self._torch_index)
 
     def _input_move(self, p):
         """An input's move (plan.MOVES); for a sharded graph, the jax sharding it is handed over
@@ -482,7 +524,9 @@ class CompiledGraph:
         writes into the shards (which must then be XLA's own, never a view of `t`'s memory),
         and how far AOTAutograd moved `t`'s version since the shards were recorded."""
         if move == "torch":
-            return self._import_tensor(t.to(self._torch_device), self._jax_device)
+            t = t.to(self._torch_device, non_blocking=True)
+            self._order()
+            return self._import_tensor(aligned(t) if self._align else t, self._jax_device)
         import jax
 
         if move != "pjrt":
@@ -499,6 +543,7 @@ class CompiledGraph:
                 t = t.cpu()
             elif t.device != self._torch_device:
                 t = t.to(self._torch_device)
+            self._order()
             if self.mesh.spans_processes:  # only this process's devices' shards, each from its slice
                 def piece(index):  # (a donated shard must be a copy, never a view of `t`)
                     part = t[index].clone() if donated else t[index].contiguous()
@@ -589,7 +634,7 @@ def _restride(t: torch.Tensor, stride) -> torch.Tensor:
         index = tuple(slice(0, 1) if d in zero else slice(None) for d in range(t.dim()))
         return t[index].contiguous().expand(t.shape)
     try:
-        return torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
+        return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
     except RuntimeError:
         return t
 

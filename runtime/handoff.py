@@ -6,9 +6,9 @@ as the fallback. `FX2XLA_PUBLIC_DLPACK=1` forces the public paths.
 
 On CUDA the hand-off is stream-ordered and never blocks the host, as DLPack's stream protocol
 prescribes (jax's own `from_dlpack` / `torch.from_dlpack` do the same):
-- in: torch makes jax's stream for external buffers wait on torch's current stream (an event,
-  device-side), and the buffer jax builds is defined on that stream, so XLA reads an input only
-  after the torch kernels that wrote it;
+- in: jax's stream for external buffers waits on torch's current stream (one event per call,
+  device-side, after the torch kernels that make the call's inputs), and the buffers jax builds
+  are defined on that stream, so XLA reads an input only after the torch kernels that wrote it;
 - out: jax makes torch's current stream wait on the result's definition event, so torch's next
   kernels read an output only after XLA wrote it. Without a stream, jax would block the host
   until the result is ready: a host sync per executable per call.
@@ -98,11 +98,21 @@ def _dlpack_stream(handle: int) -> int:
     return handle or 1
 
 
+_ALIGNMENT = 16  # XLA GPU kernels assume entry parameters aligned to 16 bytes (kEntryParameterAlignBytes)
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it where its memory is not aligned as XLA's GPU kernels assume (a view
+    with a storage offset, e.g. `ids[:, -1:]`). jaxlib copies misaligned buffers on the CPU only."""
+    return t.clone() if t.data_ptr() % _ALIGNMENT else t
+
+
 _ready_streams: dict = {}
 
 
 def _ready_stream(jax_device) -> int | None:
-    """jax's stream on `jax_device` that an imported buffer is defined on (once per device)."""
+    """jax's stream on `jax_device` that an imported buffer is defined on (once per device).
+    PJRT takes only its own streams here (a foreign stream handle crashes the import)."""
     key = id(jax_device)
     if key not in _ready_streams:
         try:
@@ -115,7 +125,11 @@ def _ready_stream(jax_device) -> int | None:
 
 
 def _private_cuda_importer():
-    """jaxlib's direct DLPack import with DLPack's stream protocol (see the module doc)."""
+    """jaxlib's direct DLPack import, with no per-tensor stream work: each buffer is defined on
+    jax's external-ready stream, which the caller made wait on torch's current stream once per
+    call, after queuing every torch kernel that produces the call's inputs (`make_stream_order`).
+    `to_dlpack` (unlike `Tensor.__dlpack__`) exports tensors that require grad: parameters
+    reach the hand-off as they are."""
     try:
         from jax._src.lib import _jax
 
@@ -124,8 +138,7 @@ def _private_cuda_importer():
         return None
 
     def import_cuda_private(t: torch.Tensor, device):
-        stream = _ready_stream(device)
-        return fn(t.__dlpack__(stream=stream), device, stream, None, None)
+        return fn(_to_capsule(t), device, _ready_stream(device), None, None)
 
     return import_cuda_private
 
@@ -135,11 +148,34 @@ def _public_cuda_importer():
     import jax.dlpack
 
     def import_cuda_public(t: torch.Tensor, device):
-        with jax.enable_x64(True):  # jax.dlpack.from_dlpack syncs torch's stream itself
-            a = jax.dlpack.from_dlpack(t)
+        # detach: Tensor.__dlpack__ refuses tensors that require grad (parameters).
+        with jax.enable_x64(True):  # jax.dlpack.from_dlpack orders torch's stream itself, per tensor
+            a = jax.dlpack.from_dlpack(aligned(t.detach()))
         return a if a.devices() == {device} else jax.device_put(a, device)
 
     return import_cuda_public
+
+
+_external_streams: dict = {}
+
+
+def _order_after_torch(jax_device, index: int) -> None:
+    """Make jax's external-ready stream on `jax_device` wait (device-side, one CUDA event) for
+    everything queued so far on torch's current stream of device `index`."""
+    ext = _external_streams.get(id(jax_device))
+    if ext is None:
+        ext = _external_streams[id(jax_device)] = torch.cuda.ExternalStream(_ready_stream(jax_device),
+                                                                           device=torch.device("cuda", index))
+    ext.wait_stream(torch.cuda.current_stream(index))
+
+
+def make_stream_order(public: bool | None = None, platform: str = "cpu"):
+    """`order(jax_device, index)`, to call once per call between queuing the torch work that
+    makes its inputs and importing them, where the importer needs it (the private CUDA one);
+    None otherwise (the CPU; the public importer orders each tensor itself)."""
+    if not _gpu(platform) or _use_public(public) or _private_cuda_importer() is None:
+        return None
+    return _order_after_torch
 
 
 def _private_cuda_exporter(index: int):

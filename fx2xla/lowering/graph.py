@@ -247,7 +247,7 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
         rule = lowering_for(node.target, current_platform())
         if rule is None:
             raise UnsupportedOpError(node)
-        ctx = LoweringContext(node, sizes, seed if (rule.random or rule.subgraphs) else None, index, gm,
+        ctx = LoweringContext(node, sizes, seed if (rule.draws(node) or rule.subgraphs) else None, index, gm,
                               env if rule.subgraphs else None, checks)
         try:
             args, kwargs = prepare_args(rule, ctx, list(args), dict(kwargs))
@@ -270,7 +270,7 @@ def graph_uses_randomness(gm: torch.fx.GraphModule) -> bool:
         if n.op != "call_function" or n.target in PYTHON_OPS:
             continue
         rule = lowering_for(n.target)
-        if rule is not None and (rule.random or (rule.subgraphs is not None and any(
+        if rule is not None and (rule.draws(n) or (rule.subgraphs is not None and any(
                 graph_uses_randomness(sub) for sub in rule.subgraphs(gm, n)))):
             return True
     return False

@@ -8,9 +8,11 @@ time and enters the program as constants.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -686,7 +688,18 @@ def _philox(ctx, dropout_p):
     return seed, jnp.zeros((), jnp.int64)
 
 
-@register_lowering(aten._scaled_dot_product_flash_attention.default, random=True)
+def _drops(node) -> bool:
+    """Whether an attention node draws random bits: only with dropout_p > 0 (a graph of
+    dropout-free attention takes no seed, so no per-call draw advances torch's generator)."""
+    schema = node.target._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return not (isinstance(p, (int, float)) and p == 0)
+    return True
+
+
+@register_lowering(aten._scaled_dot_product_flash_attention.default, random=_drops)
 def _sdpa_flash(ctx, q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     seed, _ = _philox(ctx, dropout_p)
     out, lse = _attention(q, k, v, None, is_causal, scale, dropout_p, seed)
@@ -702,7 +715,7 @@ def _sdpa_flash_backward(ctx, grad, q, k, v, out, logsumexp, cum_seq_q, cum_seq_
     return _attention_grads(grad, q, k, v, None, is_causal, scale, dropout_p, seed, False)[:3]
 
 
-@register_lowering(aten._scaled_dot_product_efficient_attention.default, random=True)
+@register_lowering(aten._scaled_dot_product_efficient_attention.default, random=_drops)
 def _sdpa_efficient(ctx, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
     seed, offset = _philox(ctx, dropout_p)
     out, lse = _attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
@@ -717,7 +730,7 @@ def _sdpa_efficient_backward(ctx, grad, q, k, v, attn_bias, out, logsumexp, phil
     return _masked(grads, grad_input_mask)
 
 
-@register_lowering(aten._scaled_dot_product_cudnn_attention.default, random=True)
+@register_lowering(aten._scaled_dot_product_cudnn_attention.default, random=_drops)
 def _sdpa_cudnn(ctx, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
                 return_debug_mask=False, *, scale=None):
     seed, offset = _philox(ctx, dropout_p)
@@ -731,14 +744,14 @@ def _sdpa_cudnn_backward(ctx, grad, q, k, v, out, logsumexp, philox_seed, philox
     return _attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed, False)[:3]
 
 
-@register_lowering(aten.scaled_dot_product_attention.default, random=True)
+@register_lowering(aten.scaled_dot_product_attention.default, random=_drops)
 def _sdpa_composite(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     # The composite op itself: torch.export keeps it (AOTAutograd decomposes it to a fused one).
     seed = _new_seed(ctx) if dropout_p else None
     return _attention(q, k, v, attn_mask, is_causal, scale, dropout_p, seed)[0]
 
 
-@register_lowering(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
+@register_lowering(aten._scaled_dot_product_fused_attention_overrideable.default, random=_drops)
 def _sdpa_overrideable(ctx, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                        *, scale=None):
     seed, offset = _philox(ctx, dropout_p)
@@ -756,42 +769,78 @@ def _sdpa_overrideable_backward(ctx, grad, q, k, v, attn_bias, grad_input_mask, 
 
 
 # On CUDA, XLA's cuDNN fused attention (jax.nn.dot_product_attention, implementation "cudnn")
-# where cuDNN takes the inputs: bf16/f16, no dropout, and, in the forward, only the attention
-# output read (the logsumexp the backward ops take is not among cuDNN's public outputs; the
-# backward recomputes from q, k, v anyway). Everything else falls back to the math above.
+# where cuDNN takes the inputs: bf16/f16 and no dropout. A training forward reads the
+# log-sum-exp too: cuDNN gives it (return_residual); the backward ops recompute from q, k, v.
+# Every refusal (jax's checks while tracing, or XLA/cuDNN at compile time: see
+# `cudnn_attention_disabled`) falls back to the math rules above.
 
-def _cudnn_attention(q, k, v, bias, is_causal, scale):
-    """cuDNN attention on torch's [B, H, L, D] layout, or None where cuDNN does not take these
-    inputs (dtype, head dim, sequence lengths, no cuDNN in this process)."""
+_cudnn_state = threading.local()
+
+
+@contextlib.contextmanager
+def cudnn_attention_disabled():
+    """Lower attention with the math rules only (a graph whose cuDNN fusion XLA rejected)."""
+    old = getattr(_cudnn_state, "off", False)
+    _cudnn_state.off = True
+    try:
+        yield
+    finally:
+        _cudnn_state.off = old
+
+
+def _cudnn_fused(q, k, v, bias, is_causal, scale, residual=False):
+    """cuDNN attention on torch's [B, H, L, D] layout (with the [B, H, Lq] float32 log-sum-exp
+    when `residual`); raises where cuDNN does not take these inputs."""
     import jax
 
+    if getattr(_cudnn_state, "off", False):
+        raise NotImplementedError("cuDNN attention disabled for this graph")
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return None
+        raise NotImplementedError("cuDNN attention takes bf16/f16 only")
     if (is_causal and q.shape[2] != k.shape[2]) or (bias is not None and bias.ndim < 2):
-        return None
+        raise NotImplementedError("unsupported causal/bias form")
     mask = None
     if bias is not None:
-        full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        bias = jnp.broadcast_to(bias, full)
+        # jax broadcasts a 4-D bias itself: only leading unit dims are added here, never the
+        # full [B, H, Lq, Lk] (no copy of the mask per head).
+        bias = jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
         if bias.dtype == jnp.bool_:
             mask, bias = bias, None
         else:
             bias = bias.astype(q.dtype)
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, H, L, D] <-> [B, L, H, D]
+    result = jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, mask=mask, scale=scale,
+                                          is_causal=bool(is_causal), implementation="cudnn",
+                                          return_residual=residual)
+    if not residual:
+        return t(result)
+    out, lse = result
+    if lse.shape != q.shape[:3]:
+        raise NotImplementedError(f"cuDNN's residual has shape {lse.shape}, not [B, H, Lq]")
+    return t(out), lse.astype(jnp.float32)
+
+
+_CUDNN_REFUSALS = (RuntimeError, ValueError, NotImplementedError, TypeError)
+
+
+def _cudnn_attention(q, k, v, bias, is_causal, scale, residual=False):
+    """_cudnn_fused, or None where cuDNN does not take these inputs."""
     try:
-        out = jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, mask=mask, scale=scale,
-                                           is_causal=bool(is_causal), implementation="cudnn")
-    except (RuntimeError, ValueError, NotImplementedError, TypeError):
+        return _cudnn_fused(q, k, v, bias, is_causal, scale, residual)
+    except _CUDNN_REFUSALS:
         return None
-    return t(out)
 
 
 def _cudnn_grads(grad, q, k, v, bias, is_causal, scale):
-    """(dq, dk, dv) through cuDNN's fused backward, or None where cuDNN does not apply."""
-    if _cudnn_attention(q, k, v, bias, is_causal, scale) is None:
+    """(dq, dk, dv) through cuDNN's fused backward, or None where cuDNN does not apply (jax's
+    vjp rule refuses some forms the forward takes, e.g. a bias with odd sequence lengths)."""
+    import jax
+
+    try:
+        out, pull = jax.vjp(lambda q, k, v: _cudnn_fused(q, k, v, bias, is_causal, scale), q, k, v)
+        return pull(grad.astype(out.dtype))
+    except _CUDNN_REFUSALS:
         return None
-    out, pull = jax.vjp(lambda q, k, v: _cudnn_attention(q, k, v, bias, is_causal, scale), q, k, v)
-    return pull(grad.astype(out.dtype))
 
 
 def _only_output_read(node) -> bool:
@@ -818,17 +867,43 @@ def _unread_extras(ctx, out):
 def _cuda_attention_rule(op, generic, parse):
     """A CUDA rule for fused-attention forward `op`: cuDNN where it applies, else `generic`.
     parse(*args, **kwargs) -> (q, k, v, bias, dropout_p, is_causal, scale)."""
-    @register_lowering(op, random=True, platform="cuda")
+    @register_lowering(op, random=_drops, platform="cuda")
     def rule(ctx, *args, **kwargs):
         q, k, v, bias, dropout_p, is_causal, scale = parse(*args, **kwargs)
         single = not isinstance(ctx.out, (tuple, list))  # the composite op: the output alone
-        if not dropout_p and (single or _only_output_read(ctx.node)):
-            out = _cudnn_attention(q, k, v, bias, is_causal, scale)
-            if out is not None:
-                return out if single else _unread_extras(ctx, out)
+        if not dropout_p:
+            if single or _only_output_read(ctx.node):
+                out = _cudnn_attention(q, k, v, bias, is_causal, scale)
+                if out is not None:
+                    return out if single else _unread_extras(ctx, out)
+            elif _lse_shape_ok(ctx):  # a training forward: the backward is saved the lse
+                fused = _cudnn_attention(q, k, v, bias, is_causal, scale, residual=True)
+                if fused is not None:
+                    return _with_lse(ctx, *fused)
         return generic(ctx, *args, **kwargs)
 
     return rule
+
+
+def _lse_shape_ok(ctx) -> bool:
+    """Whether result 1 of this attention node is the [B, H, Lq] log-sum-exp (flash, efficient
+    unpadded) or [B, H, Lq, 1] (cuDNN's) that `_with_lse` fills."""
+    meta = ctx.out[1] if len(ctx.out) > 1 else None
+    return isinstance(meta, torch.Tensor) and meta.dim() in (3, 4) and \
+        all(isinstance(s, int) for s in meta.shape)
+
+
+def _with_lse(ctx, out, lse):
+    """The results of a fused-attention node from cuDNN's output and log-sum-exp; the other
+    extras (seeds, sizes) as `_unread_extras` makes them."""
+    meta = ctx.out[1]
+    want = tuple(meta.shape)
+    if len(want) == 4:
+        lse = lse[..., None]
+    lse = _fit(lse, want[-1]) if len(want) == 3 and want[-1] != lse.shape[-1] else lse
+    results = list(_unread_extras(ctx, out))
+    results[1] = lse.astype(to_jax_dtype(meta.dtype))
+    return tuple(results)
 
 
 def _cuda_attention_backward_rule(op, generic, parse):

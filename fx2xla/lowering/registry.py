@@ -55,10 +55,16 @@ class LoweringRule:
     fn: Callable
     promote: str | None
     broadcast: bool
-    random: bool = False  # draws random bits: the graph then takes a per-call seed input
+    # Draws random bits: the graph then takes a per-call seed input. A callable decides per
+    # node (attention draws only with dropout_p > 0).
+    random: bool | Callable = False
     # For ops that carry subgraphs (scan bodies): fn(gm, node) -> the GraphModules the rule
     # lowers, so graph-wide questions (does it draw random bits?) can look inside.
     subgraphs: Callable | None = None
+
+    def draws(self, node) -> bool:
+        """Whether this rule draws random bits for `node`."""
+        return bool(self.random(node)) if callable(self.random) else self.random
 
 
 LOWERINGS: dict[torch._ops.OpOverload, LoweringRule] = {}
@@ -75,13 +81,14 @@ def _overloads(op) -> list:
     return [op]
 
 
-def register_lowering(*ops, promote: str | None = None, broadcast: bool = False, random: bool = False,
+def register_lowering(*ops, promote: str | None = None, broadcast: bool = False, random: bool | Callable = False,
                      subgraphs: Callable | None = None, platform: str | None = None):
     """Register `fn` as the lowering of `ops` (overloads, or packets = all their overloads).
 
     promote: see PROMOTIONS. broadcast: tensor and scalar arguments are broadcast to the
     output shape (after promotion), so rules may use lax ops directly. random: the rule calls
-    `ctx.rng_key()`; graphs containing it take a fresh seed from torch's generator per call.
+    `ctx.rng_key()`; graphs containing it take a fresh seed from torch's generator per call
+    (a callable `random(node) -> bool`: only for the nodes it says draw).
     """
     assert promote in PROMOTIONS, promote
 

@@ -164,3 +164,17 @@ def test_check_raisers_private_and_public():
             raiser(torch.tensor(1, dtype=torch.int32), records)
     with pytest.raises(IndexError, match="aten.gather"):
         _raise_failed_now(torch.tensor(1, dtype=torch.int32), records)
+
+
+def test_async_check_message_fits_torchs_limit():
+    """The accelerator path (torch._assert_async, whose message torch caps at 254 characters)
+    takes any number of long check records: it passes a clean verdict, and a failed one
+    raises naming the ops (run here on CPU tensors; CUDA enqueues the same call)."""
+    from fx2xla.compiled_graph import _assert_async_private
+    from fx2xla.lowering.checks import CheckRecord
+
+    records = tuple(CheckRecord(f"fx2xla: aten.embedding.default: embedding index out of range: {'x' * 300}")
+                    for _ in range(3)) + (CheckRecord("fx2xla: aten.gather.default: index out of range: y"),)
+    _assert_async_private(torch.tensor(0, dtype=torch.int32), records)
+    with pytest.raises(RuntimeError, match=r"aten.embedding.default, aten.gather.default"):
+        _assert_async_private(torch.tensor(2, dtype=torch.int32), records)

@@ -88,3 +88,18 @@ def test_bernoulli():
     a, b = _compile(lambda q: (torch.bernoulli(q), q.bernoulli(0.7)))(probs)
     assert set(a.unique().tolist()) <= {0.0, 1.0}
     assert abs(a.mean() - 0.2) < 0.01 and abs(b.mean() - 0.7) < 0.01
+
+
+def test_dropout_free_attention_draws_no_seed():
+    """A graph whose attention has dropout_p=0 takes no seed: torch's generator does not
+    advance across a call (a drawn seed would be an extra kernel and input per call), and the
+    output matches eager (float32: 1e-5)."""
+    q = torch.randn(2, 4, 16, 8)
+    compiled = torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                             backend="fx2xla", options={"fallback": "error"})
+    compiled(q, q, q)
+    state = torch.random.get_rng_state()
+    out = compiled(q, q, q)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -7,6 +7,7 @@ syncs (inputs written by a long kernel just before a call, outputs read just aft
 stream, 20 queued calls), CPU scalars beside CUDA tensors are moved, and random ops draw on the
 GPU. Skipped without a GPU."""
 import os
+import time
 
 import pytest
 import torch
@@ -101,16 +102,23 @@ def test_a_call_on_a_non_default_stream():
 
 
 def test_calls_return_before_the_gpu_finishes():
-    """20 calls queue without a host sync: the host is back while the GPU still works on the
-    kernel queued before them, and one sync at the end gives every result right."""
+    """20 calls queue without a host sync: the host is back from all of them before the GPU
+    has finished the kernel queued before them (its length measured by CUDA events, not
+    assumed), and one sync at the end gives every result right."""
     compiled = torch.compile(lambda x: x + 1, backend="fx2xla")
     x = torch.zeros(1024, device="cuda")
     compiled(x)
     torch.cuda.synchronize()
-    _long_kernel()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s on an H100's clock
+    end.record()
+    t0 = time.perf_counter()
     outs = [compiled(x + i) for i in range(20)]
-    assert not torch.cuda.current_stream().query()  # the long kernel is still running
+    host_ms = (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
+    kernel_ms = start.elapsed_time(end)
+    assert kernel_ms > 50 and host_ms < kernel_ms / 2, (host_ms, kernel_ms)
     for i, o in enumerate(outs):
         torch.testing.assert_close(o, torch.full_like(x, i + 1.0), rtol=0, atol=0)
 
@@ -219,3 +227,74 @@ def test_gpu_autotune_results_are_kept_beside_the_executables():
     out = torch.compile(lambda a, b: torch.relu(a @ b), backend="fx2xla")(a, a.t().contiguous())
     torch.testing.assert_close(out, torch.relu(a @ a.t()), **tolerance(torch.float32, 10))
     assert os.path.isdir(folder) and os.listdir(folder), "XLA wrote no autotune results"
+
+
+def test_misaligned_views_are_handed_over():
+    """Views whose memory starts off XLA's 16-byte alignment (a storage offset, e.g.
+    `ids[:, -1:]`) are copied before the hand-off instead of rejected by XLA."""
+    compiled = torch.compile(lambda x, y: x * 2 + y.sum(), backend="fx2xla")
+    base = torch.randn(4, 33, device="cuda")
+    for offset in (1, 3, 5):
+        x = base.view(-1)[offset:offset + 64]
+        assert x.data_ptr() % 16
+        y = base[:, -1:]  # one element per row, strided: made dense first
+        torch.testing.assert_close(compiled(x, y), x * 2 + y.sum(), **tolerance(torch.float32))
+
+
+def test_parameters_that_require_grad_are_handed_over():
+    """nn.Parameters (requires_grad=True) reach the CUDA import as they are, in inference under
+    no_grad and in training (Tensor.__dlpack__ refuses them; the hand-off must not)."""
+    lin = torch.nn.Linear(64, 32).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    compiled = torch.compile(lin, backend="fx2xla")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), lin(x), **tolerance(torch.float32, 10))
+    out = compiled(x)
+    out.square().sum().backward()
+    grad = lin.weight.grad.clone()
+    lin.weight.grad = None
+    lin(x).square().sum().backward()
+    torch.testing.assert_close(grad, lin.weight.grad, **tolerance(torch.float32, 10))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_training_attention_uses_cudnn(causal):
+    """A bf16 training forward (the backward is saved the log-sum-exp) runs cuDNN's fused
+    attention, and the gradients match eager's (bfloat16 tolerance x 8)."""
+    from fx2xla.metrics import live_graphs
+
+    older = set(live_graphs)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).float().square().sum()
+
+    loss = torch.compile(f, backend="fx2xla", options={"fallback": "error"})(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref_loss = f(q, k, v)
+    ref = torch.autograd.grad(ref_loss, (q, k, v))
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=1e-1)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g.float(), r.float(), **tolerance(torch.bfloat16, 8))
+    texts = [g._static.lowered.module_text for g in live_graphs if g not in older and g._static is not None]
+    assert len(texts) == 2 and all("cudnn" in t for t in texts), [("cudnn" in t) for t in texts]
+
+
+def test_outputs_freed_while_torch_still_reads_them():
+    """An XLA-owned output read by torch and dropped right away, then more executions queued:
+    XLA must not hand the memory to a later execution while torch's kernel may still read it."""
+    compiled = torch.compile(lambda x: x * 2.0, backend="fx2xla")
+    x = torch.ones(1 << 22, device="cuda")
+    compiled(x)
+    torch.cuda.synchronize()
+    sums = []
+    for i in range(20):
+        _long_kernel() if i == 0 else None
+        y = compiled(x + i)
+        sums.append(y.sum())  # queued on torch's stream behind the long kernel
+        del y
+    torch.cuda.synchronize()
+    for i, s in enumerate(sums):
+        assert s.item() == 2.0 * (i + 1) * (1 << 22), (i, s.item())

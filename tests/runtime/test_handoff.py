@@ -39,3 +39,81 @@ def test_public_path_env_switch(monkeypatch):
     monkeypatch.setenv("FX2XLA_PUBLIC_DLPACK", "1")
     assert make_importer().__name__ == "import_public"
     assert make_exporter().__name__ == "export_public"
+
+
+class _FakeCudaDevice:
+    """Stands in for a jax CUDA device: its external-ready stream handle."""
+
+    def get_stream_for_external_ready_events(self):
+        return 0xABC
+
+
+def test_cuda_importer_takes_parameters_and_uses_jax_stream(monkeypatch):
+    """The private CUDA importer hands tensors that require grad (nn.Parameter) to jaxlib as
+    they are (Tensor.__dlpack__ refuses them), defined on jax's external-ready stream, with no
+    torch stream call per tensor. jaxlib's import is stubbed (no GPU here)."""
+    from jax._src.lib import _jax
+
+    from fx2xla.runtime import handoff
+
+    calls = []
+    monkeypatch.setattr(_jax, "dlpack_managed_tensor_to_buffer",
+                        lambda capsule, device, stream, copy, kind: calls.append((capsule, stream)) or "buf")
+    monkeypatch.setattr(torch.Tensor, "__dlpack__", lambda *a, **k: pytest.fail("per-tensor __dlpack__"))
+    importer = make_importer(False, platform="cuda")
+    assert importer.__name__ == "import_cuda_private"
+    device = _FakeCudaDevice()
+    param = torch.nn.Parameter(torch.randn(3))
+    assert importer(param, device) == "buf" and importer(torch.randn(2), device) == "buf"
+    assert [stream for _, stream in calls] == [0xABC, 0xABC]
+    assert torch.utils.dlpack.from_dlpack(calls[0][0]).data_ptr() == param.data_ptr()  # zero-copy
+    handoff._ready_streams.clear()
+
+
+def test_public_cuda_importer_detaches_parameters(monkeypatch):
+    import jax.dlpack
+
+    seen = []
+    monkeypatch.setattr(jax.dlpack, "from_dlpack", lambda t: seen.append(t) or jax.numpy.zeros(3))
+    importer = make_importer(True, platform="cuda")
+    assert importer.__name__ == "import_cuda_public"
+    importer(torch.nn.Parameter(torch.randn(3)), default_device().jax_device)
+    assert not seen[0].requires_grad
+
+
+def test_misaligned_tensors_are_copied_for_accelerators():
+    from fx2xla.runtime.handoff import aligned
+
+    base = torch.randn(64)
+    assert aligned(base) is base
+    view = base[1:]
+    copy = aligned(view)
+    assert copy.data_ptr() % 16 == 0 and copy.data_ptr() != view.data_ptr()
+    torch.testing.assert_close(copy, view, rtol=0, atol=0)
+
+
+def test_one_stream_order_per_call(monkeypatch):
+    """A graph on a GPU orders jax's import stream after torch's once per call, after every
+    torch-side preparation (dense copies) and before the first import, however many tensors it
+    hands over; a call whose inputs are all resident orders nothing. (CPU graph, with the
+    order function stubbed and watched.)"""
+    events = []
+    lin = torch.nn.Linear(4, 4)
+    compiled = torch.compile(lambda a, b, c: lin(a) + b.t() + c, backend="fx2xla")
+    a, b, c = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
+    expected = lin(a) + b.t() + c
+    torch.testing.assert_close(compiled(a, b, c), expected)
+    from fx2xla.metrics import live_graphs
+
+    (graph,) = [g for g in live_graphs if g.gm is not None and any(
+        n.op == "placeholder" for n in g.gm.graph.nodes)][-1:]
+    real_import = graph._import_tensor
+
+    def watched_import(t, device):
+        events.append("import")
+        return real_import(t, device)
+
+    graph._import_tensor = watched_import
+    graph._order_in = lambda dev, index: events.append("order")
+    torch.testing.assert_close(compiled(a, b, c), expected)
+    assert events[0] == "order" and events.count("order") == 1 and events.count("import") >= 3, events

@@ -152,8 +152,8 @@ def test_cuda_attention_lowering_falls_back_to_math(torch_has_cuda, causal):
     k, v = torch.randn_like(q), torch.randn_like(q)
     launch = make_launcher(compile_module(text, default_device()))  # the CUDA module, on the CPU client
     dev = default_device().jax_device
-    seed = torch.tensor(0, dtype=torch.int64)  # the random rule's seed input (no dropout drawn)
-    out = launch([import_tensor(t, dev) for t in (q, k, v, seed)])[0]
+    assert not plan.seed  # no dropout: the graph takes no seed
+    out = launch([import_tensor(t, dev) for t in (q, k, v)])[0]
     if plan.outputs[0].inv_perm is not None:  # torch's kernel returns a [B, L, H, D] layout
         out = out.permute(plan.outputs[0].inv_perm)
     expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
