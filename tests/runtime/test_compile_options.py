@@ -4,6 +4,7 @@ no longer knows one."""
 import dataclasses
 
 import jax
+import pytest
 import jax.numpy as jnp
 import torch
 
@@ -99,6 +100,23 @@ def test_gpu_options_keep_autotune_results_beside_the_executables(monkeypatch, t
     monkeypatch.chdir(tmp_path)  # a relative FX2XLA_CACHE_DIR is made absolute for XLA
     monkeypatch.setenv("FX2XLA_CACHE_DIR", "cache")
     assert _overrides(executor._compile_options("cuda")) == [(executor.AUTOTUNE_OPTION, folder)]
+
+
+def test_gpu_autotune_level_is_an_option(monkeypatch, tmp_path):
+    """FX2XLA_GPU_AUTOTUNE_LEVEL reaches GPU compiles (beside the autotune folder), never CPU
+    ones; unset keeps XLA's default; a bad value is a clear error."""
+    monkeypatch.setenv("FX2XLA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FX2XLA_GPU_AUTOTUNE_LEVEL", "2")
+    overrides = dict(_overrides(executor._compile_options("cuda")))
+    assert int(overrides[executor.AUTOTUNE_LEVEL_OPTION]) == 2 and executor.AUTOTUNE_OPTION in overrides
+    assert all(o[0] != executor.AUTOTUNE_LEVEL_OPTION for o in _overrides(executor._compile_options("cpu")))
+    monkeypatch.setenv("FX2XLA_CACHE_DIR", "")
+    assert [(k, int(v)) for k, v in _overrides(executor._compile_options("cuda"))] == [(executor.AUTOTUNE_LEVEL_OPTION, 2)]
+    monkeypatch.setenv("FX2XLA_GPU_AUTOTUNE_LEVEL", "fast")
+    with pytest.raises(ValueError, match="FX2XLA_GPU_AUTOTUNE_LEVEL"):
+        executor._compile_options("cuda")
+    monkeypatch.delenv("FX2XLA_GPU_AUTOTUNE_LEVEL")
+    assert _overrides(executor._compile_options("cuda")) == []
 
 
 def test_no_autotune_folder_without_the_disk_cache(monkeypatch):

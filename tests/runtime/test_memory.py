@@ -17,9 +17,10 @@ _PRINT_POLICY = "import os, fx2xla; print(os.environ.get('XLA_PYTHON_CLIENT_PREA
     ({"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}, "true"),  # the user's own choice stands
     ({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}, "None"),  # so does any other memory setting
     ({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}, "None"),
+    ({"XLA_CLIENT_MEM_FRACTION": ".5"}, "None"),  # the newer spelling of the fraction
 ])
 def test_preallocation_policy(user_env, expected):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_PYTHON_CLIENT_", "XLA_CLIENT_"))}
     out = subprocess.run([sys.executable, "-c", _PRINT_POLICY], env={**env, **user_env},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
