@@ -97,16 +97,17 @@ def test_one_stream_order_per_call(monkeypatch):
     torch-side preparation (dense copies) and before the first import, however many tensors it
     hands over; a call whose inputs are all resident orders nothing. (CPU graph, with the
     order function stubbed and watched.)"""
+    from fx2xla.metrics import live_graphs
+
     events = []
+    older = set(live_graphs)
     lin = torch.nn.Linear(4, 4)
     compiled = torch.compile(lambda a, b, c: lin(a) + b.t() + c, backend="fx2xla")
     a, b, c = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
     expected = lin(a) + b.t() + c
-    torch.testing.assert_close(compiled(a, b, c), expected)
-    from fx2xla.metrics import live_graphs
-
-    (graph,) = [g for g in live_graphs if g.gm is not None and any(
-        n.op == "placeholder" for n in g.gm.graph.nodes)][-1:]
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(a, b, c), expected)
+    (graph,) = [g for g in live_graphs if g not in older]
     real_import = graph._import_tensor
 
     def watched_import(t, device):
@@ -115,5 +116,18 @@ def test_one_stream_order_per_call(monkeypatch):
 
     graph._import_tensor = watched_import
     graph._order_in = lambda dev, index: events.append("order")
-    torch.testing.assert_close(compiled(a, b, c), expected)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(a, b, c), expected)
     assert events[0] == "order" and events.count("order") == 1 and events.count("import") >= 3, events
+
+    # Only parameters in, unchanged since the last call: nothing to import, nothing to order.
+    older = set(live_graphs)
+    params_only = torch.compile(lambda: lin.weight * 2 + lin.bias, backend="fx2xla")
+    with torch.no_grad():
+        torch.testing.assert_close(params_only(), lin.weight * 2 + lin.bias)
+    (graph,) = [g for g in live_graphs if g not in older]
+    events.clear()
+    graph._order_in = lambda dev, index: events.append("order")
+    with torch.no_grad():
+        torch.testing.assert_close(params_only(), lin.weight * 2 + lin.bias)
+    assert events == [], events
