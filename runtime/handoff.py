@@ -4,6 +4,9 @@ The fast paths are private jaxlib calls; each sits behind one small function her
 (`_private_importer`, `_private_exporter`, and their CUDA twins), with jax's public DLPack API
 as the fallback. `FX2XLA_PUBLIC_DLPACK=1` forces the public paths.
 
+At exit, the memory of every live tensor is pinned so that no XLA thread releases torch memory
+while the interpreter finalizes (`_pin_torch_memory_at_exit`: see there why).
+
 On CUDA the hand-off is stream-ordered and never blocks the host, as DLPack's stream protocol
 prescribes (jax's own `from_dlpack` / `torch.from_dlpack` do the same):
 - in: jax's stream for external buffers waits on torch's current stream (one event per call,
@@ -15,7 +18,9 @@ prescribes (jax's own `from_dlpack` / `torch.from_dlpack` do the same):
 """
 from __future__ import annotations
 
+import atexit
 import os
+import time
 
 import torch
 import torch.utils.dlpack
@@ -23,6 +28,42 @@ import torch.utils.dlpack
 _DLPACK_CPU = 1  # kDLCPU
 _to_capsule = torch.utils.dlpack.to_dlpack  # public, and ~4 µs cheaper than Tensor.__dlpack__
 _from_capsule = torch.utils.dlpack.from_dlpack
+
+
+# Why the exit pins torch memory: PJRT releases an execution's inputs on the thread that ran it,
+# after its results are ready, so the last holder of a tensor handed in is often one of XLA's
+# threads, and releasing a torch tensor takes the GIL there (torch 2.1x keeps a tensor's Python
+# object alive while C++ holds it, and lets it go under the GIL). A thread that asks for the GIL
+# once the interpreter is finalizing is ended by CPython with pthread_exit, whose unwinding through
+# XLA's noexcept frames calls std::terminate: "terminate called without an active exception",
+# SIGABRT at exit. So before the interpreter finalizes, every live tensor gets one more C++
+# reference that is never dropped: XLA's release is then never the last, and takes no GIL.
+_handed = False  # set when an importer is made: processes that never handed a tensor skip the exit work
+_GIL_HANDOVER_S = 0.02  # lets an XLA thread already releasing a tensor (waiting for the GIL) finish
+
+
+def _pin_torch_memory_at_exit() -> None:
+    if not _handed:
+        return
+    import ctypes
+    import gc
+
+    pins = []
+    tensor = torch.Tensor
+    for obj in gc.get_objects():
+        # (type(), not isinstance: isinstance reads __class__, which some deprecated objects warn on)
+        if issubclass(type(obj), tensor) and obj.layout == torch.strided and obj.device.type != "meta":
+            try:
+                pins.append(_to_capsule(obj))  # a C++ reference held by an unconsumed capsule
+            except (RuntimeError, BufferError, TypeError):  # a kind DLPack cannot carry: never handed in
+                pass
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pins))  # kept past the interpreter's end, on purpose
+    time.sleep(_GIL_HANDOVER_S)
+
+
+import jax  # noqa: E402  (before the exit hook: atexit runs the last registered first)
+
+atexit.register(_pin_torch_memory_at_exit)
 
 
 def _private_importer():
@@ -218,6 +259,8 @@ def make_importer(public: bool | None = None, platform: str = "cpu"):
     `jax_device` (a CPU tensor given to a GPU device would hand XLA a host pointer as a device
     buffer): callers make it so with a plan decided once per graph, not per call. `platform`:
     that of the devices it will import to ("cuda"/"rocm": stream-ordered)."""
+    global _handed
+    _handed = True
     if _gpu(platform):
         private = None if _use_public(public) else _private_cuda_importer()
         return private or _public_cuda_importer()
@@ -236,5 +279,15 @@ def make_exporter(public: bool | None = None, platform: str = "cpu", index: int 
     return private or _public_exporter()
 
 
-import_tensor = make_importer()
+_cpu_importer = None
+
+
+def import_tensor(t: torch.Tensor, jax_device):
+    """`make_importer()`'s importer for the CPU, made at first use."""
+    global _cpu_importer
+    if _cpu_importer is None:
+        _cpu_importer = make_importer()
+    return _cpu_importer(t, jax_device)
+
+
 export_array = make_exporter()

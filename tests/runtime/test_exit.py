@@ -1,0 +1,143 @@
+"""A process that used fx2xla exits with status 0: before the interpreter finalizes, every live
+tensor's memory is pinned by a C++ reference that is never dropped, so no XLA thread that lets
+go of a tensor handed in from torch takes the GIL during finalization (which CPython answers by
+ending the thread, and XLA's noexcept frames by std::terminate: SIGABRT). Fresh processes that
+load a package, or compile, run once and return, all exit with 0 (FX2XLA_EXIT_RUNS of each kind
+by default, 30 under -m slow). Values are checked against eager in each child (float32:
+rtol 1e-4, atol 1e-4)."""
+import concurrent.futures
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fx2xla
+from fx2xla.testing import LogitsOnly, gpt2, token_ids
+
+_RUNS = int(os.environ.get("FX2XLA_EXIT_RUNS", "6"))
+
+_LOAD_CHILD = """
+import sys, torch, fx2xla
+run = fx2xla.load(sys.argv[1])
+ids, expected = torch.load(sys.argv[2])
+torch.testing.assert_close(run(ids), expected, rtol=1e-4, atol=1e-4)
+"""
+
+_COMPILE_CHILD = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+x = torch.randn(64, 256)
+with torch.no_grad():
+    expected = model(x)
+    out = torch.compile(model, backend="fx2xla")(x)
+torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+"""
+
+
+def _run_children(args_list, env) -> list:
+    def one(args):
+        return subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, env=env, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two at a time: the machine's cores
+        return list(pool.map(one, args_list))
+
+
+def _assert_all_exit_cleanly(results) -> None:
+    failed = [(r.returncode, r.stderr[-800:]) for r in results if r.returncode != 0]
+    assert not failed, f"{len(failed)} of {len(results)} processes failed: {failed[:3]}"
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    torch.manual_seed(0)
+    model = LogitsOnly(gpt2(layers=2, hidden=64, heads=2, vocab=100, positions=64)).eval()
+    ids = token_ids(2, 16, vocab=100)
+    root = tmp_path_factory.mktemp("exit")
+    path = fx2xla.export(model, (ids,), str(root / "pkg"))
+    with torch.no_grad():
+        torch.save((ids, model(ids)), root / "io.pt")
+    return path, str(root / "io.pt"), dict(os.environ, FX2XLA_CACHE_DIR=str(root / "cache"))
+
+
+def _load_runs(package, runs):
+    path, io, env = package
+    _assert_all_exit_cleanly(_run_children([(_LOAD_CHILD, path, io)] * runs, env))
+
+
+def _compile_runs(tmp_path, runs):
+    env = dict(os.environ, FX2XLA_CACHE_DIR=str(tmp_path / "cache"))
+    _assert_all_exit_cleanly(_run_children([(_COMPILE_CHILD,)] * runs, env))
+
+
+def test_processes_that_load_a_package_exit_cleanly(package):
+    _load_runs(package, _RUNS)
+
+
+def test_processes_that_compile_exit_cleanly(tmp_path):
+    _compile_runs(tmp_path, _RUNS)
+
+
+@pytest.mark.slow
+def test_thirty_processes_that_load_a_package_exit_cleanly(package):
+    _load_runs(package, 30)
+
+
+@pytest.mark.slow
+def test_thirty_processes_that_compile_exit_cleanly(tmp_path):
+    _compile_runs(tmp_path, 30)
+
+
+_IN_FLIGHT_CHILD = """
+import time, jax, jax.numpy as jnp, torch
+from fx2xla.runtime import compile_module, default_device, handoff
+
+class SlowTeardown:  # deleted while the interpreter finalizes: XLA's thread finishes meanwhile
+    def __del__(self):
+        time.sleep(2)
+
+def heavy(a):
+    for _ in range(150):
+        a = jnp.tanh(a @ a)
+    return a
+
+keeper = SlowTeardown()
+device = default_device()
+exe = compile_module(jax.jit(heavy).lower(jax.ShapeDtypeStruct((1024, 1024), jnp.float32)).as_text(), device)
+x = handoff.import_tensor(torch.randn(1024, 1024), device.jax_device)
+y = exe.execute([x])  # still running when the script ends; only the execution holds the tensor
+del x, y
+"""
+
+
+def test_an_execution_holding_a_handed_in_tensor_may_outlive_the_script():
+    """An execution still running when the script ends, the only holder of a tensor handed in
+    from torch, finishes (and lets the tensor go) while the interpreter finalizes: exit 0."""
+    r = subprocess.run([sys.executable, "-c", _IN_FLIGHT_CHILD], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+_PIN_CHILD = """
+import sys, torch
+from fx2xla.runtime import handoff
+held_only_by_python = torch.randn(16)
+before = sys.getrefcount(held_only_by_python)
+handoff._pin_torch_memory_at_exit()  # what the exit runs: no effect before any hand-off
+assert sys.getrefcount(held_only_by_python) == before
+handoff.import_tensor(torch.randn(4), __import__("fx2xla").runtime.default_device().jax_device)
+handoff._pin_torch_memory_at_exit()
+# One more C++ reference (an unconsumed DLPack capsule, never released) keeps the Python object.
+assert sys.getrefcount(held_only_by_python) == before + 1, (sys.getrefcount(held_only_by_python), before)
+print("pinned")
+"""
+
+
+def test_the_exit_pins_every_live_tensor_once_a_tensor_was_handed_in():
+    """The exit hook gives every live tensor a C++ reference that is never dropped, once this
+    process has handed a tensor to PJRT (and only then), so a release by XLA's threads during
+    finalization never takes the GIL."""
+    r = subprocess.run([sys.executable, "-c", _PIN_CHILD], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["pinned"], r.stdout
