@@ -19,6 +19,12 @@ A package is a folder:
 `load` deserializes the executable when one fits the device and jaxlib, else compiles the
 portable module. Without dynamic_shapes the package serves the example inputs' shapes, and
 says so when a call differs.
+
+A loaded model returns what the model returned: tensors in the same tuples, lists, dicts,
+namedtuples and transformers ModelOutputs, with its None and Python numbers, and transformers'
+dynamic caches (DynamicCache, EncoderDecoderCache: what an LM returns with use_cache=True)
+rebuilt around the new key/value tensors (the manifest's "output_tree" holds that structure).
+Other objects are refused at export, with what to change.
 """
 from __future__ import annotations
 
@@ -136,6 +142,201 @@ def _op(name: str):
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
+# The model's return value. torch.export takes flat outputs, and refuses objects it has no pytree
+# for (a transformers LM's DynamicCache): the model is exported through _FlatOutputs, which
+# returns the tensors of its result as a flat tuple and records the result's structure as a JSON
+# tree (node kinds below); the loaded model rebuilds that structure around its results with
+# closures made once at load.
+#   {"leaf": i}                              the i-th flat output (a tensor, or a SymInt)
+#   {"const": v}                             None, bool, int, float, str or dtype, as exported
+#   {"tuple": [n...]}, {"list": [n...]}      {"dict": [[key, n]...]}
+#   {"named": cls, "items": [n...], "structseq": bool}   a namedtuple, or torch.return_types.*
+#   {"output": cls, "fields": [[name, n]...]}             a transformers ModelOutput
+#   {"object": cls, "state": [[attr, n]...]}              a cache (_CARRIED_OBJECTS), by its state
+#   {"class": cls}                           a class held by a cache (layer_class_to_replicate)
+#   {"device": true}                         a torch.device held by a cache: the loaded model's
+_WRAPPED = "model"  # the attribute _FlatOutputs holds the model in; stripped from weight names
+# Caches carried by their attributes (their tensors as outputs, the rest in the tree), rebuilt
+# without running their __init__: transformers' dynamic caches, the default of every LM.
+_CARRIED_OBJECTS = ("transformers.cache_utils:DynamicCache", "transformers.cache_utils:EncoderDecoderCache",
+                    "transformers.cache_utils:DynamicLayer", "transformers.cache_utils:DynamicSlidingWindowLayer",
+                    "transformers.cache_utils:DummyLayer")
+
+
+def _class_name(cls) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _import_class(name: str):
+    import importlib
+
+    module, qualname = name.split(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _cannot_carry(value, where: str, why: str = "", cache: str | None = None) -> PackageError:
+    """The error for an output (at `where`, inside the cache of class `cache` if any) that a
+    package cannot carry, with what to change."""
+    name = _class_name(type(value)).replace(":", ".")
+    is_cache = any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(value).__mro__)
+    if is_cache or cache is not None:
+        held = f" (held by the model's {cache.replace(':', '.')})" if cache is not None and not is_cache else ""
+        hint = (f"{held}: pass use_cache=False to the model (or set model.config.use_cache = False), keep the "
+                "default DynamicCache (no offloading, no quantization, not static), or wrap the model to return "
+                "the cache's tensors")
+    else:
+        hint = (": return tensors, or tuples, lists, dicts, namedtuples or transformers ModelOutputs of them (or "
+                "wrap the model so it does); for a transformers cache other than DynamicCache / "
+                "EncoderDecoderCache, pass use_cache=False")
+    return PackageError(f"fx2xla.export: the model returns {where}, a {name}, which a package cannot carry"
+                        f"{why}{hint}")
+
+
+def _importable(cls, value, where: str, cache: str | None = None) -> str:
+    name = _class_name(cls)
+    try:
+        ok = _import_class(name) is cls
+    except (ImportError, AttributeError, ValueError):
+        ok = False
+    if not ok:
+        raise _cannot_carry(value, where, " (its class cannot be imported by name where the package is loaded)", cache)
+    return name
+
+
+def _flatten_output(value, leaves: list, where: str = "output", cache: str | None = None):
+    """The JSON tree of `value` (see above), appending its tensors (and SymInts) to `leaves`.
+    `where`: the value's place in the model's result, for errors; `cache`: the class of the
+    cache it is part of, if any."""
+    import sys
+
+    if isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        leaves.append(value)
+        return {"leaf": len(leaves) - 1}
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return {"const": _json_value(value)}
+    cls = type(value)
+    generic = sys.modules.get("transformers.utils.generic")
+    if generic is not None and isinstance(value, generic.ModelOutput):
+        return {"output": _importable(cls, value, where, cache),
+                "fields": [[k, _flatten_output(v, leaves, f"{where}.{k}", cache)] for k, v in value.items()]}
+    if _class_name(cls) in _CARRIED_OBJECTS:
+        cache = cache or _class_name(cls)
+        state = []
+        for k, v in vars(value).items():
+            if isinstance(v, type):
+                state.append([k, {"class": _importable(v, v, f"{where}.{k}", cache)}])
+            elif isinstance(v, torch.device):
+                state.append([k, {"device": True}])
+            else:
+                state.append([k, _flatten_output(v, leaves, f"{where}.{k}", cache)])
+        return {"object": _class_name(cls), "state": state}
+    if cls in (tuple, list):
+        return {cls.__name__: [_flatten_output(v, leaves, f"{where}[{i}]", cache) for i, v in enumerate(value)]}
+    if isinstance(value, tuple) and (hasattr(cls, "_fields") or cls.__module__ == "torch.return_types"):
+        return {"named": _importable(cls, value, where, cache), "structseq": not hasattr(cls, "_fields"),
+                "items": [_flatten_output(v, leaves, f"{where}[{i}]", cache) for i, v in enumerate(value)]}
+    if cls is dict:
+        items = []
+        for k, v in value.items():
+            if not (k is None or isinstance(k, (bool, int, float, str))):
+                raise _cannot_carry(value, where, f" (its key {k!r} is not a str, int, float, bool or None)", cache)
+            items.append([k, _flatten_output(v, leaves, f"{where}[{k!r}]", cache)])
+        return {"dict": items}
+    raise _cannot_carry(value, where, cache=cache)
+
+
+class _FlatOutputs(torch.nn.Module):
+    """`model` as torch.export takes it: its result's tensors as a flat tuple, the structure in
+    `record["tree"]`. Its forward has the model's signature, so dynamic_shapes keyed by the
+    model's argument names and the graph's input names are the model's. (`record` is no
+    attribute of the module: torch.export restores the attributes a forward assigns.)"""
+
+    def __init__(self, model: torch.nn.Module, record: dict):
+        import inspect
+
+        super().__init__()
+        setattr(self, _WRAPPED, model)
+        self.training = model.training  # its own flag only: the model's modules keep theirs
+
+        def forward(*args, **kwargs):
+            leaves = []
+            try:
+                record["tree"] = _flatten_output(model(*args, **kwargs), leaves)
+            except PackageError as e:
+                record["error"] = e  # raised by export() as it is, whatever torch.export makes of it
+                raise
+            return tuple(leaves)
+
+        try:
+            forward.__signature__ = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            pass
+        self.forward = forward
+
+
+def _output_builder(tree, torch_device):
+    """A function results -> the model's return value, made once at load. Packages written
+    before the tree was recorded return their outputs flat (one, or a tuple)."""
+    if tree is None:
+        return lambda results: results[0] if len(results) == 1 else tuple(results)
+    if "leaf" in tree:
+        i = tree["leaf"]
+        return lambda results: results[i]
+    if "tuple" in tree and all("leaf" in n for n in tree["tuple"]):
+        order = [n["leaf"] for n in tree["tuple"]]
+        if order == list(range(len(order))):
+            return tuple  # the results are the tuple's items, in order
+    return _builder(tree, torch_device)
+
+
+def _builder(node, torch_device):
+    if "leaf" in node:
+        i = node["leaf"]
+        return lambda r: r[i]
+    if "const" in node:
+        value = _from_json(node["const"])
+        return lambda r: value
+    if "device" in node:
+        return lambda r: torch_device
+    if "class" in node:
+        cls = _import_class(node["class"])
+        return lambda r: cls
+    if "tuple" in node or "list" in node:
+        kind = tuple if "tuple" in node else list
+        parts = [_builder(n, torch_device) for n in node[kind.__name__]]
+        return lambda r: kind([f(r) for f in parts])
+    if "dict" in node:
+        parts = [(k, _builder(n, torch_device)) for k, n in node["dict"]]
+        return lambda r: {k: f(r) for k, f in parts}
+    if "named" in node:
+        cls = _import_class(node["named"])
+        parts = [_builder(n, torch_device) for n in node["items"]]
+        if node["structseq"]:
+            return lambda r: cls([f(r) for f in parts])
+        return lambda r: cls(*[f(r) for f in parts])
+    if "output" in node:
+        cls = _import_class(node["output"])
+        parts = [(k, _builder(n, torch_device)) for k, n in node["fields"]]
+        return lambda r: cls(**{k: f(r) for k, f in parts})
+    if "object" in node:
+        if node["object"] not in _CARRIED_OBJECTS:
+            raise PackageError(f"fx2xla.load: the package returns a {node['object']}, which this fx2xla "
+                               "does not rebuild: upgrade fx2xla")
+        cls = _import_class(node["object"])
+        new = cls.__new__
+        parts = [(k, _builder(n, torch_device)) for k, n in node["state"]]
+
+        def build(r):
+            obj = new(cls)
+            obj.__dict__.update({k: f(r) for k, f in parts})
+            return obj
+        return build
+    raise PackageError(f"fx2xla.load: an output node {node!r} in the manifest is not one this fx2xla reads")
+
+
 def _warn_unsharded(model, example_inputs, gm) -> None:
     """Packages hold one-device executables: say so when the model was sharded (values are the
     same; only the layout over devices is not kept)."""
@@ -156,7 +357,13 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
 
     dynamic_shapes: as `torch.export.export` takes them (e.g. `{"x": {0: Dim("batch")}}`). The
     package then also holds the exported program; a loaded model lowers and compiles each new
-    shape once (no tracing), through the disk cache."""
+    shape once (no tracing), through the disk cache.
+
+    The model may return tensors in tuples, lists, dicts (keys: str, int, float, bool, None),
+    namedtuples, torch.return_types and transformers ModelOutputs, Python numbers and None, and
+    transformers' DynamicCache / EncoderDecoderCache (a causal LM with use_cache=True); the
+    loaded model returns the same structure. Anything else (a StaticCache, an offloaded or
+    quantized cache, another object) raises PackageError naming it and what to change."""
     import safetensors.torch
 
     from . import lowering  # noqa: F401  (registers the rules)
@@ -166,7 +373,13 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
         raise TypeError("fx2xla.export: example_inputs must be a tuple of tensors (the model's positional inputs)")
     t0 = time.perf_counter()
-    program = torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes)
+    record = {}  # the output tree, or the PackageError that refused an output
+    try:
+        program = torch.export.export(_FlatOutputs(model, record), example_inputs, dynamic_shapes=dynamic_shapes)
+    except Exception:
+        if "error" in record:
+            raise record["error"] from None
+        raise
     program = program.run_decompositions(_export_table())
     gm = program.graph_module
     _warn_unsharded(model, example_inputs, gm)
@@ -185,12 +398,13 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
         if kind not in ("parameter", "buffer", "constant_tensor"):
             raise PackageError(f"fx2xla.export: graph input {node.name} of kind {kind} is not supported")
         tensor = state[spec.target].detach()
+        name = _model_name(spec.target)
         # Tied weights (an LM head sharing the embedding) are stored once.
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
-        stored = shared.setdefault(key, spec.target)
-        if stored == spec.target:
-            weights[spec.target] = tensor.contiguous()
-        inputs.append({"kind": kind, "name": spec.target, "weight": stored})
+        stored = shared.setdefault(key, name)
+        if stored == name:
+            weights[name] = tensor.contiguous()
+        inputs.append({"kind": kind, "name": name, "weight": stored})
         concrete.append(tensor)
     dynamic = any(isinstance(d, dict) for spec in inputs for d in spec.get("dims", ()))
     device = device_for([v.device for v in fakes if isinstance(v, torch.Tensor) and not (v.device.type == "cpu" and v.dim() == 0)])
@@ -206,7 +420,7 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     for j, spec in enumerate(signature.output_specs):
         kind = spec.kind.name.lower()
         if kind in ("buffer_mutation", "user_input_mutation"):
-            written.append([position[spec.target], j])
+            written.append([position[_model_name(spec.target)], j])
         elif kind != "user_output":
             raise PackageError(f"fx2xla.export: a graph output of kind {kind} is not supported")
 
@@ -234,6 +448,7 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
         "platform": device.platform, "device_kind": device.kind,
         "compile_options": _compile_options(device.platform).SerializeAsString().hex(),
         "inputs": inputs, "mutations": [list(m) for m in plan.mutations], "written_outputs": written,
+        "output_tree": record["tree"],
         "seed": plan.seed, "dynamic": dynamic, "check_indices": check_indices, "variants": [variant],
         "export_seconds": time.perf_counter() - t0,
         "files": {name: {"sha256": _sha256(os.path.join(path, name)), "bytes": os.path.getsize(os.path.join(path, name))}
@@ -242,6 +457,12 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     with open(os.path.join(path, _MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return path
+
+
+def _model_name(target: str) -> str:
+    """A parameter's, buffer's or constant's name in the model (not in _FlatOutputs)."""
+    prefix = _WRAPPED + "."
+    return target[len(prefix):] if target.startswith(prefix) else target
 
 
 def _dims(fake: torch.Tensor, ranges) -> list:
@@ -268,7 +489,30 @@ def _lower(gm, fakes, device, inputs, concrete, check_indices):
     plan = build_plan(gm, fakes, device, resident)
     if plan.concats:
         raise PackageError("fx2xla.export: graphs that concatenate their inputs in torch are not supported")
-    return plan, lower_graph(gm, plan, fakes, concrete, check_indices=check_indices)
+    lowered = lower_graph(gm, plan, fakes, concrete, check_indices=check_indices)
+    return plan, (lowered if concrete is None else _at_shapes(lowered, fakes, concrete))
+
+
+def _at_shapes(lowered, fakes, concrete):
+    """`lowered` with its outputs' strides and view arguments (symbolic in a dynamic graph: a
+    slice of a cache) as numbers at the shapes of `concrete`, as a variant stores them."""
+    import dataclasses
+
+    from .lowering.graph import _bindings
+
+    bindings = _bindings(fakes, concrete)
+
+    def fix(v):
+        if isinstance(v, (tuple, list)):
+            return type(v)(fix(x) for x in v)
+        for sym, cast in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
+            if isinstance(v, sym):
+                return cast(v.node.expr.xreplace(bindings))
+        return v
+
+    outputs = [dataclasses.replace(o, stride=fix(o.stride), views=tuple((op, fix(args)) for op, args in o.views))
+               for o in lowered.outputs]
+    return dataclasses.replace(lowered, outputs=outputs)
 
 
 def _variant_json(lowered, shapes) -> dict:
@@ -400,6 +644,7 @@ class LoadedModel:
         self._written = [tuple(m) for m in manifest.get("written_outputs", [])]
         self._written_outputs = {j for _, j in self._written}
         self._seed = manifest["seed"]
+        self._build = _output_builder(manifest.get("output_tree"), torch_device)
         self._lock = threading.Lock()
         self.load_seconds = time.perf_counter() - t0
 
@@ -523,7 +768,7 @@ class LoadedModel:
                     if i in resident:
                         resident[i] = self._import(_layout(dst, self._inputs[i]), self._jax_device)
             results = [r for j, r in enumerate(results) if j not in self._written_outputs]
-        return results[0] if len(results) == 1 else tuple(results)
+        return self._build(results)
 
 
 def _shape_key(shapes) -> tuple:

@@ -5,7 +5,18 @@ torch.compile results; a fresh process loads with no Dynamo graph and no XLA com
 dynamic shapes each new shape compiles once; written buffers and index checks carry over;
 foreign, newer, corrupted packages and wrong inputs are clear errors; the portable module
 compiles when no executable fits, on the private serializer and the public one; many threads
-may call a loaded model."""
+may call a loaded model.
+
+A loaded model returns what the model returns: transformers LMs as users build them (GPT-2,
+LLaMA with their default config, use_cache=True) return their ModelOutput with logits and a
+DynamicCache whose every key and value tensor matches eager's (float32 rtol 1e-4 / atol 1e-4),
+and which eager decoding continues from as from eager's own cache; a sliding-window cache
+(Mistral) keeps its per-shape length under dynamic shapes; dicts, lists, namedtuples,
+torch.return_types, None and Python numbers keep their structure; weights keep the model's
+names; packages without a recorded structure return their outputs flat; an output a package
+cannot carry (an unknown object, a StaticCache, an unimportable class) is a PackageError
+naming its type and what to change."""
+import collections
 import json
 import os
 import subprocess
@@ -254,3 +265,201 @@ def test_loaded_model_serves_many_threads(tmp_path):
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors[0]
+
+
+def _assert_same_output(actual, expected, where="output"):
+    """`actual` has `expected`'s structure and types, and its tensors match (float32 rtol 1e-4 /
+    atol 1e-4); a transformers cache and each of its layers match attribute by attribute."""
+    from transformers import cache_utils
+
+    assert type(actual) is type(expected), f"{where}: {type(actual).__name__}, expected {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert actual.shape == expected.shape and actual.dtype == expected.dtype, where
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"{where}: {m}")
+    elif type(expected).__module__ == "transformers.cache_utils":  # a cache, a layer: every attribute
+        if isinstance(expected, cache_utils.Cache):
+            assert actual.get_seq_length() == expected.get_seq_length(), where
+        assert vars(actual).keys() == vars(expected).keys(), where
+        for k, v in vars(expected).items():
+            _assert_same_output(vars(actual)[k], v, f"{where}.{k}")
+    elif isinstance(expected, dict):  # dicts and ModelOutputs
+        assert list(actual.keys()) == list(expected.keys()), where
+        for k in expected:
+            _assert_same_output(actual[k], expected[k], f"{where}.{k}")
+    elif isinstance(expected, (tuple, list)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _assert_same_output(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r}, expected {expected!r}"
+
+
+def _gpt2_lm():
+    torch.manual_seed(0)
+    return gpt2(layers=2, hidden=64, heads=2, vocab=100, positions=64).eval()
+
+
+def _llama_lm():
+    torch.manual_seed(0)
+    return llama(layers=2, hidden=64, heads=2, kv_heads=1, vocab=100, positions=64).eval()
+
+
+@pytest.mark.parametrize("build", [_gpt2_lm, _llama_lm], ids=["gpt2", "llama"])
+def test_language_models_export_with_their_cache(tmp_path, build):
+    """GPT2LMHeadModel / LlamaForCausalLM as built from a config (use_cache=True): the loaded
+    model returns the same ModelOutput, its logits and every cache tensor as eager's, and
+    decoding the next token from its cache gives eager's logits."""
+    from transformers import cache_utils
+
+    model = build()
+    assert model.config.use_cache
+    ids = token_ids(2, 16, vocab=100)
+    path = fx2xla.export(model, (ids,), str(tmp_path / "pkg"))
+    run = fx2xla.load(path)
+    with torch.no_grad():
+        expected = model(ids)
+    actual = run(ids)
+    cache = actual[list(actual.keys())[1]]  # past_key_values (named `cache` in transformers 5)
+    assert isinstance(cache, cache_utils.DynamicCache) and len(cache.layers) == 2
+    assert all(layer.keys.shape[-2] == 16 for layer in cache.layers)
+    _assert_same_output(actual, expected)
+    other = token_ids(2, 16, vocab=100, seed=1)
+    with torch.no_grad():
+        _assert_same_output(run(other), model(other))
+    # The rebuilt cache is a working one: eager decodes the next token from it as from its own.
+    step = token_ids(2, 1, vocab=100, seed=2)
+    with torch.no_grad():
+        from_loaded = model(step, cache=cache)
+        from_eager = model(step, cache=expected[list(expected.keys())[1]])
+    torch.testing.assert_close(from_loaded.logits, from_eager.logits, rtol=1e-4, atol=1e-4)
+    assert cache.get_seq_length() == 17
+    # Weights keep the model's own names.
+    with open(os.path.join(path, "manifest.json")) as f:
+        names = {spec["name"] for spec in json.load(f)["inputs"] if spec["kind"] == "parameter"}
+    assert names and names <= set(model.state_dict())
+
+
+def test_sliding_window_cache_with_dynamic_length(tmp_path):
+    """Mistral with a sliding window of 8: each layer's cache keeps the last 7 positions and
+    counts every position seen, at each sequence length of a dynamic package."""
+    import transformers
+
+    from transformers import cache_utils
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                     num_key_value_heads=1, intermediate_size=128, vocab_size=100,
+                                     max_position_embeddings=64, sliding_window=8)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    seq = torch.export.Dim("seq", min=9, max=64)
+    run = fx2xla.load(fx2xla.export(model, (token_ids(2, 16, vocab=100),), str(tmp_path / "pkg"),
+                                    dynamic_shapes={"input_ids": {1: seq}}))
+    for n in (16, 11):
+        ids = token_ids(2, n, vocab=100, seed=n)
+        with torch.no_grad():
+            expected = model(ids)
+        actual = run(ids)
+        layers = actual.cache.layers
+        assert all(type(layer) is cache_utils.DynamicSlidingWindowLayer for layer in layers)
+        assert [(layer.keys.shape[-2], layer.cumulative_length) for layer in layers] == [(7, n)] * 2
+        _assert_same_output(actual, expected)
+
+
+def test_encoder_decoder_cache(tmp_path):
+    """T5 (use_cache=True) returns an EncoderDecoderCache: its self-attention and cross-attention
+    caches come back with every tensor as eager's."""
+    import transformers
+
+    from transformers import cache_utils
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    ids, mask = token_ids(2, 16, vocab=100), torch.ones(2, 16, dtype=torch.long)
+    decoder_ids = token_ids(2, 5, vocab=100, seed=2)
+    run = fx2xla.load(fx2xla.export(model, (ids, mask, decoder_ids), str(tmp_path / "pkg")))
+    with torch.no_grad():
+        expected = model(ids, mask, decoder_ids)
+    actual = run(ids, mask, decoder_ids)
+    cache = actual[list(actual.keys())[1]]
+    assert isinstance(cache, cache_utils.EncoderDecoderCache) and cache.is_updated == {0: True, 1: True}
+    assert [len(c.layers) for c in (cache.self_attention_cache, cache.cross_attention_cache)] == [2, 2]
+    assert cache.cross_attention_cache.layers[0].keys.shape[-2] == 16  # the encoder's positions
+    _assert_same_output(actual, expected)
+
+
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+class _Structured(torch.nn.Module):
+    def forward(self, x):
+        return {"pair": Pair(x + 1, [x * 2, None, x.shape[0]]), "max": torch.max(x, dim=0), "scale": 0.5}
+
+
+def test_outputs_keep_the_model_structure(tmp_path):
+    """Dicts, lists, namedtuples, torch.return_types, None and numbers come back as the model
+    returned them; a package written before the structure was recorded returns them flat."""
+    x = torch.randn(3, 4)
+    path = fx2xla.export(_Structured(), (x,), str(tmp_path / "pkg"))
+    expected = _Structured()(x)
+    _assert_same_output(fx2xla.load(path)(x), expected)
+    _edit_manifest(path, output_tree=None)
+    flat = fx2xla.load(path)(x)
+    assert isinstance(flat, tuple) and len(flat) == 4  # the graph's outputs (its tensors), flat
+    torch.testing.assert_close(flat[0], x + 1, rtol=0, atol=0)
+
+
+def test_outputs_a_package_cannot_carry_are_clear_errors(tmp_path):
+    """An object of no known structure, a transformers cache other than the dynamic ones, an
+    unknown object inside a DynamicCache, and a class that cannot be imported by name are
+    refused at export, naming the output's place and type and what to change."""
+    from transformers import cache_utils
+
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    class Boxed(torch.nn.Module):
+        def forward(self, x):
+            return x + 1, Box(x * 2)
+
+    with pytest.raises(PackageError, match=r"returns output\[1\], a .*Box, which a package cannot carry.*"
+                                           r"return tensors, or tuples"):
+        fx2xla.export(Boxed(), (torch.ones(3),), str(tmp_path / "box"))
+
+    class StaticCacheLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = _gpt2_lm()
+
+        def forward(self, ids):
+            return self.lm(ids, cache=cache_utils.StaticCache(config=self.lm.config, max_cache_len=32))
+
+    with pytest.raises(PackageError, match=r"returns output.cache, a transformers.cache_utils.StaticCache, which a "
+                                           r"package cannot carry: pass use_cache=False"):
+        fx2xla.export(StaticCacheLM(), (token_ids(2, 16, vocab=100),), str(tmp_path / "static"))
+
+    class OddCache(torch.nn.Module):
+        def forward(self, x):
+            cache = cache_utils.DynamicCache()
+            cache.update(x, x * 2, 0)
+            cache.layers[0].note = Box(x)
+            return x + 1, cache
+
+    with pytest.raises(PackageError, match=r"returns output\[1\].layers\[0\].note, a .*Box, which a package cannot "
+                                           r"carry \(held by the model's transformers.cache_utils.DynamicCache\): "
+                                           r"pass use_cache=False"):
+        fx2xla.export(OddCache(), (torch.ones(1, 1, 2, 4),), str(tmp_path / "odd"))
+
+    Local = collections.namedtuple("Local", ["a"])
+    Local.__qualname__ = "nowhere.Local"
+
+    class Named(torch.nn.Module):
+        def forward(self, x):
+            return Local(x + 1)
+
+    with pytest.raises(PackageError, match=r"output, a .*Local, .*cannot be imported by name"):
+        fx2xla.export(Named(), (torch.ones(3),), str(tmp_path / "named"))
