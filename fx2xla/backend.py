@@ -236,45 +236,151 @@ def _solved_annotations(annotations, solution, example_inputs, mesh) -> list:
 
 def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, kind, options, made):
     """sharding="auto": solve, compile, and check the executable's peak memory per device (XLA's
-    memory analysis) against the budget. The solver's estimate of a plan's peak misses what XLA
-    adds (temporaries of fusions and collectives, buffer packing): where the executable is over,
-    the plan is solved again under the budget less that miss, at most `_BUDGET_ROUNDS` times."""
+    memory analysis) against the budget. The solver's estimate of a plan's peak is off by what
+    XLA adds (temporaries of fusions and collectives, buffer packing) or does not hold, either
+    way by a few percent: near the budget, XLA's measure decides.
+    1. Where the executable is over, the plan is solved again under the budget less that miss,
+       at most `_BUDGET_ROUNDS` times.
+    2. Where the estimate says nothing fits (at first, or once tightened), or the rounds run
+       out: the least-memory plan (the cheapest of those the estimate ranks least) is compiled.
+       If it fits with room to spare where the estimate had refused the budget, one solve under
+       the budget raised by the estimate's excess may find a cheaper plan that still fits.
+    3. Still nothing: plans whose estimate is a little over the budget (by up to the smallest
+       miss measured) are compiled, at most `_EXPLORE_ROUNDS`: the estimate ranks plans that
+       close apart no better than XLA's figures.
+    4. Any plan of this graph measured before in this process (under another budget) whose
+       compiled peak fits is taken, the cheapest.
+    Only then is the budget called infeasible; the error gives the least compiled peak of the
+    plans measured, a budget at which step 4 takes that plan. A plan already measured is not
+    compiled again to be refused."""
     from .metrics import live_graphs
     from .passes.auto_sharding import InfeasibleBudget
+    from .passes.auto_sharding import Solution as Solution_
 
     budget = options["memory_budget"]
     training = kind == "forward"
-    target, measured = budget, []
-    for _ in range(_BUDGET_ROUNDS):
-        try:
-            annotations, solution = _auto_annotations(gm, example_inputs, user_annotations, options, training,
-                                                      names, target)
-        except InfeasibleBudget:
-            if not measured:
-                raise
-            peak = None  # nothing fits the tightened budget: the error below says what was measured
-            break
-        compiled = _compile(gm, example_inputs, kind=kind, options=options, dynamo_inputs=(annotations, names, tensors),
-                            solution=solution)
-        peak = _step_peak(compiled, training)
-        solution.xla_peak_bytes = peak
-        if budget is None or peak is None or peak <= budget:
-            break
-        measured.append(peak)
+    mesh = options["mesh"]
+    if budget is None:
+        solution = _auto_solution(gm, example_inputs, user_annotations, options, training, names, None)
+        compiled, _ = _compile_solution(gm, example_inputs, user_annotations, tensors, names, kind, options,
+                                        solution, training)
+        return _take(compiled, solution, example_inputs, tensors, mesh, made)
+    seen = _measured.setdefault(_measure_key(gm, user_annotations, mesh, training), {})
+    tried: list = []  # (solution, compiled peak) of this search, in order
+
+    def measure(solution):
+        """(compiled graph or None, its compiled peak); None where it was measured before."""
+        sig = _plan_signature(solution)
+        if sig in seen and seen[sig][1] > budget:  # refused before: not compiled again to be refused
+            tried.append((solution, seen[sig][1]))
+            return None, seen[sig][1]
+        compiled, peak = _compile_solution(gm, example_inputs, user_annotations, tensors, names, kind, options,
+                                           solution, training)
+        if peak is not None:
+            from .passes.auto_sharding import _to_record
+
+            seen[sig] = (_to_record(solution), peak, solution.objective, solution.memory_bytes)
+        tried.append((solution, peak))
+        if peak is None or peak <= budget:
+            return compiled, peak
         live_graphs.discard(compiled)  # not the graph that runs: out of reports and metrics now
-        # Less what XLA added to the solver's estimate, and at least by the overshoot.
+        return None, peak
+
+    def solve(target, least=False):
+        try:
+            return _auto_solution(gm, example_inputs, user_annotations, options, training, names, target, least)
+        except InfeasibleBudget as e:
+            return e
+
+    def fits(peak) -> bool:
+        return peak is None or peak <= budget
+
+    # 1. Under the budget, tightened by what XLA added.
+    target, refused = budget, None
+    for _ in range(_BUDGET_ROUNDS):
+        solution = solve(target)
+        if isinstance(solution, InfeasibleBudget):
+            refused = solution
+            break
+        compiled, peak = measure(solution)
+        if fits(peak):
+            return _take(compiled, solution, example_inputs, tensors, mesh, made)
         target = min(target - (peak - budget), budget - (peak - solution.memory_bytes))
         if target <= 0:
             break
+    # 2. The least-memory plan.
+    least = solve(None, least=True)
+    if isinstance(least, Solution_):
+        compiled, peak = measure(least)
+        if fits(peak):
+            if refused is not None and len(tried) == 1 and peak is not None and least.memory_bytes > peak:
+                better = solve(budget + (least.memory_bytes - peak))
+                if isinstance(better, Solution_) and better.objective < least.objective and \
+                        _plan_signature(better) != _plan_signature(least):
+                    c2, p2 = measure(better)
+                    if fits(p2):
+                        if compiled is not None:
+                            live_graphs.discard(compiled)
+                        return _take(c2, better, example_inputs, tensors, mesh, made)
+            return _take(compiled, least, example_inputs, tensors, mesh, made)
+    # 3. Plans whose estimate is a little over the budget.
+    misses = [abs(p - s.memory_bytes) for s, p in tried if p is not None]
+    spread = max(min(misses) if misses else 0.0, 0.01 * budget)
+    for f in _EXPLORE_STEPS[:_EXPLORE_ROUNDS]:
+        solution = solve(budget + f * spread)
+        if not isinstance(solution, Solution_) or _plan_signature(solution) in seen:
+            continue
+        compiled, peak = measure(solution)
+        if fits(peak):
+            return _take(compiled, solution, example_inputs, tensors, mesh, made)
+    # 4. A plan measured before (in this process, under another budget) that fits.
+    fitting = sorted((rec[2], sig) for sig, rec in seen.items() if rec[1] <= budget)
+    if fitting:
+        from .passes.auto_sharding import _from_record
+
+        record = seen[fitting[0][1]][0]
+        solution = _from_record(record, {n.name: n for n in gm.graph.nodes}, "measured")
+        compiled, peak = _compile_solution(gm, example_inputs, user_annotations, tensors, names, kind, options,
+                                           solution, training)
+        if fits(peak):
+            return _take(compiled, solution, example_inputs, tensors, mesh, made)
+        live_graphs.discard(compiled)
+    measured = [(s, p) for s, p in tried if p is not None]
+    lowest = min(seen.values(), key=lambda rec: rec[1]) if seen else None
+    said = (f"the solver's estimate refused it (the least any plan holds by the estimate: about "
+            f"{refused.least_estimate:,.0f} bytes); " if refused is not None and refused.least_estimate is not None
+            else "")
+    if measured:
+        said += ("XLA's memory analysis gave " + ", ".join(f"{p:,.0f} (estimated {s.memory_bytes:,.0f})"
+                                                           for s, p in measured) + " bytes for the plans tried; ")
+    if lowest is not None:
+        said += (f"the least compiled peak of the plans measured is {lowest[1]:,.0f} bytes per device (XLA's memory "
+                 f"analysis; estimated {lowest[3]:,.0f}): a memory_budget of {lowest[1]:,.0f} fits that plan "
+                 f"(kept in this process: a compile of this graph at that budget takes it)")
     else:
-        peak = None
-    if budget is not None and (peak is None or peak > budget) and measured:
-        raise InfeasibleBudget(
-            f"fx2xla auto-sharding: graph {name}: no plan found whose compiled peak fits memory_budget="
-            f"{budget:,.0f} bytes per device on {options['mesh']}: XLA's memory analysis gave "
-            f"{', '.join(f'{m:,.0f}' for m in measured)} bytes for the plans tried (the solver's own estimate "
-            f"of the last was {solution.memory_bytes:,.0f})")
-    _mark_parameters(example_inputs, tensors, solution, options["mesh"].id)
+        said += "the solver found no plan to measure within its time limit"
+    raise InfeasibleBudget(
+        f"fx2xla auto-sharding: graph {name}: no plan found whose compiled peak fits memory_budget="
+        f"{budget:,.0f} bytes per device on {mesh}: {said}",
+        least_estimate=None if refused is None else refused.least_estimate,
+        least_bound=None if refused is None else refused.least_bound,
+        least_compiled=None if lowest is None else lowest[1])
+
+
+def _compile_solution(gm, example_inputs, user_annotations, tensors, names, kind, options, solution, training):
+    """The graph compiled with `solution`'s plan, and its compiled peak (`_step_peak`), which
+    the solution keeps (`xla_peak_bytes`)."""
+    annotations = _solved_annotations(user_annotations, solution, example_inputs, options["mesh"])
+    compiled = _compile(gm, example_inputs, kind=kind, options=options, dynamo_inputs=(annotations, names, tensors),
+                        solution=solution)
+    peak = _step_peak(compiled, training)
+    solution.xla_peak_bytes = peak
+    return compiled, peak
+
+
+def _take(compiled, solution, example_inputs, tensors, mesh, made):
+    """The plan that runs: its parameters marked (the optimizer step shards them alike)."""
+    _mark_parameters(example_inputs, tensors, solution, mesh.id)
     if made is not None:
         made.append((compiled, _fw_metadata()))
     return compiled
@@ -282,6 +388,25 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
 
 # Solves of one graph that the executable's measured peak may ask for (see _compile_auto).
 _BUDGET_ROUNDS = 4
+# Step 3 of _compile_auto: targets over the budget, in units of the smallest miss measured.
+_EXPLORE_STEPS = (0.25, 0.5, 1.0)
+_EXPLORE_ROUNDS = 3
+# Plans measured per graph, in this process: (graph, inputs' fixed specs, mesh, training) ->
+# {plan signature: (solution record, compiled peak, objective, estimate)}.
+_measured: dict = {}
+
+
+def _measure_key(gm, user_annotations, mesh, training: bool):
+    from .passes.auto_sharding import graph_key
+
+    return graph_key(gm), repr(_fixed_specs(user_annotations, mesh)), repr(sorted(mesh.shape.items())), training
+
+
+def _plan_signature(solution) -> str:
+    """What an executable compiled from `solution` depends on: every layout it pins."""
+    return repr((solution.input_specs, sorted((n.name, s) for n, s in solution.specs.items()),
+                 sorted((v.name, sorted((u.name, s) for u, s in reads.items()))
+                        for v, reads in solution.operand_constraints.items())))
 
 
 def _step_peak(compiled, training: bool) -> float | None:
@@ -309,21 +434,26 @@ def _step_peak(compiled, training: bool) -> float | None:
     return float(peak)
 
 
-def _auto_annotations(gm, example_inputs, annotations, options, training: bool, names, budget):
-    """Sharding=auto: the user's annotations as constraints, the solver's specs for the rest."""
+def _auto_solution(gm, example_inputs, annotations, options, training: bool, names, budget, least=False):
+    """Sharding=auto: the solver's plan, the user's annotations as constraints. `least`: the
+    cheapest of the plans that hold the least memory by the estimate (the budget aside), or None
+    if the solver found none in its time limit."""
     from .compiled_graph import static_input_indices
-    from .passes.auto_sharding import repeated_layers, solve_cached
+    from .passes.auto_sharding import repeated_layers, solve_cached, solve_least
 
     mesh = options["mesh"]
-    solution = solve_cached(gm, mesh.shape, memory_budget=budget, fixed=_fixed_specs(annotations, mesh),
-                            parameters=static_input_indices(len(example_inputs)), training=training,
-                            ties=repeated_layers(gm, names))
-    return _solved_annotations(annotations, solution, example_inputs, mesh), solution
+    kwargs = dict(fixed=_fixed_specs(annotations, mesh), parameters=static_input_indices(len(example_inputs)),
+                  training=training, ties=repeated_layers(gm, names))
+    if least:
+        return solve_least(gm, mesh.shape, **kwargs)
+    return solve_cached(gm, mesh.shape, memory_budget=budget, **kwargs)
 
 
 def _mark_parameters(example_inputs, tensors, solution, mesh_id: int) -> None:
     """Parameters are marked with the solution's specs, so later graphs (the optimizer step)
-    shard them alike."""
+    shard them alike. A mark an earlier solve left ("auto") is replaced: a later sharding="auto"
+    compile of the same module (another budget, a new input shape, after torch._dynamo.reset())
+    solves afresh rather than with that plan pinned."""
     from .compiled_graph import static_input_indices
     from .sharding import Annotation, annotation_of
 
@@ -332,7 +462,8 @@ def _mark_parameters(example_inputs, tensors, solution, mesh_id: int) -> None:
     for i in static_input_indices(len(example_inputs)):
         spec = solution.input_specs[i] if i < len(solution.input_specs) else None
         t = tensors[i]() if i < len(tensors) else None
-        if spec is not None and t is not None and annotation_of(t) is None:
+        ann = annotation_of(t) if t is not None else None
+        if spec is not None and t is not None and (ann is None or ann.source == "auto"):
             t._fx2xla_sharding = Annotation(mesh_id, spec, "auto")
 
 
@@ -387,9 +518,15 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
 
     opts = _check_options(options)
     name = _graph_name("dynamo")
+    if name != "dynamo":  # which torch.compile result these graphs are of: explain_sharding(compiled)
+        from .sharding import note_compile_origin
+
+        note_compile_origin(name[: -len("dynamo")])
     _check_recompile(gm, example_inputs, opts, name)
     # Read before any pass: the real tensors behind the inputs, and the user's names of them.
     annotations = input_annotations(gm)
+    if opts["sharding"] == "auto":  # an earlier solve's marks are not the user's: solved afresh
+        annotations = [None if a is not None and a.source == "auto" else a for a in annotations]
     dynamo_inputs = None
     if any(annotations) or opts["sharding"] == "auto":
         refs = [weakref.ref(t) if isinstance(t, torch.Tensor) else _no_tensor for t in input_tensors(gm)]

@@ -544,30 +544,200 @@ def _per_device(shape, spec, mesh: Mesh) -> int:
     return math.prod(shape) // parts if parts else 0
 
 
+# -- which compiled object a graph belongs to --------------------------------------------------
+
+# The graphs of one Dynamo compile share a name prefix ("g<frame>_<compile>_", see the backend's
+# _graph_name); a backward graph, compiled later by autograd, has its forward's. Names repeat
+# after torch._dynamo.reset(), so each prefix keeps a list of origins, newest last: the
+# torch.compile context that was running (a weak reference), what it compiled in words, whether
+# that is an optimizer's step, and which graphs are its: those of the prefix made after it was
+# noted (the live ones then are `before`), until the prefix is noted again (then fixed, `mine`).
+_origins: dict = {}
+
+
+@dataclass
+class _Origin:
+    ctx: Any
+    label: str
+    optimizer: bool
+    before: Any
+    mine: Any = None
+
+    def owns(self, g) -> bool:
+        return g in self.mine if self.mine is not None else g not in self.before
+
+
+def note_compile_origin(prefix: str) -> None:
+    """Called by the backend as Dynamo hands it a graph (the graph names start with `prefix`):
+    records which `torch.compile(...)` result is running, found as the innermost of Dynamo's
+    compile wrappers on the Python stack (each result has its own context object)."""
+    import sys
+    import weakref
+
+    from .metrics import live_graphs
+
+    ctx_type = _dynamo_context_type()
+    if ctx_type is None:
+        return
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "compile_wrapper":
+            local = f.f_locals
+            ctx = local.get("self")
+            if isinstance(ctx, ctx_type):
+                try:
+                    ref = weakref.ref(ctx)
+                except TypeError:
+                    return
+                fn = local.get("fn")
+                for k in list(_origins):  # contexts gone
+                    _origins[k] = [o for o in _origins[k] if o.ctx() is not None]
+                    if not _origins[k]:
+                        del _origins[k]
+                live = weakref.WeakSet(g for g in list(live_graphs) if g.name.startswith(prefix))
+                entries = _origins.setdefault(prefix, [])
+                if entries and entries[-1].mine is None:
+                    last = entries[-1]
+                    last.mine = weakref.WeakSet(g for g in live if g not in last.before)
+                entries.append(_Origin(ref, _describe_callable(fn), _is_optimizer_step(fn), live))
+                return
+        f = f.f_back
+
+
+def _origin_of(g):
+    for prefix, entries in _origins.items():
+        if g.name.startswith(prefix):
+            return next((o for o in reversed(entries) if o.owns(g)), None)
+    return None
+
+
+def _dynamo_context_type():
+    try:
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+    except ImportError:  # a torch without it: compiled objects are not recognised
+        return None
+    return _TorchDynamoContext
+
+
+def _is_optimizer_step(fn) -> bool:
+    return isinstance(getattr(fn, "__self__", None), torch.optim.Optimizer)
+
+
+def _describe_callable(fn) -> str:
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return f"{type(owner).__name__}"
+    if owner is not None and not isinstance(owner, type(torch)):
+        return f"{type(owner).__name__}.{getattr(fn, '__name__', '?')}"
+    wrapped = getattr(fn, "__wrapped__", None)
+    if isinstance(wrapped, torch.nn.Module):
+        return type(wrapped).__name__
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _dynamo_context_of(obj):
+    """The torch.compile context of what torch.compile returned (an OptimizedModule, or a
+    compiled function or method); None for anything else."""
+    ctx_type = _dynamo_context_type()
+    if ctx_type is None:
+        return None
+    ctx = getattr(obj, "dynamo_ctx", None) if isinstance(obj, torch.nn.Module) else None
+    if isinstance(ctx, ctx_type):
+        return ctx
+    if callable(obj) and hasattr(obj, "_torchdynamo_orig_callable"):
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, ctx_type):
+                return value
+    return None
+
+
+def _role(g) -> str:
+    """What a graph is, in words: forward, backward, optimizer step, inference; and of what."""
+    origin = _origin_of(g)
+    kind = next((k for k in ("forward", "backward", "inference") if f"_{k}" in g.name), "graph")
+    if origin is None:
+        return kind
+    if origin.optimizer:
+        return f"optimizer step ({origin.label})"
+    return f"{kind} of {origin.label}"
+
+
+def _graph_order(g):
+    """Compile order: the numbers in the graph's name, forward before backward."""
+    import re
+
+    kinds = {"forward": 0, "backward": 1, "inference": 2}
+    kind = next((v for k, v in kinds.items() if f"_{k}" in g.name), 3)
+    return [int(n) for n in re.findall(r"\d+", g.name.split("_forward")[0].split("_backward")[0]
+                                          .split("_inference")[0])], kind, g.name
+
+
+def graphs_of(compiled) -> list:
+    """The live fx2xla graphs (CompiledGraph) of what `torch.compile(..., backend="fx2xla")`
+    returned: a compiled module's forward and backward graphs, a compiled function's or
+    optimizer step's graphs, in compile order. Raises TypeError for anything that is not a
+    compiled module or function."""
+    from .metrics import live_graphs
+
+    ctx = _dynamo_context_of(compiled)
+    if ctx is None:
+        raise TypeError(f"fx2xla.explain_sharding: expected what torch.compile(..., backend=\"fx2xla\") returned "
+                        f"(a compiled module, function or optimizer step), a CompiledGraph, a list of them, or None "
+                        f"for every live sharded graph; got {type(compiled).__name__}")
+    found = []
+    for g in list(live_graphs):
+        origin = _origin_of(g)
+        if origin is not None and origin.ctx() is ctx:
+            found.append(g)
+    return sorted(found, key=_graph_order)
+
+
 def explain_sharding(graph=None, file=None) -> str:
-    """A report of how a compiled graph is sharded: per input and per result its spec, where
+    """A report of how compiled graphs are sharded: per input and per result its spec, where
     the spec came from (user, propagated, default), bytes per device; the constraints inside;
     the collectives XLA's partitioner inserted (from the optimized HLO); each device's memory.
-    `graph`: a CompiledGraph, a list of them, or None for every live sharded graph. Printed to
-    `file` when given; returned."""
+    `graph`: what `torch.compile(..., backend="fx2xla")` returned (a compiled module: its
+    forward and backward graphs; a compiled function or optimizer step: its graphs), once it
+    has run; a CompiledGraph; a list of any of these; or None for every live sharded graph.
+    Each graph is named, with what it is (forward, backward, optimizer step) and of what.
+    Printed to `file` when given; returned."""
     from .compiled_graph import CompiledGraph
     from .metrics import live_graphs
     from .runtime.executor import optimized_hlo_text
 
     if graph is None:
-        graphs = sorted((g for g in live_graphs if g.mesh is not None), key=lambda g: g.name)
+        graphs = sorted((g for g in list(live_graphs) if g.mesh is not None), key=_graph_order)
     else:
-        graphs = list(graph) if isinstance(graph, (list, tuple)) else [graph]
-    if not all(isinstance(g, CompiledGraph) for g in graphs):
-        raise TypeError("fx2xla.explain_sharding: expected compiled graphs (or None for all)")
+        graphs = []
+        for item in (list(graph) if isinstance(graph, (list, tuple)) else [graph]):
+            if isinstance(item, CompiledGraph):
+                graphs.append(item)
+                continue
+            found = graphs_of(item)
+            if not found:
+                what = _describe_callable(getattr(item, "_orig_mod", None) and item._orig_mod.forward
+                                          or getattr(item, "_torchdynamo_orig_callable", item))
+                ctx = _dynamo_context_of(item)
+                if any(o.ctx() is ctx for entries in _origins.values() for o in entries):
+                    raise ValueError(f"fx2xla.explain_sharding: the compiled {what} ran, but its fx2xla graphs are "
+                                     f"gone (torch._dynamo.reset() or a recompile dropped them): call it again")
+                raise ValueError(f"fx2xla.explain_sharding: the compiled {what} has no fx2xla graphs yet: call it "
+                                 f"once first (torch.compile compiles at the first call; a training step's backward "
+                                 f"graph at the first backward), with backend=\"fx2xla\"")
+            graphs += [g for g in found if g not in graphs]
     lines = []
     for g in graphs:
         plan = g.plan
+        role = _role(g)
         if g.mesh is None:
-            lines.append(f"graph {g.name}: one device ({g.device}), not sharded")
+            lines.append(f"graph {g.name} ({role}): one device ({g.device}), not sharded")
             continue
         mesh, sh = g.mesh, plan.shardings
-        lines.append(f"graph {g.name} over {mesh}")
+        lines.append(f"graph {g.name} ({role}) over {mesh}")
         solution = getattr(g, "auto_sharding", None)
         if solution is not None:
             origin = f" (reused from the {solution.cached} cache)" if getattr(solution, "cached", None) else ""

@@ -11,6 +11,9 @@ integer program over the core-ATen graph (the Alpa formulation, section 4.2 of i
     merge whole dims) follow their operand, and the outputs of a multi-output op (attention,
     layer norm, split) share the op's variables: one decision each.
   - `x[i]` (aten.index) keeps the indexed dims whole; the index tensors follow the output.
+  - An embedding's table is whole over its rows, or split over mesh axes the output does not
+    use (Megatron's vocab-parallel embedding): each device looks up its own rows and the
+    partial results are all-reduced, priced like a contracted dim.
   - Repeated layers (a ModuleList's identical blocks, found by `repeated_layers` from the
     module paths Dynamo records) share one set of variables, and their edges one set of pair
     variables, priced for every layer: the program's size stops growing with depth.
@@ -31,8 +34,12 @@ integer program over the core-ATen graph (the Alpa formulation, section 4.2 of i
   training step: weights, gradients, AdamW's two moments), the values live at that step (see
   `live_values`), the copies reshards make (from when their source exists: XLA hoists the
   gathers of weights to the start), and attention's scores. The backend then holds the
-  executable's own peak (XLA's memory analysis) to the budget, solving again under a tighter
-  one where XLA added more than this estimate.
+  executable's own peak (XLA's memory analysis) to the budget: it solves again under a tighter
+  one where XLA added more than this estimate and, near the boundary, where the estimate ranks
+  plans no better than XLA's figures, lets those decide (the least-memory plan, `solve_least`,
+  and plans just over the budget by the estimate are compiled and measured).
+  An infeasible budget's error gives the least peak by this estimate, said to be the estimate's,
+  proven least (within the gap) or else with a lower bound said to be a bound.
 - **Solver.** scipy's `milp` (HiGHS), with a time limit and a relative gap. The report says
   whether the optimum was proven, and gives the gap and the solve time. `solve_cached` keeps
   each solution by its graph, mesh, budget, constraints and cost model, in memory and in the
@@ -114,7 +121,17 @@ class Solution:
 
 
 class InfeasibleBudget(ShardingError):
-    """No sharding fits the memory budget on this mesh."""
+    """No sharding fits the memory budget on this mesh. `least_estimate`: the least peak per
+    device a plan was found to hold by the solver's estimate, `least_bound` a lower bound on
+    any plan's, `proven` whether the first is the least (within 0.1%); from the backend,
+    `least_compiled`: the compiled peak (XLA's memory analysis) of the least-memory plan it
+    found, a budget at which that plan compiles. None where not known."""
+
+    def __init__(self, message: str, *, least_estimate: float | None = None, least_bound: float | None = None,
+                 proven: bool = False, least_compiled: float | None = None):
+        super().__init__(message)
+        self.least_estimate, self.least_bound, self.proven = least_estimate, least_bound, proven
+        self.least_compiled = least_compiled
 
 
 def candidate_specs(shape, sizes: dict[str, int]) -> list[tuple]:
@@ -360,12 +377,41 @@ def strategies_of(node, sizes, model) -> list[_Strategy]:
         in_shape = _shape(ops[0])
         return [_Strategy(s, [_aligned(s, in_shape, shape)]) for s in candidate_specs(shape, sizes)]
     if t is aten.embedding.default and len(ops) == 2:
-        # weight [V, D] whole over V; ids laid out like the output's leading dims
-        return [_Strategy(s, [((), s[-1]), s[:-1]]) for s in candidate_specs(shape, sizes)]
+        return _embedding_strategies(node, sizes, model)
     if t is aten.index.Tensor and ops:
         return _index_strategies(node, sizes, model)
     # No rule: the op runs on whole operands and its output is whole everywhere.
     return [_Strategy(_replicated(node), [_replicated(a) for a in ops])]
+
+
+def _embedding_strategies(node, sizes, model) -> list[_Strategy]:
+    """weight [V, D], ids [...] -> [..., D]. The ids are laid out like the output's leading
+    dims, the weight's D like the output's last. V is whole, or split over mesh axes the output
+    does not use (Megatron's vocab-parallel embedding): each device looks up the rows it holds
+    (zeros for the others) and the partial results are all-reduced over those axes, as for a
+    matmul's contracted dim; XLA's partitioner does exactly that for a gather whose operand is
+    split on the gathered dim. Without it, a weight split by vocab had to be gathered (or
+    moved to split D) before the lookup: a copy XLA holds twice during an all-to-all."""
+    weight = node.args[0]
+    vocab = _shape(weight)[0]
+    shape = _shape(node)
+    itemsize = _val(node).element_size()
+    out = []
+    for s in candidate_specs(shape, sizes):
+        used = {a for axes in s for a in axes}
+        free = [a for a in sizes if a not in used]
+        for r in range(len(free) + 1):
+            for split in itertools.combinations(free, r):
+                if vocab % math.prod(sizes[a] for a in split):
+                    continue
+                seconds = moved = 0.0
+                local = math.prod(shape) * itemsize / max(1, _parts(s, sizes))
+                for a in split:  # the partial lookups' all-reduce (a ring: 2 (n-1)/n of the bytes)
+                    n = sizes[a]
+                    moved += 2 * local * (n - 1) / n
+                    seconds += model.alpha + 2 * local * (n - 1) / n * model.beta
+                out.append(_Strategy(s, [(tuple(split), s[-1]), s[:-1]], seconds, moved))
+    return out
 
 
 def _index_strategies(node, sizes, model) -> list[_Strategy]:
@@ -493,10 +539,15 @@ def repeated_layers(gm: torch.fx.GraphModule, input_names=None) -> dict:
 
 # Ops whose result is a view of their first operand: no memory of their own; they keep their
 # base alive until their own last use. (XLA may copy a transpose, but fuses it into its reader.)
+# A sharding constraint (fx2xla::mark_sharding, as the sharding_annotations pass puts after every
+# annotated input) is one too: a no-op where its operand is laid out as it says, and otherwise a
+# reshard, whose copy the edge into it counts. Counted as a value of its own, every annotated
+# parameter was held twice from the start of the graph to its last reader, and a budget its
+# plan fitted was refused ("the least any plan holds" then overstated).
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
           aten.t.default, aten.transpose.int, aten.expand.default, aten.unsqueeze.default,
           aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.slice.Tensor, aten.select.int,
-          aten.alias.default, aten.copy_.default}
+          aten.alias.default, aten.copy_.default, torch.ops.fx2xla.mark_sharding.default}
 
 
 def _base(node) -> torch.fx.Node:
@@ -806,12 +857,19 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     seconds = time.perf_counter() - t0
     if res.x is None:
         if memory_budget is not None and res.status == 2:
-            least = _least_peak(a, lo, hi, integer, upper, budget_rows, time_limit)
+            least, bound, proven = _least_peak(a, lo, hi, integer, upper, budget_rows, time_limit)
+            if least is None:
+                said = "no plan was found within the time limit to say how little any holds"
+            elif proven:
+                said = (f"the least any plan holds is about {least:,.0f} bytes by this estimate (proven within "
+                        f"0.1%; the solver's estimate, not a compiled executable's peak)")
+            else:
+                said = (f"the least plan found holds {least:,.0f} bytes by this estimate; the solver stopped at its "
+                        f"time limit, and the least any plan holds is bounded below by {bound:,.0f} bytes (a bound)")
             raise InfeasibleBudget(f"fx2xla auto-sharding: no sharding of this graph fits {memory_budget:,.0f} "
                                    f"bytes per device on a mesh {sizes} (its inputs, and the values live at "
-                                   f"once at its peak, checked at {len(memory_rows)} steps); "
-                                   + (f"the least any plan holds is about {least:,.0f} bytes by this estimate"
-                                      if least is not None else "no least peak was found within the time limit"))
+                                   f"once at its peak, checked at {len(memory_rows)} steps); " + said,
+                                   least_estimate=least, least_bound=bound, proven=proven)
         raise RuntimeError(f"fx2xla auto-sharding: the solver stopped without a solution ({res.message})")
     x = res.x
     pick = {n: max(range(len(strategies[n])), key=lambda k: x[index[(n, k)]]) for n in nodes if root[n] is n}
@@ -842,9 +900,11 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     return sol
 
 
-def _least_peak(a, lo, hi, integer, upper, budget_rows, time_limit) -> float | None:
-    """The smallest peak any plan holds, by the program's own estimate: its rows with the peak
-    steps' bound replaced by one more variable, minimised. None if the solver stops first."""
+def _least_peak(a, lo, hi, integer, upper, budget_rows, time_limit) -> tuple:
+    """(the smallest peak a plan found holds, a lower bound on the peak of any plan, whether the
+    first is proven least within 0.1%), by the program's own estimate: its rows with the peak
+    steps' bound replaced by one more variable, minimised. (None, bound, False) if the solver
+    stops before it finds a plan."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array, hstack
 
@@ -858,13 +918,17 @@ def _least_peak(a, lo, hi, integer, upper, budget_rows, time_limit) -> float | N
     res = milp(cost, constraints=LinearConstraint(hstack([a, col]).tocsr(), lo, hi),
                integrality=np.array(list(integer) + [0]), bounds=Bounds(np.zeros(n + 1), np.append(upper, np.inf)),
                options={"time_limit": time_limit, "mip_rel_gap": 1e-3, "disp": False})
-    return None if res.x is None else float(res.x[n])
+    bound = getattr(res, "mip_dual_bound", None)
+    bound = float(bound) if bound is not None and np.isfinite(bound) else 0.0
+    if res.x is None:
+        return None, bound, False
+    return float(res.x[n]), min(bound, float(res.x[n])), res.status == 0
 
 
 # Solutions by key, in this process; on disk beside the executables (FX2XLA_CACHE_DIR), so a
 # new process (a restart, another rank) takes the same plan without solving again.
 _solutions: dict = {}
-_FORMAT = "fx2xla-auto-sharding-2"  # bumped when the formulation changes what a key's solution is
+_FORMAT = "fx2xla-auto-sharding-3"  # bumped when the formulation changes what a key's solution is
 
 
 def graph_key(gm: torch.fx.GraphModule) -> str:
@@ -930,6 +994,42 @@ def solve_cached(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> S
             except Exception:  # published before (this process cleared its table): the same record
                 pass
     return sol if sol is not None else _from_record(record, nodes, where)
+
+
+def least_memory(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> tuple:
+    """(the least peak per device a plan was found to hold by the estimate, a lower bound on any
+    plan's, whether the first is proven least within 0.1%) for `solve`'s program (its other
+    arguments as `solve`'s; a budget given is ignored). Kept per program in this process."""
+    args = {k: v for k, v in kwargs.items() if k != "memory_budget"}
+    key = (graph_key(gm), repr(sorted(sizes.items())), repr(sorted((k, repr(v)) for k, v in args.items()
+                                                                   if k not in ("ties", "parameters"))),
+           repr(sorted(args.get("parameters") or ())),
+           repr(sorted((a.name, b.name) for a, b in (args.get("ties") or {}).items())))
+    hit = _least.get(key)
+    if hit is not None:
+        return hit
+    try:  # every coefficient of a memory row is >= 0: presolve refuses this budget at once
+        sol = solve(gm, sizes, memory_budget=-1.0, **args)
+    except InfeasibleBudget as e:
+        hit = (e.least_estimate, e.least_bound, e.proven)
+    else:  # (a graph holding nothing)
+        hit = (sol.memory_bytes, sol.memory_bytes, True)
+    _least[key] = hit
+    return hit
+
+
+def solve_least(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> Solution | None:
+    """The cheapest plan among those that hold the least memory by the estimate (`least_memory`),
+    by `solve_cached` under that budget (rounded up to a KiB, so that every process asks for
+    the same one); None where the solver found no plan in its time limit."""
+    least, _, _ = least_memory(gm, sizes, **kwargs)
+    if least is None:
+        return None
+    budget = math.ceil((least * (1 + 1e-6) + 64) / 1024) * 1024
+    return solve_cached(gm, sizes, **{**kwargs, "memory_budget": float(budget)})
+
+
+_least: dict = {}
 
 
 # How long the other processes wait for process 0's solution: it may be compiling graphs before

@@ -139,7 +139,9 @@ def sharding_annotations(gm: torch.fx.GraphModule, example_inputs, options) -> P
     marked = [(n, annotation_of(_real_example(n))) for n in placeholders]
     marked += [(n, annotation_of(_attr(gm, n.target))) for n in graph.nodes if n.op == "get_attr"]
     for node, ann in marked:
-        if ann is None:
+        # sharding="auto": an earlier solve's marks (source "auto") are not constraints; it solves
+        # afresh (the backend gives the inputs the new plan's specs).
+        if ann is None or (options.get("sharding") == "auto" and ann.source == "auto"):
             continue
         if node.op == "get_attr":
             anchor = node

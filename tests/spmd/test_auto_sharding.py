@@ -342,6 +342,9 @@ def test_live_values_count_towards_the_budget():
         solve(gm, {"d": 8}, parameters=PARAMS, memory_budget=4.5 * mib)
     least = float(re.search(r"about ([\d,]+) bytes", str(err.value)).group(1).replace(",", ""))
     assert least == pytest.approx(sol.memory_bytes, rel=1e-3)
+    # Said to be the solver's estimate, proven least (within the gap), with a lower bound below it.
+    assert "proven" in str(err.value) and "not a compiled executable's peak" in str(err.value)
+    assert err.value.proven and err.value.least_estimate == least and err.value.least_bound <= least
 
 
 def test_the_compiled_peak_is_checked_against_the_budget():
