@@ -6,6 +6,7 @@ from .runtime import client as _client  # noqa: F401  (its memory policy applies
 from .errors import Fx2XlaError, IndexOutOfRangeError, InvalidInputError
 from . import distributed  # noqa: F401  (fx2xla.distributed: many processes, one global mesh; starts nothing)
 from .metrics import metrics, metrics_report
+from .offload import OffloadError, explain_memory, place_to_device, place_to_host
 from .package import LoadedModel, PackageError, export, load
 from .scan import scan, scan_layers
 from .serving import RecompileError, TensorSpec, no_recompile, warmup
@@ -15,5 +16,5 @@ from .sharding import Mesh, ShardedTensor, ShardingError, clear_sharding, explai
 __version__ = "0.1.0"
 __all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError",
            "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "export", "load", "LoadedModel",
-           "PackageError", "Mesh", "ShardedTensor", "mark_sharding", "clear_sharding", "explain_sharding", "shard_module", "fsdp", "ShardingError", "InfeasibleBudget",
+           "PackageError", "place_to_host", "place_to_device", "explain_memory", "OffloadError", "Mesh", "ShardedTensor", "mark_sharding", "clear_sharding", "explain_sharding", "shard_module", "fsdp", "ShardingError", "InfeasibleBudget",
            "__version__"]

@@ -35,6 +35,9 @@ OPTIONS = {
     "memory_budget": (None, "sharding=\"auto\": peak bytes per device the graph may hold: its inputs and the values "
                       "live at once (in training, the parameters' gradients and two AdamW moments too), checked "
                       "against XLA's memory analysis of the compiled executable; None: no limit"),
+    "offload": (None, '"activations": a training step\'s saved activations wait for the backward in host memory; '
+                '"optimizer": the optimizer state a compiled step writes (AdamW\'s moments) stays in host memory; '
+                'a list of both; None: nothing offloaded (see fx2xla/offload.py)'),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -54,6 +57,9 @@ def _check_options(options: dict | None) -> dict:
         raise ValueError(f"fx2xla: option outputs={opts['outputs']!r}; expected 'whole' or 'sharded'")
     if opts["sharding"] not in (None, "auto"):
         raise ValueError(f"fx2xla: option sharding={opts['sharding']!r}; expected 'auto' or None")
+    from .offload import parse_offload
+
+    opts["offload"] = parse_offload(opts["offload"])  # a frozenset of offload.OFFLOAD_VALUES
     if opts["sharding"] == "auto":
         from .sharding import Mesh
 
@@ -126,7 +132,12 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
         annotations = _saved_annotations(gm, example_inputs)
         if options["sharding"] == "auto" and annotations is not None and solution is None:
             annotations, solution = _auto_backward(gm, example_inputs, annotations, options)
+    offload = _offload_plan(gm, example_inputs, kind, options, device)
     if options["fallback"] == "eager" and unsupported_nodes(gm):
+        if offload is not None:
+            warnings.warn(f"fx2xla: graph {name} runs parts eagerly (ops without a lowering rule): its values are "
+                          f"not offloaded (option offload)", stacklevel=2)
+            offload = None
         _refuse_sharded_islands(gm, annotations, name)
         from .compiled_graph import static_input_indices
 
@@ -144,7 +155,12 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              check_indices=bool(options["check_indices"]), annotations=annotations,
                              solution=solution,
                              # Training graphs' outputs feed autograd and the backward: kept whole.
-                             sharded_outputs=kind == "inference" and options["outputs"] == "sharded")
+                             sharded_outputs=kind == "inference" and options["outputs"] == "sharded",
+                             offload=offload)
+    if kind == "forward" and offload is not None:
+        from .offload import note_forward
+
+        note_forward(gm, compiled.plan, _compile_key())
     compiled.input_names = names  # for explain_sharding: the user's names of the inputs
     compiled.auto_sharding = solution
     if made is not None:
@@ -154,6 +170,16 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     if kind == "backward" and options["sharding"] == "auto" and options["memory_budget"] is not None:
         _warn_if_over_budget(compiled, options["memory_budget"])
     return compiled
+
+
+def _offload_plan(gm, example_inputs, kind: str, options: dict, device):
+    """Host offloading (option `offload`, offload.py): (input positions, output positions) of this
+    graph whose values live in host memory, or None."""
+    if not options["offload"]:
+        return None
+    from .offload import plan_offload
+
+    return plan_offload(gm, example_inputs, kind, options["offload"], device, _compile_key(), _fw_metadata())
 
 
 def _warn_if_over_budget(compiled, budget: float) -> None:

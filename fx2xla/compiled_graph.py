@@ -15,8 +15,10 @@ import weakref
 import torch
 
 from . import dump
+from . import offload as _offload
 from .errors import IndexOutOfRangeError
 from .lowering.graph import LoweredGraph, lower_graph, passed_spec, spmd_shardings
+from .lowering.memory import with_kind
 from .metrics import counters, live_graphs
 from .plan import GraphPlan, build_plan, input_mutations
 from .runtime import Device, compile_module
@@ -46,7 +48,15 @@ class _Specialization:
         # (result index, input position the result is written to, or -1 for an output)
         self.twins: tuple = ()
         self.keeps_arrays = False  # jax Arrays of this call's results outlive it (twins, ShardedTensors)
-        if plan.mesh_id is None:
+        host = _offload.host_results(plan)  # host offloading: results left in host memory
+        if plan.mesh_id is None and host:
+            # Their jax Arrays are kept beside their tensors (twins): the backward (or the next
+            # optimizer step) takes the host buffers as they are.
+            written = {r: i for i, r in plan.mutations}
+            self.twins = tuple((r, written.get(r, -1)) for r in host)
+            self.launch = _offload.make_host_launcher(exe, exports, keep=host)
+            self.keeps_arrays = True
+        elif plan.mesh_id is None:
             self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
         else:  # results come back whole, from their shards
             outs, code = spmd_shardings(plan)["out_shardings"]
@@ -54,7 +64,7 @@ class _Specialization:
             written = {r: i for i, r in plan.mutations}
             lazy = _lazy_results(plan, outs) if sharded_outputs else {}
             self.twins = tuple((r, written.get(r, -1)) for r in range(len(outs))
-                               if r not in lazy and (r in written or not outs[r].is_fully_replicated))
+                               if r not in lazy and (r in written or not outs[r].is_fully_replicated or r in host))
             self.launch = make_sharded_launcher(exe, shardings, lowered.result_shapes, exports,
                                                 keep=[r for r, _ in self.twins], lazy=lazy)
             self.keeps_arrays = bool(self.twins or lazy)
@@ -179,7 +189,7 @@ def install_input(dst: torch.Tensor, new: torch.Tensor) -> None:
     storage is swapped in (zero copy; `dst` stays the same tensor object, its version bumps);
     otherwise (views, shared or strided storage, subclasses) its data is copied in."""
     if (type(dst) in _SWAPPABLE_TYPES and dst.is_contiguous() and dst.storage_offset() == 0
-            and dst.dtype == new.dtype and dst.shape == new.shape
+            and dst.dtype == new.dtype and dst.shape == new.shape and dst.device == new.device
             and dst.untyped_storage().nbytes() == new.untyped_storage().nbytes()
             and _storage_use_count(dst) == 1):
         dst.set_(new)
@@ -231,13 +241,18 @@ class CompiledGraph:
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, device: Device, name: str,
                  resident_inputs: set[int] | None = None, no_recompile: bool = False,
                  batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True,
-                 annotations=None, solution=None, sharded_outputs: bool = False):
+                 annotations=None, solution=None, sharded_outputs: bool = False, offload=None):
+        """`offload`: host offloading (offload.py): (input positions, output positions) whose
+        values live in host memory, or None."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
         from .lowering.graph import check_rules
 
         check_rules(gm)  # unsupported ops fail at compile time, not on the first call
+        placement = _offload.uses_placement(gm)  # fx2xla.place_to_host / place_to_device
+        if placement:
+            _offload.prepare_graph(gm)
         self.gm = gm
         self.name = name
         self.no_recompile = no_recompile
@@ -246,9 +261,15 @@ class CompiledGraph:
         self.device = device
         self.example_inputs = list(example_inputs)
         resident = resident_inputs if resident_inputs is not None else static_input_indices(len(self.example_inputs))
-        self.plan = plan = build_plan(gm, self.example_inputs, device, resident, annotations, solution)
+        self.plan = plan = build_plan(gm, self.example_inputs, device, resident, annotations, solution,
+                                      None if offload is None else (*offload, _offload.HOST_KIND))
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
+        if placement:
+            _offload.require_host_memory(device, f"graph {name}'s place_to_host/place_to_device")
+        # Host offloading: (bytes left in host memory, bytes taken from it) per call, for metrics().
+        self.offload_per_call = _offload.offload_per_call(plan, self.example_inputs) if offload else (0, 0)
+        host_inputs = any(p.memory_kind is not None for p in plan.inputs)
         self._jax_device = device.jax_device
         self._torch_device = plan.torch_device
         self._import_tensor = make_importer(platform=device.platform)
@@ -265,14 +286,15 @@ class CompiledGraph:
             for v in self.example_inputs
         )
         self._resident: list = [None] * len(self._tensor_positions)
-        bumps = version_bumps(len(self.example_inputs)) if self.mesh is not None else frozenset()
+        twins = self.mesh is not None or host_inputs  # inputs that may arrive as another graph's buffers
+        bumps = version_bumps(len(self.example_inputs)) if twins else frozenset()
         # Per tensor input, decided once: (arg position, resident slot or -1, kind, perm, move,
         # (donated, version bump): see _moved).
         # Inputs only stacked in torch (per-layer weights of a folded scan) never reach the
         # executable: resident ones are only checked for changes, which renew the stack.
         self._import_steps = [(i, j if plan.inputs[i].resident else -1, plan.inputs[i].kind, plan.inputs[i].perm,
                                self._input_move(plan.inputs[i]),
-                               (plan.inputs[i].donated, int(i in bumps)) if self.mesh is not None else None)
+                               (plan.inputs[i].donated, int(i in bumps)) if twins else None)
                               for j, i in enumerate(self._tensor_positions) if plan.inputs[i].passed]
         self._check_steps = [(i, j) for j, i in enumerate(self._tensor_positions)
                              if not plan.inputs[i].passed and plan.inputs[i].resident]
@@ -511,10 +533,12 @@ class CompiledGraph:
 
     def _input_move(self, p):
         """An input's move (plan.MOVES); for a sharded graph, the jax sharding it is handed over
-        with (per-device shards)."""
+        with (per-device shards); for an input in host memory (offload.py), the jax sharding of
+        that memory kind."""
         if self.mesh is None:
-            return p.move
-        return self.mesh.named_sharding(passed_spec(p.sharding, p.perm if p.kind == "permuted" else None))
+            return _offload.host_sharding(self.plan) if p.memory_kind is not None else p.move
+        return with_kind(self.mesh.named_sharding(passed_spec(p.sharding, p.perm if p.kind == "permuted" else None)),
+                         p.memory_kind)
 
     def _moved(self, t: torch.Tensor, move, twin_use=None):
         """The device buffer of `t`, which lives on another device than the executable's (see
@@ -544,7 +568,7 @@ class CompiledGraph:
             elif t.device != self._torch_device:
                 t = t.to(self._torch_device)
             self._order()
-            if self.mesh.spans_processes:  # only this process's devices' shards, each from its slice
+            if self.mesh is not None and self.mesh.spans_processes:  # this process's shards, each from its slice
                 def piece(index):  # (a donated shard must be a copy, never a view of `t`)
                     part = t[index].clone() if donated else t[index].contiguous()
                     return self._import_tensor(part, self._jax_device)

@@ -23,7 +23,8 @@ live_graphs: "weakref.WeakSet" = weakref.WeakSet()
 def metrics() -> dict:
     """Counters of this process: graphs, specializations, executable-cache hits and misses
     (memory and disk), XLA compiles and their seconds, lowering seconds, and the memory XLA
-    holds on each device fx2xla used (`device_memory`)."""
+    holds on each device fx2xla used (`device_memory`), and the bytes host offloading moved
+    (`offloaded_bytes` into host memory, `reloaded_bytes` out of it)."""
     from .runtime import executable_cache
     from .runtime.executor import disk_cache
 
@@ -32,6 +33,11 @@ def metrics() -> dict:
     graphs = list(live_graphs)
     out["executions"] = sum(g.executions for g in graphs)
     out["execute_seconds"] = sum(g.execute_seconds for g in graphs)  # with FX2XLA_TIME_EXECUTE=1
+    from .offload import offload_metrics
+
+    # Host offloading (option offload): bytes per device the executables left in host memory and
+    # took from it, over the live graphs' calls.
+    out.update(offload_metrics(graphs))
     s = executable_cache.stats
     out.update(
         cache_hits=s.hits,

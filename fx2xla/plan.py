@@ -51,6 +51,9 @@ class InputPlan:
     # contents have its layout: the executable writes them into its device buffers (donated),
     # so the update happens in place on every device.
     donated: bool = False
+    # Host offloading (fx2xla/offload.py): the memory kind the executable takes this input in
+    # ("pinned_host"), None for the device's own memory.
+    memory_kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class ResultPlan:
     device: torch.device | None = None
     move: str = ""
     sharding: Any = None
+    memory_kind: str | None = None  # host offloading: the memory kind it is left in (None: device)
 
 
 @dataclass
@@ -312,17 +316,21 @@ def _move(device: torch.device | None, target: Device, torch_target: torch.devic
 
 
 def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
-               resident: set[int] | None = None, annotations=None, solution=None) -> GraphPlan:
+               resident: set[int] | None = None, annotations=None, solution=None, offload=None) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
     annotated inputs runs over their mesh, whose first device replaces `device`. `solution`:
-    auto-sharding's (passes/auto_sharding.py): its layouts become the plan's constraints."""
+    auto-sharding's (passes/auto_sharding.py): its layouts become the plan's constraints.
+    `offload`: host offloading (offload.py), (input positions, output positions, memory kind):
+    those inputs arrive in, and those outputs' results (and the written inputs' new contents)
+    are left in, that memory kind."""
     from .lowering.graph import graph_uses_randomness
     from .passes.sharding import graph_mesh, propagate
     from .sharding import mesh_by_id
 
     resident = resident or set()
+    host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
     mesh_id = graph_mesh(gm, annotations)
     shardings, constraints, operand_constraints = None, {}, {}
@@ -355,7 +363,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         # A donated buffer is consumed by each call: never kept resident.
         inputs.append(InputPlan(layout.kind, layout.perm, ex.device, _move(ex.device, device, torch_device),
                                 resident=i in resident and not donated, passed=i not in skipped,
-                                sharding=spec, donated=donated))
+                                sharding=spec, donated=donated,
+                                memory_kind=host_kind if i in host_inputs and i not in skipped else None))
     seed = graph_uses_randomness(gm)
     seed_device = torch_device if torch_device is not None else torch.device("cpu")
 
@@ -368,12 +377,13 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     outputs: list[OutputPlan] = []
     base_result: dict = {}  # base node -> result index, for outputs that are views of it
 
-    def result(node, perm=None, home=None) -> int:
+    def result(node, perm=None, home=None, memory=None) -> int:
         spec = shardings.spec(node) if shardings is not None else None
-        results.append(ResultPlan(node, perm, home, _move(home, device, torch_device), spec))
+        results.append(ResultPlan(node, perm, home, _move(home, device, torch_device), spec, memory))
         return len(results) - 1
 
-    for v in out_vals:
+    for j, v in enumerate(out_vals):
+        memory = host_kind if j in host_outputs else None
         if not isinstance(v, torch.fx.Node):
             outputs.append(OutputPlan("const", value=v))
             continue
@@ -393,24 +403,25 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                 and base_meta.is_contiguous() and base not in constants:
             # Views of one computed value (per-layer gradients of stacked weights): the value
             # leaves the executable once, the views are taken in torch.
-            if base not in base_result:
-                base_result[base] = result(base, home=base_meta.device)
-            outputs.append(OutputPlan("tensor", index=base_result[base], views=views, device=meta.device))
+            if (base, memory) not in base_result:
+                base_result[(base, memory)] = result(base, home=base_meta.device, memory=memory)
+            outputs.append(OutputPlan("tensor", index=base_result[(base, memory)], views=views, device=meta.device))
             continue
         if meta.dim() > 1 and not symbolic(meta.shape) and meta.numel() > 1 and not meta.is_contiguous():
             shape, stride = tuple(meta.shape), tuple(meta.stride())
             perm = dense_permutation(shape, stride)
             if perm is not None and not is_identity(perm):
-                outputs.append(OutputPlan("tensor", index=result(v, perm, meta.device), inv_perm=inverse(perm),
+                outputs.append(OutputPlan("tensor", index=result(v, perm, meta.device, memory), inv_perm=inverse(perm),
                                           device=meta.device))
             else:
-                outputs.append(OutputPlan("tensor", index=result(v, home=meta.device), stride=stride, device=meta.device))
+                outputs.append(OutputPlan("tensor", index=result(v, home=meta.device, memory=memory), stride=stride,
+                                          device=meta.device))
             continue
-        outputs.append(OutputPlan("tensor", index=result(v, home=meta.device), device=meta.device))
+        outputs.append(OutputPlan("tensor", index=result(v, home=meta.device, memory=memory), device=meta.device))
     mutations = []
     for dst, node in written.items():  # the inputs' new contents, after the outputs
         position = placeholders.index(dst)
-        mutations.append((position, result(node, home=inputs[position].device)))
+        mutations.append((position, result(node, home=inputs[position].device, memory=inputs[position].memory_kind)))
     return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
                      mesh_id, shardings, constraints, operand_constraints)
 

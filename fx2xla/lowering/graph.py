@@ -15,6 +15,7 @@ import torch.fx
 from ..errors import InvalidInputError, LoweringError, UnsupportedOpError
 from .dtypes import to_jax_dtype
 from .checks import RuntimeChecks
+from . import memory
 from ..plan import GraphPlan, OutputPlan, inverse
 from .registry import (PYTHON_OPS, LoweringContext, RejectedInput, complex_to_real, concrete_shape, current_platform,
                        is_array, lowering_for, lowering_platform, prepare_args)
@@ -161,6 +162,8 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
                 env[node] = sizes(ex) if isinstance(ex, torch.SymInt) else ex
             elif plan_in.passed:
                 a = next(it)
+                if plan_in.memory_kind is not None:  # host offloading: XLA brings it to the device
+                    a = memory.to_device(a)
                 env[node] = jnp.transpose(a, inverse(plan_in.perm)) if plan_in.kind == "permuted" else a
         for node, _ in plan.concats:
             env[node] = next(it)
@@ -172,6 +175,8 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         for r in plan.results:
             value = env[r.node]
             value = _literal(value) if isinstance(value, torch.Tensor) else value
+            if r.memory_kind is None and memory.placed_on_host(r.node):  # torch's tensors: device memory
+                value = memory.to_device(value)
             results.append(jnp.transpose(value, r.perm) if r.perm is not None else value)
         check_records.clear()
         code = checks.code() if checks is not None and checks.records else None
@@ -198,19 +203,21 @@ def passed_spec(spec, perm):
 
 
 def spmd_shardings(plan: GraphPlan) -> dict:
-    """jax.jit's in_shardings/out_shardings for a plan over a mesh (nothing for one device):
-    the inputs' and results' specs, replicated for stacked weights, the seed and the index
-    checks' verdict."""
+    """jax.jit's in_shardings/out_shardings for a plan over a mesh: the inputs' and results'
+    specs (in their memory kinds, where host offloading put them in host memory), replicated
+    for stacked weights, the seed and the index checks' verdict. For one device: nothing, unless
+    the plan offloads (memory.single_device_shardings)."""
     if plan.mesh_id is None:
-        return {}
+        return memory.single_device_shardings(plan)  # {} unless host offloading
     from ..sharding import mesh_by_id
 
     mesh = mesh_by_id(plan.mesh_id)
     replicated = mesh.named_sharding(())
-    ins = [mesh.named_sharding(passed_spec(p.sharding, p.perm if p.kind == "permuted" else None))
+    ins = [memory.with_kind(mesh.named_sharding(passed_spec(p.sharding, p.perm if p.kind == "permuted" else None)),
+                            p.memory_kind)
            for p in plan.inputs if p.passed]
     ins += [replicated] * (len(plan.concats) + int(plan.seed))
-    outs = [mesh.named_sharding(passed_spec(r.sharding, r.perm)) for r in plan.results]
+    outs = [memory.with_kind(mesh.named_sharding(passed_spec(r.sharding, r.perm)), r.memory_kind) for r in plan.results]
     return {"in_shardings": tuple(ins), "out_shardings": (outs, replicated)}
 
 
