@@ -49,10 +49,12 @@ def _pin_torch_memory_at_exit() -> None:
     import gc
 
     pins = []
-    tensor = torch.Tensor
+    # Plain tensors and parameters only: what the importers hand in (subclasses such as fake
+    # tensors have no memory to pin). type(), not isinstance: isinstance reads __class__, which
+    # some deprecated objects warn on.
+    kinds = (torch.Tensor, torch.nn.Parameter)
     for obj in gc.get_objects():
-        # (type(), not isinstance: isinstance reads __class__, which some deprecated objects warn on)
-        if issubclass(type(obj), tensor) and obj.layout == torch.strided and obj.device.type != "meta":
+        if type(obj) in kinds and obj.layout == torch.strided and obj.device.type != "meta":
             try:
                 pins.append(_to_capsule(obj))  # a C++ reference held by an unconsumed capsule
             except (RuntimeError, BufferError, TypeError):  # a kind DLPack cannot carry: never handed in
