@@ -4,6 +4,7 @@
 """
 from .runtime import client as _client  # noqa: F401  (its memory policy applies before any jax client starts)
 from .errors import Fx2XlaError, IndexOutOfRangeError, InvalidInputError
+from .lowering import rules as _rules  # noqa: F401  (registers every lowering rule, once)
 from . import distributed  # noqa: F401  (fx2xla.distributed: many processes, one global mesh; starts nothing)
 from .metrics import metrics, metrics_report
 from .offload import OffloadError, explain_memory, place_to_device, place_to_host
@@ -13,7 +14,7 @@ from .serving import RecompileError, TensorSpec, no_recompile, warmup
 from .passes.auto_sharding import InfeasibleBudget
 from .sharding import Mesh, ShardedTensor, ShardingError, clear_sharding, explain_sharding, fsdp, mark_sharding, shard_module
 
-__version__ = "0.1.0"
+from .version import __version__
 __all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError",
            "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "export", "load", "LoadedModel",
            "PackageError", "place_to_host", "place_to_device", "explain_memory", "OffloadError", "Mesh", "ShardedTensor", "mark_sharding", "clear_sharding", "explain_sharding", "shard_module", "fsdp", "ShardingError", "InfeasibleBudget",

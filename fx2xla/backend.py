@@ -13,13 +13,15 @@ import warnings
 
 import torch
 
+from . import dump
+from .metrics import counters
 from .passes import pass_options, run_passes
 
 OPTIONS = {
     # name: (default, help)
     "device_index": (None, "local PJRT device index (default: FX2XLA_DEVICE_INDEX or 0)"),
     "no_recompile": (False, "compiles outside fx2xla.warmup() raise RecompileError"),
-    "batch_buckets": (None, "inference with a dynamic batch dim: pad it up to these sizes (see README)"),
+    "batch_buckets": (None, "inference with a dynamic batch dim: pad it up to these sizes (see docs/serving.md)"),
     "fallback": ("eager", '"eager": ops with no lowering rule run eagerly between XLA subgraphs; "error": raise'),
     "check_indices": (True, "check index values at run time (embedding, gather, scatter, x[i], ...): an "
                       "out-of-range index raises IndexOutOfRangeError as eager raises; False skips the checks, "
@@ -240,9 +242,10 @@ def _auto_backward(gm, example_inputs, annotations, options):
     mesh = options["mesh"]
     fixed = _fixed_specs(annotations, mesh)
     try:
-        solution = solve_cached(gm, mesh.shape, fixed=fixed, memory_budget=options["memory_budget"])
+        solution = solve_cached(gm, mesh.shape, **_solver_services(), fixed=fixed,
+                                memory_budget=options["memory_budget"])
     except InfeasibleBudget:  # its inputs are fixed: the cheapest plan, and a warning once compiled
-        solution = solve_cached(gm, mesh.shape, fixed=fixed)
+        solution = solve_cached(gm, mesh.shape, **_solver_services(), fixed=fixed)
     return _solved_annotations(annotations, solution, example_inputs, mesh), solution
 
 
@@ -303,9 +306,9 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
         compiled, peak = _compile_solution(gm, example_inputs, user_annotations, tensors, names, kind, options,
                                            solution, training)
         if peak is not None:
-            from .passes.auto_sharding import _to_record
+            from .passes.auto_sharding import solution_record
 
-            seen[sig] = (_to_record(solution), peak, solution.objective, solution.memory_bytes)
+            seen[sig] = (solution_record(solution), peak, solution.objective, solution.memory_bytes)
         tried.append((solution, peak))
         if peak is None or peak <= budget:
             return compiled, peak
@@ -362,10 +365,10 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
     # 4. A plan measured before (in this process, under another budget) that fits.
     fitting = sorted((rec[2], sig) for sig, rec in seen.items() if rec[1] <= budget)
     if fitting:
-        from .passes.auto_sharding import _from_record
+        from .passes.auto_sharding import solution_from_record
 
         record = seen[fitting[0][1]][0]
-        solution = _from_record(record, {n.name: n for n in gm.graph.nodes}, "measured")
+        solution = solution_from_record(record, {n.name: n for n in gm.graph.nodes}, "measured")
         compiled, peak = _compile_solution(gm, example_inputs, user_annotations, tensors, names, kind, options,
                                            solution, training)
         if fits(peak):
@@ -442,7 +445,7 @@ def _step_peak(compiled, training: bool) -> float | None:
     compiled per shape (dynamic) or a runtime without the analysis."""
     from .compiled_graph import static_input_indices
     from .runtime.executor import peak_bytes
-    from .sharding import _per_device
+    from .sharding import per_device_bytes
 
     spec = compiled._static
     try:
@@ -456,8 +459,22 @@ def _step_peak(compiled, training: bool) -> float | None:
         params = static_input_indices(len(compiled.example_inputs))
         for i, (p, ex) in enumerate(zip(compiled.plan.inputs, compiled.example_inputs)):
             if i in params and isinstance(ex, torch.Tensor):
-                peak += 3 * _per_device(tuple(ex.shape), p.sharding, compiled.mesh) * ex.element_size()
+                peak += 3 * per_device_bytes(tuple(ex.shape), p.sharding, compiled.mesh) * ex.element_size()
     return float(peak)
+
+
+def _solver_services() -> dict:
+    """What the solver's cache borrows from the rest of fx2xla: the disk cache's folder for
+    solutions, and how process 0's solution reaches the other processes."""
+    import os
+
+    from .distributed import process_share
+    from .runtime.disk_cache import DiskCache
+    from .runtime.executor import disk_cache
+
+    disk = disk_cache()
+    store = None if disk is None else DiskCache(os.path.join(disk.folder, "auto-sharding"))
+    return {"store": store, "share": process_share()}
 
 
 def _auto_solution(gm, example_inputs, annotations, options, training: bool, names, budget, least=False):
@@ -469,7 +486,7 @@ def _auto_solution(gm, example_inputs, annotations, options, training: bool, nam
 
     mesh = options["mesh"]
     kwargs = dict(fixed=_fixed_specs(annotations, mesh), parameters=static_input_indices(len(example_inputs)),
-                  training=training, ties=repeated_layers(gm, names))
+                  training=training, ties=repeated_layers(gm, names), **_solver_services())
     if least:
         return solve_least(gm, mesh.shape, **kwargs)
     return solve_cached(gm, mesh.shape, memory_budget=budget, **kwargs)
@@ -533,9 +550,15 @@ def _check_recompile(gm, example_inputs, opts, name: str) -> None:
     seen.append(signature)
 
 
+def _observe_pass(graph_name: str, record, gm) -> None:
+    """Each graph pass's time in metrics(), and the graph it changed in the dump folder."""
+    counters.pass_seconds[record.name] = counters.pass_seconds.get(record.name, 0.0) + record.seconds
+    if record.changed:
+        dump.write_pass(graph_name, record.name, gm, record.notes)
+
+
 def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None):
     """Compile a Dynamo graph for XLA. Registered as the `fx2xla` torch.compile backend."""
-    from . import lowering  # noqa: F401  (registers the rules)
 
     import weakref
 
@@ -558,7 +581,8 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         refs = [weakref.ref(t) if isinstance(t, torch.Tensor) else _no_tensor for t in input_tensors(gm)]
         dynamo_inputs = (annotations, _input_names(gm), refs)
     sharded = any(annotations) or opts["sharding"] == "auto" or any(is_mark(n) for n in gm.graph.nodes)
-    passed, records = run_passes(gm, example_inputs, dict(opts, _sharded_graph=sharded), name)
+    passed, records = run_passes(gm, example_inputs, dict(opts, _sharded_graph=sharded), name,
+                                 observe=functools.partial(_observe_pass, name))
     if passed is not gm:
         try:
             compiled = _aot_compile(passed, example_inputs, opts, dynamo_inputs)

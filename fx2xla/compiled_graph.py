@@ -5,6 +5,7 @@ only the hand-off, the execute and the output wrapping.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -23,7 +24,7 @@ from .metrics import counters, live_graphs
 from .plan import GraphPlan, build_plan, input_mutations
 from .runtime import Device, compile_module
 from .runtime.client import device_of
-from .sharding import ShardedTensor, mesh_by_id
+from .sharding import ShardedTensor, keep_sharded_twin, mesh_by_id, sharded_twin
 from .runtime.executor import (make_launcher, make_recording, make_sharded_launcher, make_traceback_pause,
                                optimized_hlo_text)
 from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_order
@@ -36,7 +37,8 @@ class _Specialization:
     """One executable and the plan to call it with (one per concrete input signature)."""
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
-                 "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "keeps_arrays")
+                 "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "keeps_arrays", "concats",
+                 "needs_seed")
 
     def __init__(self, exe, lowered: LoweredGraph, exports, sharded_outputs: bool = False):
         plan = lowered.plan
@@ -69,6 +71,8 @@ class _Specialization:
                                                 keep=[r for r, _ in self.twins], lazy=lazy)
             self.keeps_arrays = bool(self.twins or lazy)
         self.lowered = lowered
+        self.concats = tuple(lowered.input_concats)  # input groups stacked in torch (scan-folding)
+        self.needs_seed = lowered.needs_seed  # random ops: a fresh seed per call
         self.out_plans = lowered.outputs
         self.plain_outputs = all(p.kind == "tensor" and p.inv_perm is None and p.stride is None and not p.views
                                  for p in self.out_plans)
@@ -87,6 +91,27 @@ class _Specialization:
         self.raise_failed = make_check_raiser(plan.platform) if self.checks else None
         # The executable's results are the call's results as they are.
         self.direct = self.plain_outputs and not self.mutations and not self.checks and not self.twins
+
+
+def compile_lowered(lower, compile, what: str):
+    """(lowered, executable): `lower()`'s module compiled by `compile(module_text)`. Where XLA
+    or cuDNN refuses a cuDNN fused attention that jax's checks let through (a head dim, a mask
+    form, this cuDNN version), the module is lowered again with the math attention rules and
+    compiled, with a warning naming `what`."""
+    from .lowering.nn import CUDNN_MARKER, cudnn_attention_disabled
+
+    lowered = lower()
+    try:
+        return lowered, compile(lowered.module_text)
+    except Exception as e:  # noqa: BLE001
+        if CUDNN_MARKER not in lowered.module_text:
+            raise
+        warnings.warn(f"fx2xla: {what}: cuDNN fused attention did not compile "
+                      f"({str(e).splitlines()[0][:300] if str(e) else type(e).__name__}); attention runs on "
+                      "the math rules instead")
+    with cudnn_attention_disabled():
+        lowered = lower()
+    return lowered, compile(lowered.module_text)
 
 
 def draw_seed(device) -> torch.Tensor:
@@ -152,8 +177,13 @@ def _lazy_results(plan: GraphPlan, shardings) -> dict:
         if (r < plan.num_outputs and len(ps) == 1 and not ps[0].views and ps[0].inv_perm is None
                 and ps[0].stride is None and res.perm is None and not shardings[r].is_fully_replicated):
             meta = res.node.meta["val"]
-            lazy[r] = (plan.mesh_id, res.sharding, meta.dtype, res.device or torch.device("cpu"))
+            lazy[r] = functools.partial(_sharded_result, plan.mesh_id, res.sharding, meta.dtype,
+                                        res.device or torch.device("cpu"))
     return lazy
+
+
+def _sharded_result(mesh_id, spec, dtype, device, array, assemble) -> ShardedTensor:
+    return ShardedTensor(array, mesh_id, spec, dtype, device, assemble)
 
 
 _storage_use_count = make_storage_use_count()
@@ -165,22 +195,6 @@ _SWAPPABLE_TYPES = (torch.Tensor, torch.nn.Parameter)
 # an input whose storage is swapped out drops the buffers that would keep the old memory
 # (entries leave with their tensor; each use re-checks the slot still holds that tensor).
 _resident_holders: dict = {}
-
-
-# A tensor written by a sharded graph -> (its _version and data_ptr after the write, the new
-# value as the graph left it, a global jax Array of per-device shards): a later sharded graph
-# reading the unchanged tensor with that sharding takes the shards instead of splitting the
-# tensor again (a parameter updated by a compiled FSDP optimizer step stays on its devices).
-_sharded_twins: dict = {}
-
-
-def _keep_sharded_twin(t: torch.Tensor, array) -> None:
-    if id(t) not in _sharded_twins:
-        try:
-            weakref.finalize(t, _sharded_twins.pop, id(t), None)
-        except TypeError:  # not weak-referenceable: nothing can be kept
-            return
-    _sharded_twins[id(t)] = (t._version, t.data_ptr(), array)
 
 
 def install_input(dst: torch.Tensor, new: torch.Tensor) -> None:
@@ -343,26 +357,18 @@ class CompiledGraph:
             seen = [signature(key) for key in self._specializations]
             check_compile_allowed(f"graph {self.name} for input shapes {shapes}", self.no_recompile,
                                   signature_change(seen, signature(self._signature(args))) if seen else "")
-        t0 = time.perf_counter()
-        lowered = lower_graph(self.gm, self.plan, self.example_inputs, args, check_indices=self.check_indices)
-        t1 = time.perf_counter()
-        mesh_devices = None if self.mesh is None else tuple(self.mesh.devices.flat)
-        try:
-            exe = compile_module(lowered.module_text, self.device, mesh_devices=mesh_devices)
-        except Exception as e:  # noqa: BLE001
-            if "cudnn" not in lowered.module_text:
-                raise
-            # XLA or cuDNN refused a fused attention that jax's checks let through (a head
-            # dim, a mask form, this cuDNN version): the math rules lower it instead.
-            from .lowering.nn import cudnn_attention_disabled
+        lower_seconds = []
 
-            warnings.warn(f"fx2xla: graph {self.name}: cuDNN fused attention did not compile "
-                          f"({str(e).splitlines()[0][:300]}); attention runs on the math rules instead")
-            with cudnn_attention_disabled():
-                lowered = lower_graph(self.gm, self.plan, self.example_inputs, args, check_indices=self.check_indices)
-            t1 = time.perf_counter()
-            exe = compile_module(lowered.module_text, self.device, mesh_devices=mesh_devices)
-        counters.lower_seconds += t1 - t0
+        def lower():
+            t0 = time.perf_counter()
+            lowered = lower_graph(self.gm, self.plan, self.example_inputs, args, check_indices=self.check_indices)
+            lower_seconds.append(time.perf_counter() - t0)
+            return lowered
+
+        mesh_devices = None if self.mesh is None else tuple(self.mesh.devices.flat)
+        lowered, exe = compile_lowered(lower, lambda text: compile_module(text, self.device, mesh_devices=mesh_devices),
+                                       f"graph {self.name}")
+        counters.lower_seconds += sum(lower_seconds)
         counters.specializations += 1
         suffix = "" if args is None else "_" + "_".join("x".join(map(str, s)) for s, _ in lowered.arg_shapes)[:80]
         dump.write_graph(self.name + suffix, self.gm, lowered.module_text, lambda: optimized_hlo_text(exe))
@@ -392,14 +398,15 @@ class CompiledGraph:
                     spec = self._specializations[key] = self._specialize(list(args))
         return spec
 
-    def _concat_buffers(self, groups, args) -> list:
-        """Device buffers of `torch.cat` of graph inputs (weights stacked for a folded scan).
-        Called after `_import`, which has checked every resident input: a concatenation of
-        resident inputs is rebuilt only when one of them changed (inference: once; training:
-        per update); one with a non-resident member, every call."""
+    def _stacks(self, groups, args, bufs: list, fresh: list) -> list:
+        """`torch.cat` of graph inputs (weights stacked for a folded scan), for `_import`, after
+        its resident checks: a concatenation of resident inputs is rebuilt only when one of them
+        changed (inference: once; training: per update); one with a non-resident member, every
+        call. Cached buffers go to `bufs`; rebuilt stacks to `fresh`, imported by the caller.
+        Returns (position in bufs, group, epoch it stays valid for, stack) of those rebuilt."""
         cache = self._concat_cache
         epoch = self._resident_epoch
-        bufs = []
+        rebuilt = []
         for group, move in zip(groups, self._concat_moves):
             hit = cache.get(group)
             if hit is not None and hit[0] == epoch:
@@ -407,13 +414,13 @@ class CompiledGraph:
                 continue
             with torch.no_grad():
                 stacked = torch.cat([args[i] for i in group])
-            if not move:
-                self._order()
-            buf = self._import_tensor(stacked, self._jax_device) if not move else self._moved(stacked, move)
-            valid = epoch if self._resident_args.issuperset(group) else -1
-            cache[group] = (valid, stacked, buf)
-            bufs.append(buf)
-        return bufs
+            dense = stacked  # a fresh allocation: aligned
+            if move == "torch":
+                dense, move = stacked.to(self._torch_device, non_blocking=True), ""
+            fresh.append((len(bufs), dense, move, None, -1, stacked))
+            rebuilt.append((len(bufs), group, epoch if self._resident_args.issuperset(group) else -1, stacked))
+            bufs.append(None)
+        return rebuilt
 
     def _concat_outputs(self, spec) -> dict:
         """("concat", j) -> the torch tensor of concatenation j, for outputs that return it."""
@@ -435,15 +442,7 @@ class CompiledGraph:
 
     def _run_paused(self, spec: _Specialization, args):
         self.executions += 1
-        bufs = self._import(args)
-        if spec.lowered.input_concats:
-            bufs += self._concat_buffers(spec.lowered.input_concats, args)
-        if spec.lowered.needs_seed:  # random ops: a fresh seed from torch's generator of that device
-            seed = draw_seed(self.plan.seed_device)
-            if not self._seed_move:
-                self._order()
-            bufs.append(self._import_tensor(seed, self._jax_device) if not self._seed_move
-                        else self._moved(seed, self._seed_move))
+        bufs = self._import(args, spec.concats, spec.needs_seed)
         held = {i: args[i] for i in spec.input_outputs} if spec.input_outputs else None
         if spec.concat_outputs:
             held = {**(held or {}), **self._concat_outputs(spec)}
@@ -470,7 +469,7 @@ class CompiledGraph:
                     install_input(held[i], outs[r])
         if arrays is not None:
             for (r, i), array in zip(spec.twins, arrays):
-                _keep_sharded_twin(held[i] if i >= 0 else outs[r], array)
+                keep_sharded_twin(held[i] if i >= 0 else outs[r], array)
         if spec.mutations:
             del outs[spec.num_outputs:]
         return outs if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
@@ -488,12 +487,19 @@ class CompiledGraph:
             return self(list(args))
         return self._run(spec, args)  # a tuple: nothing of ours to clear
 
-    def _import(self, args):
+    def _import(self, args, concats=(), seed: bool = False):
+        """The executable's arguments for one call: every input's device buffer (resident ones
+        kept while unchanged), then the stacks of `concats`, then, with `seed`, a fresh seed
+        (random ops) from torch's generator of the seed's device. The torch side of them all
+        (dense copies, moves, stacks, the seed: kernels queued on torch's stream) comes first,
+        then one stream order (CUDA), then the imports."""
         dev = self._jax_device
         import_tensor = self._import_tensor
         resident = self._resident
         bufs = []
-        fresh = []  # inputs to import, made dense (and aligned) in torch first
+        # (position in bufs, tensor to import, move, twin use, resident slot or -1, input)
+        fresh = []
+        renewed = False  # a resident buffer is replaced: stacks of resident inputs are rebuilt
         for i, j, kind, perm, move, twin in self._import_steps:
             t = args[i]
             if j >= 0:  # a parameter/buffer: its device buffer stays resident
@@ -502,12 +508,27 @@ class CompiledGraph:
                 if r is not None and r[0] is t and r[1] == t._version and r[2] == t.data_ptr():
                     bufs.append(r[3])
                     continue
+                renewed = True
             dense = t if kind == "tensor" else t.permute(perm) if kind == "permuted" else t.contiguous()
-            if move == "torch":  # (a CPU scalar beside CUDA tensors) moved before the order below
+            if move == "torch":  # a CPU scalar beside CUDA tensors, moved before the order below.
+                # Not pinned: a copy of pageable memory returns once the bytes are staged, with
+                # no device sync (CUDA's documented behaviour); pinning would allocate per call.
                 dense, move = dense.to(self._torch_device, non_blocking=True), ""
             if self._align and not move:
                 dense = aligned(dense)
             fresh.append((len(bufs), dense, move, twin, j, t))
+            bufs.append(None)
+        for i, j in self._check_steps:
+            t, r = args[i], resident[j]
+            if r is None or r[0] is not t or r[1] != t._version or r[2] != t.data_ptr():
+                resident[j] = (t, t._version, t.data_ptr(), None)
+                renewed = True
+        if renewed:
+            self._resident_epoch = next(_epochs)
+        stacks = self._stacks(concats, args, bufs, fresh) if concats else None
+        if seed:
+            t = draw_seed(self.plan.seed_device)
+            fresh.append((len(bufs), t, self._seed_move, None, -1, t))
             bufs.append(None)
         if fresh:
             if self._order_in is not None:  # once per call, after every torch kernel queued above
@@ -516,14 +537,11 @@ class CompiledGraph:
                 buf = import_tensor(dense, dev) if not move else self._moved(dense, move, twin)
                 if j >= 0:
                     resident[j] = (t, t._version, t.data_ptr(), buf)
-                    self._resident_epoch = next(_epochs)
                     self._hold(t, j)
                 bufs[pos] = buf
-        for i, j in self._check_steps:
-            t, r = args[i], resident[j]
-            if r is None or r[0] is not t or r[1] != t._version or r[2] != t.data_ptr():
-                resident[j] = (t, t._version, t.data_ptr(), None)
-                self._resident_epoch = next(_epochs)
+        if stacks:
+            for pos, group, valid, stacked in stacks:
+                self._concat_cache[group] = (valid, stacked, bufs[pos])
         return bufs
 
     def _order(self) -> None:
@@ -547,7 +565,7 @@ class CompiledGraph:
         shards a sharded graph left it as. `twin_use`: (donated, bump): whether the executable
         writes into the shards (which must then be XLA's own, never a view of `t`'s memory),
         and how far AOTAutograd moved `t`'s version since the shards were recorded."""
-        if move == "torch":
+        if move == "torch":  # (_import moves its inputs, stacks and seed before the call's order)
             t = t.to(self._torch_device, non_blocking=True)
             self._order()
             return self._import_tensor(aligned(t) if self._align else t, self._jax_device)
@@ -559,21 +577,37 @@ class CompiledGraph:
                 if t.array.sharding == move and not donated:
                     return t.array
                 t = t.full_tensor()
-            twin = _sharded_twins.get(id(t))
-            if (twin is not None and twin[0] + bump == t._version and twin[1] == t.data_ptr() and twin[2].sharding == move
-                    and not twin[2].is_deleted()):  # (a step that donated it raised before installing)
-                return twin[2]  # written by a sharded graph since: its shards are on the devices
+            twin = sharded_twin(t, bump)  # written by a sharded graph since: its shards are on the devices
+            if twin is not None and twin.sharding == move and not twin.is_deleted():  # (deleted: a
+                return twin  # step that donated it raised before installing)
+            # _import ordered jax's stream after torch's work so far; torch work queued here
+            # (a move, copies) needs one more order before its imports.
+            queued = False
             if self._torch_device is None:
                 t = t.cpu()
             elif t.device != self._torch_device:
-                t = t.to(self._torch_device)
-            self._order()
+                # Blocking (a host sync per call where `t` is on the host); a mesh's inputs
+                # normally live on its first device already, and this is skipped.
+                t, queued = t.to(self._torch_device), True
             if self.mesh is not None and self.mesh.spans_processes:  # this process's shards, each from its slice
-                def piece(index):  # (a donated shard must be a copy, never a view of `t`)
-                    part = t[index].clone() if donated else t[index].contiguous()
-                    return self._import_tensor(part, self._jax_device)
-
-                return jax.make_array_from_callback(tuple(t.shape), move, piece).block_until_ready()
+                # Every piece cut (a donated one copied, never a view of `t`) in torch first,
+                # then one order, then the imports.
+                pieces = {}
+                for index in move.addressable_devices_indices_map(tuple(t.shape)).values():
+                    key = _index_key(index)
+                    if key not in pieces:
+                        part = t[index].clone() if donated else t[index].contiguous()
+                        pieces[key] = aligned(part) if self._align else part
+                self._order()
+                return jax.make_array_from_callback(
+                    tuple(t.shape), move, lambda index: self._import_tensor(pieces[_index_key(index)], self._jax_device)
+                ).block_until_ready()
+            if self._align:
+                dense = aligned(t)
+                queued = queued or dense is not t
+                t = dense
+            if queued:
+                self._order()
             # The shards are copied from `t`'s memory asynchronously: done before torch may
             # write `t` again.
             return jax.device_put(self._import_tensor(t, self._jax_device), move,
@@ -623,6 +657,11 @@ class CompiledGraph:
                 t = op(t, *op_args)
             results.append(t)
         return results
+
+
+def _index_key(index) -> tuple:
+    """A hashable form of a shard's index (a tuple of slices; slices hash from Python 3.12 only)."""
+    return tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
 
 
 def result_exports(plan: GraphPlan, checks: bool) -> list:

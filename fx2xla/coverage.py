@@ -33,7 +33,6 @@ def core_overloads() -> list:
 
 def coverage() -> tuple[list, list]:
     """(lowered, falls_back): core overloads with and without a rule."""
-    from . import lowering  # noqa: F401  (registers the rules)
     from .lowering.registry import lowering_for
 
     lowered, missing = [], []

@@ -55,7 +55,7 @@ jax does, saying whether the coordinator address answered at all, with `EXIT_COD
 
 The watchdog finds process 0's port, and `barrier()` waits, through jax's client of its
 coordination service (`jax._src.distributed.global_state.client`, read in one function,
-`_coordination_client`). FX2XLA_PUBLIC_DISTRIBUTED=1 uses public jax only: no watchdog (jax's
+`coordination_client`). FX2XLA_PUBLIC_DISTRIBUTED=1 uses public jax only: no watchdog (jax's
 heartbeat termination above is then the bound), and `barrier()` is a collective over every device
 (`multihost_utils.sync_global_devices`, bounded by the collective timeout).
 """
@@ -189,7 +189,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             # Registered after jax's own exit handler (jax registers it when imported), so it runs first.
             atexit.register(_at_exit)
             sys.excepthook = _noting_uncaught(sys.excepthook)
-        client = _coordination_client()
+        client = coordination_client()
         if request.watchdog and request.num_processes > 1 and client is not None:
             dog = _Watchdog(request.process_id, request.num_processes)
             try:
@@ -252,7 +252,7 @@ def barrier(name: str, timeout_s: float = 300) -> None:
     once every process passed it). Raises DistributedError when not all arrive within
     `timeout_s`. In public mode it is a collective over every device, bounded by the collective
     timeout instead."""
-    client = _coordination_client()
+    client = coordination_client()
     if client is None:
         from jax.experimental import multihost_utils
 
@@ -265,7 +265,55 @@ def barrier(name: str, timeout_s: float = 300) -> None:
                                f"within {timeout_s} s\n  jax: {e}") from e
 
 
-def _coordination_client(public: bool | None = None):
+class ProcessShare:
+    """`share(key, text) -> text`: process 0's `text` in every process (the others pass None).
+    Through jax's coordination service (a key-value store; `key` names the value), or in public
+    mode by a broadcast collective over every device, which every process then calls in the
+    same order. `decides`: whether this is process 0."""
+
+    # How long the other processes wait for process 0's value: it may be compiling graphs before
+    # this one, as each of them did.
+    timeout_ms = 600_000
+
+    def __init__(self, index: int, client):
+        self.decides = index == 0
+        self._client = client
+
+    def __call__(self, key: str, text: str | None) -> str:
+        if self._client is None:
+            return _broadcast_from_process_0(text)
+        if not self.decides:
+            return self._client.blocking_key_value_get(key, self.timeout_ms)
+        try:
+            self._client.key_value_set(key, text)
+        except Exception:  # noqa: BLE001  set before (this process forgot it had): the same value
+            pass
+        return text
+
+
+def process_share() -> ProcessShare | None:
+    """How process 0's decisions reach the others (auto-sharding's plans): None in a single
+    process."""
+    import jax
+
+    if not jax.distributed.is_initialized() or jax.process_count() < 2:
+        return None
+    return ProcessShare(jax.process_index(), coordination_client())
+
+
+def _broadcast_from_process_0(text: str | None) -> str:
+    """Public jax only: process 0's `text` in every process, by two collectives over every
+    device (its length, then its bytes). Every process calls it, in the same order."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(text.encode(), np.uint8) if text is not None else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int64)))
+    buf = data if text is not None else np.zeros(n, np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)).decode()
+
+
+def coordination_client(public: bool | None = None):
     """jax's client of its coordination service (key-value store, barriers), or None: in public
     mode (`public`, else FX2XLA_PUBLIC_DISTRIBUTED=1), before jax.distributed starts, or where
     this jax keeps no such client. The only private jax name this module reads."""

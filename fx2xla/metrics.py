@@ -20,6 +20,14 @@ counters = Counters()
 live_graphs: "weakref.WeakSet" = weakref.WeakSet()
 
 
+def is_compiled_graph(obj) -> bool:
+    """Whether `obj` is one of fx2xla's live compiled graphs."""
+    try:
+        return obj in live_graphs
+    except TypeError:  # not weak-referenceable: no graph
+        return False
+
+
 def metrics() -> dict:
     """Counters of this process: graphs, specializations, executable-cache hits and misses
     (memory and disk), XLA compiles and their seconds, lowering seconds, and the memory XLA
@@ -33,11 +41,11 @@ def metrics() -> dict:
     graphs = list(live_graphs)
     out["executions"] = sum(g.executions for g in graphs)
     out["execute_seconds"] = sum(g.execute_seconds for g in graphs)  # with FX2XLA_TIME_EXECUTE=1
-    from .offload import offload_metrics
-
     # Host offloading (option offload): bytes per device the executables left in host memory and
     # took from it, over the live graphs' calls.
-    out.update(offload_metrics(graphs))
+    per_call = [(g.offload_per_call, g.executions) for g in graphs if getattr(g, "offload_per_call", None)]
+    out["offloaded_bytes"] = sum(p[0] * n for p, n in per_call)
+    out["reloaded_bytes"] = sum(p[1] * n for p, n in per_call)
     s = executable_cache.stats
     out.update(
         cache_hits=s.hits,

@@ -23,7 +23,7 @@ inputs of a graph that also writes parameters, that are not parameters themselve
 memory between steps: the step takes it in host memory, XLA brings it to the device for the
 update, and the new values are left in host memory.
 
-Nothing here measures a saving: see `explain_memory` for what XLA compiled, and the README.
+Nothing here measures a saving: see `explain_memory` for what XLA compiled, and docs/offload.md.
 """
 from __future__ import annotations
 
@@ -307,26 +307,14 @@ def offload_per_call(plan, example_inputs) -> tuple[int, int]:
             return 0
         shape = tuple(int(s) for s in meta.shape)
         if spec is not None and plan.mesh_id is not None:
-            from .sharding import _per_device, mesh_by_id
+            from .sharding import per_device_bytes, mesh_by_id
 
-            return _per_device(shape, spec, mesh_by_id(plan.mesh_id)) * meta.element_size()
+            return per_device_bytes(shape, spec, mesh_by_id(plan.mesh_id)) * meta.element_size()
         return math.prod(shape) * meta.element_size()
 
     out = sum(size(r.node.meta.get("val"), r.sharding) for r in plan.results if r.memory_kind is not None)
     back = sum(size(ex, p.sharding) for p, ex in zip(plan.inputs, example_inputs) if p.memory_kind is not None)
     return out, back
-
-
-def offload_metrics(graphs) -> dict:
-    """metrics() entries: bytes executables left in host memory (`offloaded_bytes`) and took from
-    it (`reloaded_bytes`), per device, summed over the calls of the live graphs."""
-    out = back = 0
-    for g in graphs:
-        per_call = getattr(g, "offload_per_call", None)
-        if per_call:
-            out += per_call[0] * g.executions
-            back += per_call[1] * g.executions
-    return {"offloaded_bytes": out, "reloaded_bytes": back}
 
 
 # -- seeing it ---------------------------------------------------------------------------------------
@@ -392,9 +380,9 @@ def memory_by_kind(graph) -> dict | None:
 
 
 def _fmt(n: float) -> str:
-    from .sharding import _fmt_bytes
+    from .sharding import fmt_bytes
 
-    return _fmt_bytes(n)
+    return fmt_bytes(n)
 
 
 def explain_memory(graph=None, file=None) -> str:
@@ -403,14 +391,13 @@ def explain_memory(graph=None, file=None) -> str:
     each argument and result into (its entry computation layout), and which values fx2xla
     offloaded. `graph`: a CompiledGraph, a list of them, or None for every live graph. Printed to
     `file` when given; returned."""
-    from .compiled_graph import CompiledGraph
-    from .metrics import live_graphs
+    from .metrics import is_compiled_graph, live_graphs
 
     if graph is None:
         graphs = sorted(live_graphs, key=lambda g: g.name)
     else:
         graphs = list(graph) if isinstance(graph, (list, tuple)) else [graph]
-    if not all(isinstance(g, CompiledGraph) for g in graphs):
+    if not all(is_compiled_graph(g) for g in graphs):
         raise TypeError("fx2xla.explain_memory: expected compiled graphs (or None for all)")
     lines = []
     for g in graphs:

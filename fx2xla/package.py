@@ -366,7 +366,6 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     quantized cache, another object) raises PackageError naming it and what to change."""
     import safetensors.torch
 
-    from . import lowering  # noqa: F401  (registers the rules)
     from .runtime import device_for
 
     example_inputs = tuple(example_inputs)
@@ -439,14 +438,14 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     import jax
     import jaxlib
 
-    from .runtime.executor import _compile_options
+    from .runtime.executor import compile_options
 
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "built_with": {"fx2xla": _version(), "torch": torch.__version__, "jax": jax.__version__,
                        "jaxlib": jaxlib.version.__version__},
         "platform": device.platform, "device_kind": device.kind,
-        "compile_options": _compile_options(device.platform).SerializeAsString().hex(),
+        "compile_options": compile_options(device.platform).SerializeAsString().hex(),
         "inputs": inputs, "mutations": [list(m) for m in plan.mutations], "written_outputs": written,
         "output_tree": record["tree"],
         "seed": plan.seed, "dynamic": dynamic, "check_indices": check_indices, "variants": [variant],
@@ -498,9 +497,9 @@ def _at_shapes(lowered, fakes, concrete):
     slice of a cache) as numbers at the shapes of `concrete`, as a variant stores them."""
     import dataclasses
 
-    from .lowering.graph import _bindings
+    from .lowering.graph import symbol_bindings
 
-    bindings = _bindings(fakes, concrete)
+    bindings = symbol_bindings(fakes, concrete)
 
     def fix(v):
         if isinstance(v, (tuple, list)):
@@ -527,7 +526,7 @@ def _variant_json(lowered, shapes) -> dict:
 def _write_variant(path, n, device, lowered, shapes, compile_here: bool) -> dict:
     """Write variant `n` (one set of input shapes): its portable module and, when
     `compile_here`, its executable for `device`. Returns its manifest entry."""
-    from .runtime.executor import _compile_options
+    from .runtime.executor import compile_options
 
     variant = _variant_json(lowered, shapes)
     module_format, module_bytes = portable_module(lowered.module_text)
@@ -538,7 +537,7 @@ def _write_variant(path, n, device, lowered, shapes, compile_here: bool) -> dict
     if compile_here:
         # Compiled afresh, not taken from the caches: an executable that was itself deserialized
         # (the disk cache's) serializes without its object code on XLA:CPU.
-        exe = device.client.compile_and_load(lowered.module_text, [device.jax_device], _compile_options(device.platform))
+        exe = device.client.compile_and_load(lowered.module_text, [device.jax_device], compile_options(device.platform))
         key = _executable_key(device, device.client.platform_version)
         variant["executables"][key] = f"executable-{n}-{key}.bin"
         with open(os.path.join(path, variant["executables"][key]), "wb") as f:
@@ -547,7 +546,7 @@ def _write_variant(path, n, device, lowered, shapes, compile_here: bool) -> dict
 
 
 def _version() -> str:
-    from . import __version__
+    from .version import __version__
 
     return __version__
 
@@ -608,7 +607,7 @@ class LoadedModel:
     def __init__(self, path: str, verify: bool = True):
         import safetensors.torch
 
-        from .runtime.handoff import make_importer
+        from .runtime.handoff import make_importer, make_stream_order
 
         t0 = time.perf_counter()
         manifest = _read_manifest(path)
@@ -629,14 +628,17 @@ class LoadedModel:
         self._user = [i for i, spec in enumerate(self._inputs) if spec["kind"] == "user"]
         self._dtypes = {i: getattr(torch, spec["dtype"]) for i, spec in enumerate(self._inputs)}
         self._import = make_importer(platform=device.platform)
+        # CUDA/ROCm: jax's import stream waits once per batch of imports for the torch kernels
+        # that made them (handoff.make_stream_order), and misaligned tensors are copied first.
+        self._order = make_stream_order(platform=device.platform)
+        self._align = device.platform in ("cuda", "rocm")
         self._jax_device = device.jax_device
         self._held = {}  # input position -> its torch tensor (weights; outputs may be views of them)
         self._resident = {}  # input position -> device buffer
         for i, spec in enumerate(self._inputs):
             if spec["kind"] != "user":
-                t = weights[spec["weight"]]
-                self._held[i] = t
-                self._resident[i] = self._import(_layout(t, spec), self._jax_device)
+                self._held[i] = weights[spec["weight"]]
+        self._reimport(list(self._held))
         self._variants = {_shape_key(v["shapes"]): self._load_variant(v) for v in manifest["variants"]}
         self.compiled_from_module = any(v.compiled_from_module for v in self._variants.values())
         self._program = None  # the exported program (dynamic packages), read at the first new shape
@@ -650,7 +652,7 @@ class LoadedModel:
 
     def _load_variant(self, v: dict) -> _Variant:
         """Deserialize the executable that fits this device and jaxlib, else compile the module."""
-        from .runtime.executor import _compile_options
+        from .runtime.executor import compile_options
 
         device, files = self.device, self.manifest["files"]
         module_file = _check_file(self.path, v["module"], files[v["module"]], True)
@@ -661,7 +663,7 @@ class LoadedModel:
             try:
                 with open(exe_file, "rb") as f:
                     exe = device.client.deserialize_executable(f.read(), [device.jax_device],
-                                                               _compile_options(device.platform))
+                                                               compile_options(device.platform))
             except Exception:  # noqa: BLE001  built by an XLA this one cannot load: compile instead
                 exe = None
         from_module = exe is None
@@ -686,7 +688,7 @@ class LoadedModel:
     def _new_variant(self, args) -> _Variant:
         """A dynamic package called with shapes it holds no executable for: lower its exported
         program at these shapes (no tracing) and compile, through the disk cache."""
-        from . import lowering  # noqa: F401  (registers the rules)
+        from .compiled_graph import compile_lowered
         from .runtime import compile_module
 
         if self._program is None:
@@ -696,8 +698,9 @@ class LoadedModel:
         fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
         user = iter(args)
         concrete = [self._held[i] if i in self._held else next(user) for i in range(len(self._inputs))]
-        _, lowered = _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"])
-        exe = compile_module(lowered.module_text, self.device)
+        lowered, exe = compile_lowered(
+            lambda: _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"])[1],
+            lambda text: compile_module(text, self.device), f"package {self.path!r}")
         return self._variant(exe, _variant_json(lowered, [list(a.shape) for a in args]), True)
 
     def __repr__(self) -> str:
@@ -725,6 +728,7 @@ class LoadedModel:
 
     def __call__(self, *args):
         from .compiled_graph import CompiledGraph, draw_seed, install_input
+        from .runtime.handoff import aligned
 
         self._check_args(args)
         key = tuple(tuple(a.shape) for a in args)
@@ -736,6 +740,7 @@ class LoadedModel:
                     variant = self._variants[key] = self._new_variant(args)
         device = self.device.torch_device
         bufs = []
+        fresh = []  # (position in bufs, tensor to import): every one made in torch before the order
         user = iter(args)
         resident = self._resident
         for i, spec in enumerate(self._inputs):
@@ -745,9 +750,17 @@ class LoadedModel:
             t = next(user)
             if not self.device.holds(t.device):
                 t = t.to(device)
-            bufs.append(self._import(_layout(t, spec), self._jax_device))
+            t = _layout(t, spec)
+            fresh.append((len(bufs), aligned(t) if self._align else t))
+            bufs.append(None)
         if self._seed:
-            bufs.append(self._import(draw_seed(device), self._jax_device))
+            fresh.append((len(bufs), draw_seed(device)))
+            bufs.append(None)
+        if fresh:
+            if self._order is not None:  # once, after every torch kernel queued above
+                self._order(self._jax_device, device.index)
+            for pos, t in fresh:
+                bufs[pos] = self._import(t, self._jax_device)
         outs = variant.launch(bufs)
         if variant.checks:
             variant.raise_failed(outs.pop(), variant.checks)
@@ -757,18 +770,32 @@ class LoadedModel:
             with self._lock, torch.no_grad():  # a written buffer: its new contents serve the next call
                 for i, r in self._mutations:
                     install_input(self._held[i], outs[r])
-                    resident[i] = self._import(_layout(self._held[i], self._inputs[i]), self._jax_device)
+                self._reimport([i for i, _ in self._mutations])
             del outs[min(r for _, r in self._mutations):]
         results = CompiledGraph._wrap_outputs(variant, outs, held)
         if self._written:
             with self._lock, torch.no_grad():
                 for i, j in self._written:
-                    dst = self._held[i] if i in self._held else held[i]
-                    install_input(dst, results[j])
-                    if i in resident:
-                        resident[i] = self._import(_layout(dst, self._inputs[i]), self._jax_device)
+                    install_input(self._held[i] if i in self._held else held[i], results[j])
+                self._reimport([i for i, _ in self._written if i in resident])
             results = [r for j, r in enumerate(results) if j not in self._written_outputs]
         return self._build(results)
+
+    def _reimport(self, positions) -> None:
+        """New resident buffers for the held tensors at `positions` (weights at load; written
+        buffers after install_input): each made dense (and aligned) in torch first, then one
+        stream order, then the imports."""
+        from .runtime.handoff import aligned
+
+        if not positions:
+            return
+        dense = [(i, _layout(self._held[i], self._inputs[i])) for i in positions]
+        if self._align:
+            dense = [(i, aligned(t)) for i, t in dense]
+        if self._order is not None:
+            self._order(self._jax_device, self.device.torch_device.index)
+        for i, t in dense:
+            self._resident[i] = self._import(t, self._jax_device)
 
 
 def _shape_key(shapes) -> tuple:
@@ -797,23 +824,23 @@ def _exporter(device):
 
 
 def _compile_portable(blob, device):
-    from .runtime.executor import _compile_options
+    from .runtime.executor import compile_options
 
-    return device.client.compile_and_load(blob, [device.jax_device], _compile_options(device.platform))
+    return device.client.compile_and_load(blob, [device.jax_device], compile_options(device.platform))
 
 
 def _load_device(platform: str):
     """The device to load on: PJRT_DEVICE when set, else the platform the package was built
     for, falling back to the CPU when that platform is absent here."""
     from .runtime import default_device
-    from .runtime.client import _local_device
+    from .runtime.client import local_device
 
     if os.environ.get("PJRT_DEVICE", "").strip():
         return default_device()
     try:
-        return _local_device(platform, 0, f"a package built for {platform}")
+        return local_device(platform, 0, f"a package built for {platform}")
     except (RuntimeError, ValueError):
-        return _local_device("cpu", 0, "the CPU fallback")
+        return local_device("cpu", 0, "the CPU fallback")
 
 
 def load(path: str, verify: bool = True) -> LoadedModel:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from .lowering.registry import PYTHON_OPS, lowering_for
+from .layouts import dense_permutation, inverse, is_identity, symbolic
+from .lowering.registry import PYTHON_OPS, graph_uses_randomness, lowering_for
 from .runtime.client import Device
 
 # How a value crosses between its own device and the executable's:
@@ -172,34 +173,6 @@ def input_mutations(gm: torch.fx.GraphModule) -> dict:
     return found
 
 
-def dense_permutation(shape, stride) -> tuple[int, ...] | None:
-    """The permutation `perm` such that `t.permute(perm)` is row-major contiguous, if `t` is
-    dense (no gaps, no overlap); None otherwise. Identity means already contiguous."""
-    dims = [d for d in range(len(shape))]
-    perm = tuple(sorted(dims, key=lambda d: -stride[d]))  # stable: ties keep their order
-    expected = 1
-    for d in reversed(perm):
-        if shape[d] != 1 and stride[d] != expected:
-            return None
-        expected *= shape[d]
-    return perm
-
-
-def is_identity(perm) -> bool:
-    return perm == tuple(range(len(perm)))
-
-
-def inverse(perm):
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return tuple(inv)
-
-
-def symbolic(shape) -> bool:
-    return any(isinstance(s, torch.SymInt) for s in shape)
-
-
 def plan_input(val) -> InputPlan:
     """The layout half of an input's plan (kind, perm), from its example value alone."""
     if isinstance(val, torch.SymInt) or isinstance(val, (int, float, bool)):
@@ -325,7 +298,6 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     `offload`: host offloading (offload.py), (input positions, output positions, memory kind):
     those inputs arrive in, and those outputs' results (and the written inputs' new contents)
     are left in, that memory kind."""
-    from .lowering.graph import graph_uses_randomness
     from .passes.sharding import graph_mesh, propagate
     from .sharding import mesh_by_id
 

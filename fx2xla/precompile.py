@@ -105,7 +105,6 @@ class PrecompiledGraph(SerializableCallable):
         from torch.fx._graph_pickler import GraphPickler
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        from . import lowering  # noqa: F401  (registers the rules)
         from .compiled_graph import CompiledGraph
         from .runtime import device_for
 

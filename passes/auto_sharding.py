@@ -66,7 +66,7 @@ import torch.fx
 
 from fx2xla.sharding import ShardingError, decode_spec, is_mark
 
-from .sharding import _ATTENTION, _norm_dims, _pointwise, _reshape, _shape, _val
+from .spec_rules import ATTENTION_OPS, is_pointwise, node_shape, node_value, normalized_dims, reshape_spec
 
 aten = torch.ops.aten
 
@@ -190,7 +190,7 @@ class _Strategy:
 
 
 def _replicated(node) -> tuple:
-    return tuple(() for _ in range(len(_shape(node) or ())))
+    return tuple(() for _ in range(len(node_shape(node) or ())))
 
 
 def _producer(node):
@@ -202,12 +202,12 @@ def _producer(node):
 
 
 def _multi_output(node) -> bool:
-    v = _val(node)
+    v = node_value(node)
     return node.op == "call_function" and isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v)
 
 
 def _operands(node) -> list:
-    return [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+    return [a for a in node.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
 
 
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
@@ -221,14 +221,14 @@ def _multi_output_strategies(node, sizes) -> list[_Strategy]:
     statistics follow the rest; a split's pieces keep the split dim whole. Any other: whole
     operands, whole outputs. Its outputs (getitem nodes) share its variables, so a layout it
     needs is paid once, however many of its outputs are read."""
-    shapes = [tuple(int(d) for d in v.shape) if isinstance(v, torch.Tensor) else None for v in _val(node)]
+    shapes = [tuple(int(d) for d in v.shape) if isinstance(v, torch.Tensor) else None for v in node_value(node)]
     ops, t = _operands(node), node.target
     first = shapes[0]
 
     def whole(shape):
         return None if shape is None else tuple(() for _ in shape)
 
-    if t in _ATTENTION and first is not None and len(first) == 4 and len(ops) >= 3:
+    if t in ATTENTION_OPS and first is not None and len(first) == 4 and len(ops) >= 3:
         return [_Strategy((s,) + tuple(None if sh is None else s[:len(sh)] for sh in shapes[1:]),
                           [s, (s[0], s[1], (), ()), (s[0], s[1], (), ())] + [None] * (len(ops) - 3))
                 for s in candidate_specs(first, sizes) if not s[2] and not s[3]]
@@ -236,27 +236,27 @@ def _multi_output_strategies(node, sizes) -> list[_Strategy]:
         k, nd = len(node.args[1]), len(first)
         return [_Strategy((s,) + tuple(None if sh is None else s[:nd - k] + ((),) * (len(sh) - nd + k)
                                        for sh in shapes[1:]),
-                          [s] + [whole(_shape(a)) for a in ops[1:]])
+                          [s] + [whole(node_shape(a)) for a in ops[1:]])
                 for s in candidate_specs(first, sizes) if not any(s[nd - k:])]
     if t in _SPLITS and ops and first is not None:
-        in_shape = _shape(ops[0])
+        in_shape = node_shape(ops[0])
         if t is aten.unbind.int:
-            d = _norm_dims(node.args[1] if len(node.args) > 1 else 0, len(in_shape))[0]
+            d = normalized_dims(node.args[1] if len(node.args) > 1 else 0, len(in_shape))[0]
             return [_Strategy(tuple(s for _ in shapes), [s[:d] + ((),) + s[d:]]) for s in candidate_specs(first, sizes)]
-        d = _norm_dims(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(in_shape))[0]
+        d = normalized_dims(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(in_shape))[0]
         return [_Strategy(tuple(s for _ in shapes), [s]) for s in candidate_specs(first, sizes)
                 if not s[d] and all(sh is None or all(n % _parts((axes,), sizes) == 0 for n, axes in zip(sh, s))
                                     for sh in shapes)]
-    return [_Strategy(tuple(whole(sh) for sh in shapes), [whole(_shape(a)) for a in ops])]
+    return [_Strategy(tuple(whole(sh) for sh in shapes), [whole(node_shape(a)) for a in ops])]
 
 
 def _flops(node) -> float:
     t = node.target
     if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
         a = node.args[1] if t is aten.addmm.default else node.args[0]
-        sa, out = _shape(a), _shape(node)
+        sa, out = node_shape(a), node_shape(node)
         return 2.0 * math.prod(out) * sa[-1]
-    shape = _shape(node)
+    shape = node_shape(node)
     return float(math.prod(shape)) if shape else 0.0
 
 
@@ -265,10 +265,10 @@ def _matmul_strategies(node, sizes, model) -> list[_Strategy]:
     a, b = (node.args[1], node.args[2]) if t is aten.addmm.default else (node.args[0], node.args[1])
     batched = t is aten.bmm.default
     dims = ("B", "M", "N", "K", None) if batched else ("M", "N", "K", None)
-    out_shape = _shape(node)
-    k = _shape(a)[-1]
+    out_shape = node_shape(node)
+    k = node_shape(a)[-1]
     extent = dict(zip(("B", "M", "N") if batched else ("M", "N"), out_shape)) | {"K": k}
-    itemsize = _val(node).element_size()
+    itemsize = node_value(node).element_size()
     strategies = []
     for choice in itertools.product(dims, repeat=len(sizes)):
         by = {d: [a_ for a_, c in zip(sizes, choice) if c == d] for d in ("B", "M", "N", "K")}
@@ -290,7 +290,7 @@ def _matmul_strategies(node, sizes, model) -> list[_Strategy]:
         needs = [need_a, need_b]
         if t is aten.addmm.default:
             bias = node.args[0]
-            needs = [_aligned(out, _shape(bias), out_shape)] + needs
+            needs = [_aligned(out, node_shape(bias), out_shape)] + needs
         strategies.append(_Strategy(out, needs, seconds, moved))
     return strategies
 
@@ -303,7 +303,7 @@ def _aligned(out_spec, shape, out_shape) -> tuple:
 
 def strategies_of(node, sizes, model) -> list[_Strategy]:
     """The strategies of one graph node (placeholders included)."""
-    shape = _shape(node)
+    shape = node_shape(node)
     if shape is None:
         return []
     if node.op == "placeholder":
@@ -318,34 +318,34 @@ def strategies_of(node, sizes, model) -> list[_Strategy]:
         return [_Strategy(spec, [spec])]
     if t is aten.copy_.default and len(ops) == 2:  # a written input keeps one layout, old and new
         return [_Strategy(s, [s, s]) for s in candidate_specs(shape, sizes)]
-    if _pointwise(t) and t is not aten.copy_.default:
+    if is_pointwise(t) and t is not aten.copy_.default:
         out = []
         for s in candidate_specs(shape, sizes):
-            needs = [_aligned(s, _shape(a), shape) if len(_shape(a)) <= len(shape) else None for a in ops]
+            needs = [_aligned(s, node_shape(a), shape) if len(node_shape(a)) <= len(shape) else None for a in ops]
             out.append(_Strategy(s, needs, work / max(1, _parts(s, sizes))))
         return out
     if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) and ops:
-        in_shape = _shape(ops[0])
+        in_shape = node_shape(ops[0])
         out = []
         for s in candidate_specs(shape, sizes):
-            need = _reshape(s, shape, in_shape)
-            if _reshape(need, in_shape, shape) == s:
+            need = reshape_spec(s, shape, in_shape)
+            if reshape_spec(need, in_shape, shape) == s:
                 out.append(_Strategy(s, [need]))
         return out or [_Strategy(_replicated(node), [_replicated(ops[0])])]
     if t in (aten.permute.default, aten.t.default, aten.transpose.int) and ops:
         nd = len(shape)
         perm = (list(reversed(range(nd))) if t is aten.t.default else
-                _norm_dims(node.args[1], nd) if t is aten.permute.default else None)
+                normalized_dims(node.args[1], nd) if t is aten.permute.default else None)
         if perm is None:
-            a_, b_ = _norm_dims([node.args[1], node.args[2]], nd)
+            a_, b_ = normalized_dims([node.args[1], node.args[2]], nd)
             perm = list(range(nd))
             perm[a_], perm[b_] = perm[b_], perm[a_]
         inv = [perm.index(d) for d in range(nd)]
         return [_Strategy(s, [tuple(s[inv[d]] for d in range(nd))]) for s in candidate_specs(shape, sizes)]
     if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten._softmax.default,
              aten._log_softmax.default) and ops:
-        in_shape = _shape(ops[0])
-        dims = _norm_dims(node.args[1], len(in_shape))
+        in_shape = node_shape(ops[0])
+        dims = normalized_dims(node.args[1], len(in_shape))
         keep = t in (aten._softmax.default, aten._log_softmax.default) or (
             len(node.args) > 2 and node.args[2]) or node.kwargs.get("keepdim", False)
         out = []
@@ -360,21 +360,21 @@ def strategies_of(node, sizes, model) -> list[_Strategy]:
             out.append(_Strategy(s, [need], work / max(1, _parts(s, sizes))))
         return out
     if t is aten.slice.Tensor and ops:  # the sliced dim whole (unless the slice takes all of it)
-        d = _norm_dims(node.args[1] if len(node.args) > 1 else 0, len(shape))[0]
-        full = _shape(ops[0])[d] == shape[d]
+        d = normalized_dims(node.args[1] if len(node.args) > 1 else 0, len(shape))[0]
+        full = node_shape(ops[0])[d] == shape[d]
         return [_Strategy(s, [s]) for s in candidate_specs(shape, sizes) if full or not s[d]]
     if t is aten.select.int and ops:  # the selected dim whole
-        d = _norm_dims(node.args[1], len(shape) + 1)[0]
+        d = normalized_dims(node.args[1], len(shape) + 1)[0]
         return [_Strategy(s, [s[:d] + ((),) + s[d:]]) for s in candidate_specs(shape, sizes)]
     if t is aten.cat.default and ops:  # the concatenated dim whole, every piece alike
-        d = _norm_dims(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape))[0]
-        return [_Strategy(s, [s if len(_shape(a)) == len(shape) else None for a in ops])
+        d = normalized_dims(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape))[0]
+        return [_Strategy(s, [s if len(node_shape(a)) == len(shape) else None for a in ops])
                 for s in candidate_specs(shape, sizes) if not s[d]]
     if t is aten.unsqueeze.default and ops:
-        d = _norm_dims(node.args[1], len(shape))[0]
+        d = normalized_dims(node.args[1], len(shape))[0]
         return [_Strategy(s, [s[:d] + s[d + 1:]]) for s in candidate_specs(shape, sizes) if not s[d]]
     if t is aten.expand.default and ops:  # broadcast dims whole in the operand
-        in_shape = _shape(ops[0])
+        in_shape = node_shape(ops[0])
         return [_Strategy(s, [_aligned(s, in_shape, shape)]) for s in candidate_specs(shape, sizes)]
     if t is aten.embedding.default and len(ops) == 2:
         return _embedding_strategies(node, sizes, model)
@@ -393,9 +393,9 @@ def _embedding_strategies(node, sizes, model) -> list[_Strategy]:
     split on the gathered dim. Without it, a weight split by vocab had to be gathered (or
     moved to split D) before the lookup: a copy XLA holds twice during an all-to-all."""
     weight = node.args[0]
-    vocab = _shape(weight)[0]
-    shape = _shape(node)
-    itemsize = _val(node).element_size()
+    vocab = node_shape(weight)[0]
+    shape = node_shape(node)
+    itemsize = node_value(node).element_size()
     out = []
     for s in candidate_specs(shape, sizes):
         used = {a for axes in s for a in axes}
@@ -419,9 +419,9 @@ def _index_strategies(node, sizes, model) -> list[_Strategy]:
     output's; the index tensors (broadcast together) laid out like the output's dims they make.
     Those dims stand where the indexed dims were when these are adjacent, else first."""
     x, indices = node.args[0], list(node.args[1])
-    x_shape, shape = _shape(x), _shape(node)
+    x_shape, shape = node_shape(x), node_shape(node)
     at = [d for d, i in enumerate(indices) if i is not None]
-    if not at or not all(isinstance(indices[d], torch.fx.Node) and _shape(indices[d]) is not None for d in at):
+    if not at or not all(isinstance(indices[d], torch.fx.Node) and node_shape(indices[d]) is not None for d in at):
         return [_Strategy(_replicated(node), [_replicated(a) for a in _operands(node)])]
     k = len(shape) - (len(x_shape) - len(at))  # the dims the broadcast index makes
     lead = at[0] if at == list(range(at[0], at[-1] + 1)) else 0
@@ -435,7 +435,7 @@ def _index_strategies(node, sizes, model) -> list[_Strategy]:
             need_x[d] = spec
         needs = {x: tuple(need_x)}
         for d in at:
-            needs.setdefault(indices[d], _aligned(made, _shape(indices[d]), tuple(shape[lead:lead + k])))
+            needs.setdefault(indices[d], _aligned(made, node_shape(indices[d]), tuple(shape[lead:lead + k])))
         out.append(_Strategy(s, [needs.get(a) for a in _operands(node)], work / max(1, _parts(s, sizes))))
     return out
 
@@ -453,26 +453,26 @@ def _follows(node, strategies, sizes):
         return None
     lead, t = ops[0], node.target
     specs = [st.out for st in strategies[lead]]
-    in_shape, shape = _shape(lead), _shape(node)
-    if _pointwise(t):
+    in_shape, shape = node_shape(lead), node_shape(node)
+    if is_pointwise(t):
         return (lead, specs) if in_shape == shape else None
     if t in (aten.permute.default, aten.t.default, aten.transpose.int):
         nd = len(shape)
         if t is aten.t.default:
             perm = list(reversed(range(nd)))
         elif t is aten.permute.default:
-            perm = _norm_dims(node.args[1], nd)
+            perm = normalized_dims(node.args[1], nd)
         else:
-            a_, b_ = _norm_dims([node.args[1], node.args[2]], nd)
+            a_, b_ = normalized_dims([node.args[1], node.args[2]], nd)
             perm = list(range(nd))
             perm[a_], perm[b_] = perm[b_], perm[a_]
         return lead, [tuple(s[perm[d]] for d in range(nd)) for s in specs]
     if t is aten.unsqueeze.default:
-        d = _norm_dims(node.args[1], len(shape))[0]
+        d = normalized_dims(node.args[1], len(shape))[0]
         return lead, [s[:d] + ((),) + s[d:] for s in specs]
     if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-        out = [_reshape(s, in_shape, shape) for s in specs]
-        if all(_reshape(o, shape, in_shape) == s and all(n % _parts((axes,), sizes) == 0 for n, axes in zip(shape, o))
+        out = [reshape_spec(s, in_shape, shape) for s in specs]
+        if all(reshape_spec(o, shape, in_shape) == s and all(n % _parts((axes,), sizes) == 0 for n, axes in zip(shape, o))
                for o, s in zip(out, specs)):
             return lead, out
     return None
@@ -507,7 +507,7 @@ def repeated_layers(gm: torch.fx.GraphModule, input_names=None) -> dict:
             groups.setdefault(where[0], {}).setdefault(where[1], []).append(n)
 
     def signature(n):
-        v = _val(n)
+        v = node_value(n)
         meta = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
         return n.target, meta, len(n.args)
 
@@ -526,7 +526,7 @@ def repeated_layers(gm: torch.fx.GraphModule, input_names=None) -> dict:
         firsts: dict = {}
         for n, name in sorted(zip(placeholders, input_names), key=lambda t: _layer_of(t[1] or "") or ("", -1, "")):
             where = _layer_of(name or "")
-            v = _val(n)
+            v = node_value(n)
             if where is None or not isinstance(v, torch.Tensor):
                 continue
             key = (where[0], where[2], tuple(v.shape), v.dtype)
@@ -579,7 +579,7 @@ def live_values(gm: torch.fx.GraphModule, values) -> list[tuple[torch.fx.Node, i
             last[b] = end if n.op == "output" else max(last.get(b, 0), order[n])
 
     def elementwise(n) -> bool:
-        return n.op == "call_function" and _pointwise(n.target) and n.target is not aten.copy_.default
+        return n.op == "call_function" and is_pointwise(n.target) and n.target is not aten.copy_.default
 
     def fused(n) -> bool:
         users = list(n.users)
@@ -646,7 +646,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fixed = list(fixed) if fixed is not None else [None] * len(placeholders)
     nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")
-             and ((isinstance(_val(n), torch.Tensor) and _shape(n) is not None) or _multi_output(n))]
+             and ((isinstance(node_value(n), torch.Tensor) and node_shape(n) is not None) or _multi_output(n))]
     strategies: dict = {}
     root: dict = {}  # node -> the node whose variables it uses
     tied: set = set()  # nodes with their own strategies on another node's variables (ties)
@@ -682,18 +682,18 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     for n in nodes:
         if root[n] is not n:
             continue
-        whole = math.prod(_shape(n)) * _val(n).element_size() if n.op == "placeholder" else 0
+        whole = math.prod(node_shape(n)) * node_value(n).element_size() if n.op == "placeholder" else 0
         for k, st in enumerate(strategies[n]):
             index[(n, k)] = len(cost)
             cost.append(st.seconds + (whole / max(1, _parts(st.out, sizes)) * model.delta if whole else 0.0))
     for n in (n for n in nodes if n in tied):  # (graph order: every process sums alike)
         # A tied node's own cost (collectives inside, compute, inputs held) is its root's too.
-        whole = math.prod(_shape(n)) * _val(n).element_size() if n.op == "placeholder" else 0
+        whole = math.prod(node_shape(n)) * node_value(n).element_size() if n.op == "placeholder" else 0
         for k, st in enumerate(strategies[n]):
             cost[index[(root[n], k)]] += st.seconds + (whole / max(1, _parts(st.out, sizes)) * model.delta
                                                        if whole else 0.0)
     for n in nodes:  # an elementwise follower's own compute lands on its leader's variables
-        if root[n] is not n and n not in tied and _pointwise(n.target):
+        if root[n] is not n and n not in tied and is_pointwise(n.target):
             work = _flops(n) * model.gamma
             for k, st in enumerate(strategies[n]):
                 cost[index[(root[n], k)]] += work / max(1, _parts(st.out, sizes))
@@ -733,15 +733,15 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         for slot, u in enumerate(_operands(v)):
             if u not in strategies:
                 continue
-            ru, itemsize = root[u], _val(u).element_size()
-            whole = math.prod(_shape(u)) * itemsize
+            ru, itemsize = root[u], node_value(u).element_size()
+            whole = math.prod(node_shape(u)) * itemsize
             have = tuple(su.out for su in strategies[u])
             needs = tuple(sv.needs[slot] if slot < len(sv.needs) else None for sv in strategies[v])
             cu, cv = list(dict.fromkeys(have)), list(dict.fromkeys(needs))
             prices, copies = {}, {}
             for a_ in cu:
                 for b_ in cv:
-                    prices[(a_, b_)] = (0.0, 0.0) if b_ is None else reshard_cost(a_, b_, _shape(u), itemsize, sizes, model)
+                    prices[(a_, b_)] = (0.0, 0.0) if b_ is None else reshard_cost(a_, b_, node_shape(u), itemsize, sizes, model)
                     if prices[(a_, b_)][1] > 0:  # the operand's copy in the layout v reads
                         copies[(a_, b_)] = whole / max(1, _parts(b_, sizes))
             if all(p[0] <= 0 for p in prices.values()):
@@ -784,14 +784,14 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         if p not in strategies or (root[p] is not p and p not in tied):
             continue
         factor = 4.0 if training and i in parameters else 1.0
-        whole = math.prod(_shape(p)) * _val(p).element_size() * factor
+        whole = math.prod(node_shape(p)) * node_value(p).element_size() * factor
         for k, st in enumerate(strategies[p]):
             j = index[(root[p], k)]
             held[j] = held.get(j, 0.0) + whole / max(1, _parts(st.out, sizes))
     for v in nodes:  # attention's scores, [batch, heads, queries, keys], while it runs
-        if _multi_output(v) and v.target in _ATTENTION and (root[v] is v or v in tied) \
-                and len(_shape(_operands(v)[0])) == 4 and len(_operands(v)) >= 3:
-            (b, h, sq, _), sk = _shape(_operands(v)[0]), _shape(_operands(v)[1])[2]
+        if _multi_output(v) and v.target in ATTENTION_OPS and (root[v] is v or v in tied) \
+                and len(node_shape(_operands(v)[0])) == 4 and len(_operands(v)) >= 3:
+            (b, h, sq, _), sk = node_shape(_operands(v)[0]), node_shape(_operands(v)[1])[2]
             scores = {}
             for k, st in enumerate(strategies[v]):
                 j = index[(root[v], k)]
@@ -799,7 +799,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
             scratch.append((order[v], order[v], scores))
     intervals = []  # (first step, last step, {variable: bytes per device})
     for v, first, last in live_values(gm, strategies):
-        whole = math.prod(_shape(v)) * _val(v).element_size()
+        whole = math.prod(node_shape(v)) * node_value(v).element_size()
         coeffs: dict = {}
         for k, st in enumerate(strategies[v]):
             j = index[(root[v], k)]
@@ -935,7 +935,7 @@ def graph_key(gm: torch.fx.GraphModule) -> str:
     """The graph as the solver sees it: every node's op, target, arguments, shape and dtype."""
     lines = []
     for n in gm.graph.nodes:
-        v = _val(n)
+        v = node_value(n)
         meta = (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else \
             tuple((tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x) for x in v) \
             if isinstance(v, (tuple, list)) else repr(v)
@@ -943,18 +943,18 @@ def graph_key(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def solve_cached(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> Solution:
+def solve_cached(gm: torch.fx.GraphModule, sizes: dict[str, int], store=None, share=None, **kwargs) -> Solution:
     """`solve`, or the solution an earlier solve of the same graph, mesh, budget, constraints
-    and cost model left in this process or in the disk cache (`Solution.cached` says which).
+    and cost model left in this process or in `store` (`Solution.cached` says which).
 
-    Over several processes (fx2xla.distributed) every process must run the same plan, and a
-    solve stopped by its time limit may differ from one process to another: process 0 decides
-    (from its caches or by solving) and publishes the solution in jax's coordination service;
-    the others take it from there ("process 0")."""
+    `store`: where solutions persist across processes (`get(key) -> bytes | None`,
+    `put(key, bytes)`; the backend lends the disk cache's), or None. `share`: over several
+    processes, every process must run the same plan, and a solve stopped by its time limit may
+    differ from one process to another: process 0 decides (from its caches or by solving) and
+    `share(key, text)` hands its text to every process (the others pass None and get it: "process
+    0"); None in a single process. The backend lends fx2xla.distributed's."""
     import hashlib
     import json
-
-    from fx2xla.runtime.executor import disk_cache
 
     args = {k: kwargs.get(k) for k in ("memory_budget", "fixed", "training", "time_limit", "gap")}
     args["model"] = kwargs.get("model") or CostModel()  # (the defaults' values: a new default re-solves)
@@ -962,38 +962,27 @@ def solve_cached(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> S
     args["ties"] = sorted((a.name, b.name) for a, b in (kwargs.get("ties") or {}).items())
     key = (_FORMAT, graph_key(gm), repr(sorted(sizes.items())), repr(args))
     nodes = {n.name: n for n in gm.graph.nodes}
-    group = _process_group()
     hit = _solutions.get(key)
     if hit is not None:
-        return _from_record(hit, nodes, "memory")
+        return solution_from_record(hit, nodes, "memory")
     kv_key = "fx2xla/auto-sharding/" + hashlib.sha256("\x00".join(key).encode()).hexdigest()
-    if group is not None and group[0] != 0:
-        text = (group[1].blocking_key_value_get(kv_key, _PUBLISH_TIMEOUT_MS) if group[1] is not None
-                else _broadcast_from_process_0(None))
-        record = json.loads(text)
+    if share is not None and not share.decides:
+        record = json.loads(share(kv_key, None))
         _solutions[key] = record
-        return _from_record(record, nodes, "process 0")
-    disk = disk_cache()
-    store = None if disk is None else _solution_store(disk.folder)
+        return solution_from_record(record, nodes, "process 0")
     blob = None if store is None else store.get(key)
     if blob is not None:
         record, sol = json.loads(blob), None
         where = "disk"
     else:
         sol = solve(gm, sizes, **kwargs)
-        record, where = _to_record(sol), None
+        record, where = solution_record(sol), None
         if store is not None:
             store.put(key, json.dumps(record).encode())
     _solutions[key] = record
-    if group is not None:  # process 0: what every other process runs
-        if group[1] is None:
-            _broadcast_from_process_0(json.dumps(record))
-        else:
-            try:
-                group[1].key_value_set(kv_key, json.dumps(record))
-            except Exception:  # published before (this process cleared its table): the same record
-                pass
-    return sol if sol is not None else _from_record(record, nodes, where)
+    if share is not None:  # process 0: what every other process runs
+        share(kv_key, json.dumps(record))
+    return sol if sol is not None else solution_from_record(record, nodes, where)
 
 
 def least_memory(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> tuple:
@@ -1018,7 +1007,8 @@ def least_memory(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> t
     return hit
 
 
-def solve_least(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> Solution | None:
+def solve_least(gm: torch.fx.GraphModule, sizes: dict[str, int], store=None, share=None,
+                **kwargs) -> Solution | None:
     """The cheapest plan among those that hold the least memory by the estimate (`least_memory`),
     by `solve_cached` under that budget (rounded up to a KiB, so that every process asks for
     the same one); None where the solver found no plan in its time limit."""
@@ -1026,50 +1016,14 @@ def solve_least(gm: torch.fx.GraphModule, sizes: dict[str, int], **kwargs) -> So
     if least is None:
         return None
     budget = math.ceil((least * (1 + 1e-6) + 64) / 1024) * 1024
-    return solve_cached(gm, sizes, **{**kwargs, "memory_budget": float(budget)})
+    return solve_cached(gm, sizes, store, share, **{**kwargs, "memory_budget": float(budget)})
 
 
 _least: dict = {}
 
 
-# How long the other processes wait for process 0's solution: it may be compiling graphs before
-# this one, as each of them did.
-_PUBLISH_TIMEOUT_MS = 600_000
-
-
-def _process_group():
-    """(this process's index, jax's coordination client or None in public mode) when this
-    process is one of several (fx2xla.distributed); else None."""
-    import jax
-
-    if not jax.distributed.is_initialized() or jax.process_count() < 2:
-        return None
-    from fx2xla.distributed import _coordination_client
-
-    return jax.process_index(), _coordination_client()
-
-
-def _broadcast_from_process_0(text: str | None) -> str:
-    """Public jax only: process 0's `text` in every process, by two collectives over every
-    device (its length, then its bytes). Every process calls it, in the same order."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    data = np.frombuffer(text.encode(), np.uint8) if text is not None else np.zeros(0, np.uint8)
-    n = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int64)))
-    buf = data if text is not None else np.zeros(n, np.uint8)
-    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)).decode()
-
-
-def _solution_store(folder: str):
-    import os
-
-    from fx2xla.runtime.disk_cache import DiskCache
-
-    return DiskCache(os.path.join(folder, "auto-sharding"))
-
-
-def _to_record(sol: Solution) -> dict:
+def solution_record(sol: Solution) -> dict:
+    """`sol` as JSON-able data (what the caches and process 0 keep and hand on)."""
     return {"input_specs": sol.input_specs, "specs": {n.name: s for n, s in sol.specs.items()},
             "needs": {v.name: {u.name: s for u, s in reads.items()} for v, reads in sol.operand_constraints.items()},
             "objective": sol.objective, "collective_bytes": sol.collective_bytes, "memory_bytes": sol.memory_bytes,
@@ -1081,7 +1035,9 @@ def _spec(s) -> tuple | None:
     return None if s is None else tuple(tuple(axes) for axes in s)
 
 
-def _from_record(r: dict, nodes: dict, where: str) -> Solution:
+def solution_from_record(r: dict, nodes: dict, where: str) -> Solution:
+    """The Solution `solution_record` made `r` from, over the graph whose nodes by name are
+    `nodes`; `where` it came from (`Solution.cached`)."""
     sol = Solution([_spec(s) for s in r["input_specs"]])
     sol.specs = {nodes[k]: _spec(s) for k, s in r["specs"].items()}
     sol.operand_constraints = {nodes[v]: {nodes[u]: _spec(s) for u, s in reads.items()}

@@ -53,11 +53,11 @@ class PassRecord:
     notes: list[str]
 
 
-def run_passes(gm: torch.fx.GraphModule, example_inputs, options: dict, graph_name: str = "graph"):
-    """Run every enabled pass over `gm` in registration order; return (gm, records)."""
-    from fx2xla import dump
-    from fx2xla.metrics import counters
-
+def run_passes(gm: torch.fx.GraphModule, example_inputs, options: dict, graph_name: str = "graph",
+               observe=None):
+    """Run every enabled pass over `gm` in registration order; return (gm, records).
+    `observe(record, gm)`, if given, sees each pass's record and the graph it left (the backend
+    counts and dumps there: passes know nothing of the frontend)."""
     records: list[PassRecord] = []
     for p in PASSES:
         if not options.get(p.name, p.default):
@@ -65,13 +65,13 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs, options: dict, graph_na
         t0 = time.perf_counter()
         result = p.fn(gm, example_inputs, options)
         seconds = time.perf_counter() - t0
-        counters.pass_seconds[p.name] = counters.pass_seconds.get(p.name, 0.0) + seconds
         for note in result.notes:
             log.debug("%s: %s: %s", graph_name, p.name, note)
         records.append(PassRecord(p.name, seconds, result.changed, result.notes))
         if result.changed:
             gm = result.gm
-            dump.write_pass(graph_name, p.name, gm, result.notes)
+        if observe is not None:
+            observe(records[-1], gm)
     return gm, records
 
 

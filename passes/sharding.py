@@ -17,7 +17,6 @@ shardings, with the user's constraints inside, and XLA's partitioner completes t
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ import torch.fx
 from fx2xla.sharding import MARK_SHARDING, ShardingError, annotation_of, decode_spec, encode_spec, is_mark, mesh_by_id
 
 from .manager import PassResult, register_pass
+from .spec_rules import ATTENTION_OPS, fit_spec, is_pointwise, node_shape, node_value, normalized_dims, reshape_spec
 
 aten = torch.ops.aten
 
@@ -192,18 +192,9 @@ def _is_spec(s) -> bool:
     return all(isinstance(a, tuple) and all(isinstance(x, str) for x in a) for a in s)
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
 def _ndim(node) -> int:
-    v = _val(node)
+    v = node_value(node)
     return v.dim() if isinstance(v, torch.Tensor) else 0
-
-
-def _shape(node):
-    v = _val(node)
-    return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def graph_mesh(gm: torch.fx.GraphModule, annotations) -> int | None:
@@ -225,11 +216,11 @@ def propagate(gm: torch.fx.GraphModule, annotations, mesh_id: int, sizes: dict[s
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, ann in zip(placeholders, annotations):
         if ann is not None and _ndim(node) == len(ann.spec):
-            specs[node], sources[node] = _fit(ann.spec, _shape(node), sizes), ann.source
+            specs[node], sources[node] = fit_spec(ann.spec, node_shape(node), sizes), ann.source
     for node in placeholders:  # a constraint straight on an input is the input's sharding
         for u in node.users:
             if is_mark(u) and node not in specs:
-                specs[node], sources[node] = _fit(decode_spec(u.args[2]), _shape(node), sizes), "user"
+                specs[node], sources[node] = fit_spec(decode_spec(u.args[2]), node_shape(node), sizes), "user"
     for _ in range(4):  # forward, then backward into unannotated inputs, until nothing changes
         before = dict(specs)
         _forward(gm, specs, sources, sizes)
@@ -244,7 +235,7 @@ def _forward(gm, specs, sources, sizes) -> None:
         if node.op != "call_function" or sources.get(node) == "user":
             continue
         if is_mark(node):
-            specs[node], sources[node] = _fit(decode_spec(node.args[2]), _shape(node), sizes), "user"
+            specs[node], sources[node] = fit_spec(decode_spec(node.args[2]), node_shape(node), sizes), "user"
             continue
         try:
             spec = _rule(node, specs)
@@ -252,8 +243,8 @@ def _forward(gm, specs, sources, sizes) -> None:
             spec = None  # an argument form a rule does not know: no guess
         if spec is None:
             continue
-        if isinstance(_val(node), torch.Tensor):
-            spec = _fit(spec, _shape(node), sizes)
+        if isinstance(node_value(node), torch.Tensor):
+            spec = fit_spec(spec, node_shape(node), sizes)
         if spec is not None:
             specs[node], sources[node] = spec, "propagated"
 
@@ -267,42 +258,15 @@ def _backward_fill(gm, specs, sources, sizes) -> None:
         spec = specs.get(node)
         if node.op != "call_function" or not _sharded(spec) or not _is_spec(spec):
             continue
-        if not (_pointwise(node.target) or node.target is aten.copy_.default):
+        if not (is_pointwise(node.target) or node.target is aten.copy_.default):
             continue
         for a in node.all_input_nodes:
-            if a not in specs and isinstance(_val(a), torch.Tensor) and _shape(a) == _shape(node):
-                specs[a], sources[a] = _fit(spec, _shape(a), sizes), "propagated"
+            if a not in specs and isinstance(node_value(a), torch.Tensor) and node_shape(a) == node_shape(node):
+                specs[a], sources[a] = fit_spec(spec, node_shape(a), sizes), "propagated"
 
 
 def _sharded(spec) -> bool:
     return isinstance(spec, tuple) and _is_spec(spec) and any(spec)
-
-
-def _fit(spec, shape, sizes) -> tuple | None:
-    """`spec` with axes dropped where they do not divide the dim, or repeat an axis."""
-    if spec is None or shape is None or len(spec) != len(shape):
-        return None
-    used, out = set(), []
-    for axes, n in zip(spec, shape):
-        keep = []
-        for a in axes:
-            if a in used or a not in sizes:
-                continue
-            if n % (math.prod(sizes[x] for x in keep) * sizes[a]):
-                break
-            keep.append(a)
-            used.add(a)
-        out.append(tuple(keep))
-    return tuple(out)
-
-
-_POINTWISE_EXTRA = {aten._to_copy.default, aten.alias.default, aten.copy.default, aten.copy_.default,
-                    aten.fill.Scalar, aten.fill.Tensor, aten.lift_fresh_copy.default, aten.detach.default}
-
-
-def _pointwise(target) -> bool:
-    return target in _POINTWISE_EXTRA or (isinstance(target, torch._ops.OpOverload)
-                                          and torch.Tag.pointwise in target.tags)
 
 
 def _merge(out_shape, operand_specs) -> tuple:
@@ -326,43 +290,9 @@ def _merge(out_shape, operand_specs) -> tuple:
 def _operand_specs(node, specs):
     out = []
     for a in list(node.args) + list(node.kwargs.values()):
-        if isinstance(a, torch.fx.Node) and isinstance(_val(a), torch.Tensor) and _sharded(specs.get(a)):
-            out.append((specs[a], _shape(a)))
+        if isinstance(a, torch.fx.Node) and isinstance(node_value(a), torch.Tensor) and _sharded(specs.get(a)):
+            out.append((specs[a], node_shape(a)))
     return out
-
-
-def _norm_dims(dims, ndim) -> list[int]:
-    dims = [dims] if isinstance(dims, int) else list(dims) if dims is not None else list(range(ndim))
-    return [d + ndim if d < 0 else d for d in dims] or list(range(ndim))
-
-
-def _reshape(spec, in_shape, out_shape):
-    """Map a spec through a reshape: dims grouped where their products meet; a split dim keeps
-    its axes on its leading part, merged dims keep the leading dim's axes."""
-    out = [() for _ in out_shape]
-    i = j = 0
-    while i < len(in_shape) and j < len(out_shape):
-        gi, gj = [i], [j]
-        pi, pj = in_shape[i], out_shape[j]
-        while pi != pj:
-            if pi < pj:
-                i += 1
-                gi.append(i)
-                pi *= in_shape[i]
-            else:
-                j += 1
-                gj.append(j)
-                pj *= out_shape[j]
-        lead_in = next((d for d in gi if in_shape[d] != 1), gi[0])
-        lead_out = next((d for d in gj if out_shape[d] != 1), gj[0])
-        if spec[lead_in] and all(not spec[d] for d in gi if d != lead_in):
-            out[lead_out] = spec[lead_in]
-        i += 1
-        j += 1
-    return tuple(out)
-
-
-_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
 def _rule(node, specs):
@@ -375,9 +305,9 @@ def _rule(node, specs):
     xs = specs.get(x) if isinstance(x, torch.fx.Node) else None
     if t is aten.copy_.default:  # a written input keeps its own sharding
         return specs.get(args[0]) or specs.get(args[1])
-    if _pointwise(t):
+    if is_pointwise(t):
         ops = _operand_specs(node, specs)
-        return _merge(_shape(node), ops) if ops else None
+        return _merge(node_shape(node), ops) if ops else None
     if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
         a, b = (args[1], args[2]) if t is aten.addmm.default else (args[0], args[1])
         sa, sb = specs.get(a), specs.get(b)
@@ -398,11 +328,11 @@ def _rule(node, specs):
         return None
     nd = len(xs)
     if t is aten.permute.default:
-        return tuple(xs[d] for d in _norm_dims(args[1], nd))
+        return tuple(xs[d] for d in normalized_dims(args[1], nd))
     if t in (aten.t.default,):
         return tuple(reversed(xs))
     if t is aten.transpose.int:
-        a, b = _norm_dims([args[1], args[2]], nd)
+        a, b = normalized_dims([args[1], args[2]], nd)
         s = list(xs)
         s[a], s[b] = s[b], s[a]
         return tuple(s)
@@ -410,32 +340,32 @@ def _rule(node, specs):
         d = args[1] + nd + 1 if args[1] < 0 else args[1]
         return xs[:d] + ((),) + xs[d:]
     if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
-        shape = _shape(x)
-        dims = _norm_dims(args[1], nd) if len(args) > 1 else [d for d, n in enumerate(shape) if n == 1]
+        shape = node_shape(x)
+        dims = normalized_dims(args[1], nd) if len(args) > 1 else [d for d, n in enumerate(shape) if n == 1]
         return tuple(s for d, s in enumerate(xs) if not (d in dims and shape[d] == 1))
     if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-        return _reshape(xs, _shape(x), _shape(node))
+        return reshape_spec(xs, node_shape(x), node_shape(node))
     if t is aten.expand.default:
-        out_shape, in_shape = _shape(node), _shape(x)
+        out_shape, in_shape = node_shape(node), node_shape(x)
         lead = len(out_shape) - nd
         return tuple(() for _ in range(lead)) + tuple(
             s if in_shape[d] == out_shape[lead + d] else () for d, s in enumerate(xs))
     if t is aten.slice.Tensor:
-        d = _norm_dims(args[1] if len(args) > 1 else 0, nd)[0]
-        return tuple(() if i == d and _shape(node)[d] != _shape(x)[d] else s for i, s in enumerate(xs))
+        d = normalized_dims(args[1] if len(args) > 1 else 0, nd)[0]
+        return tuple(() if i == d and node_shape(node)[d] != node_shape(x)[d] else s for i, s in enumerate(xs))
     if t is aten.select.int:
-        d = _norm_dims(args[1], nd)[0]
+        d = normalized_dims(args[1], nd)[0]
         return xs[:d] + xs[d + 1:]
     if t in (aten._softmax.default, aten._log_softmax.default, aten.cumsum.default):
-        d = _norm_dims(args[1], nd)[0]
+        d = normalized_dims(args[1], nd)[0]
         return tuple(() if i == d else s for i, s in enumerate(xs))
     if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.prod.dim_int,
              aten.var.correction, aten.any.dim, aten.argmax.default, aten.argmin.default):
-        dims = _norm_dims(args[1] if len(args) > 1 else node.kwargs.get("dim"), nd)
+        dims = normalized_dims(args[1] if len(args) > 1 else node.kwargs.get("dim"), nd)
         keep = node.kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
         return tuple(() if d in dims else s for d, s in enumerate(xs)) if keep else \
             tuple(s for d, s in enumerate(xs) if d not in dims)
-    if t in _ATTENTION:  # (out [b, h, s, d], logsumexp [b, h, s], ...): sharded like q
+    if t in ATTENTION_OPS:  # (out [b, h, s, d], logsumexp [b, h, s], ...): sharded like q
         return (xs, xs[:3]) if nd == 4 else None
     if t is aten.native_layer_norm.default:
         k = len(args[1])
@@ -444,8 +374,8 @@ def _rule(node, specs):
         return (out, stats, stats)
     if t is aten.cat.default:
         tensors = [a for a in args[0] if isinstance(a, torch.fx.Node)]
-        d = _norm_dims(args[1] if len(args) > 1 else 0, _ndim(node))[0]
-        ops = [(specs[a], _shape(a)) for a in tensors if _sharded(specs.get(a))]
-        merged = _merge(_shape(node), ops) if ops else None
+        d = normalized_dims(args[1] if len(args) > 1 else 0, _ndim(node))[0]
+        ops = [(specs[a], node_shape(a)) for a in tensors if _sharded(specs.get(a))]
+        merged = _merge(node_shape(node), ops) if ops else None
         return tuple(() if i == d else s for i, s in enumerate(merged)) if merged else None
     return None

@@ -129,7 +129,7 @@ def platform_from_env() -> str:
     return _PLATFORMS[name]
 
 
-def _local_device(platform: str, index: int, why: str) -> Device:
+def local_device(platform: str, index: int, why: str) -> Device:
     """Device `index` of `platform`'s client; `why` says what chose it (for the errors)."""
     try:
         n = len(get_backend(platform).local_devices())
@@ -156,7 +156,7 @@ def default_device(index: int | None = None) -> Device:
     else 0."""
     platform = platform_from_env()
     index = _explicit_index(index)
-    return _local_device(platform, 0 if index is None else index, f"PJRT_DEVICE={platform}")
+    return local_device(platform, 0 if index is None else index, f"PJRT_DEVICE={platform}")
 
 
 def _platform_of(device) -> str:
@@ -184,10 +184,10 @@ def device_for(devices, index: int | None = None) -> Device:
                          "eager PyTorch refuses that too: move them to one device")
     explicit = _explicit_index(index)
     if not accelerators:
-        return _local_device("cpu", 0 if explicit is None else explicit, "CPU tensors")
+        return local_device("cpu", 0 if explicit is None else explicit, "CPU tensors")
     device = accelerators[0]
     chosen = (device.index or 0) if explicit is None else explicit
-    return _local_device(_platform_of(device), chosen, f"tensors on {device}")
+    return local_device(_platform_of(device), chosen, f"tensors on {device}")
 
 
 def device_memory(device: Device) -> dict:

@@ -17,7 +17,7 @@ import time
 from .cache import ExecutableCache, executable_cache, fingerprint
 from .client import Device
 from .disk_cache import DiskCache, default_cache_dir
-from .handoff import _use_public, export_array
+from .handoff import use_public, export_array
 
 
 # XLA:CPU debug options fx2xla sets per compile (users never need XLA_FLAGS for them): applied
@@ -77,7 +77,7 @@ def gpu_autotune_cache_dir(options=None) -> str | None:
     return path if os.access(path, os.W_OK) else None
 
 
-def _compile_options(platform: str = "cpu", overrides: bool = True):
+def compile_options(platform: str = "cpu", overrides: bool = True):
     import jax.extend.backend
 
     options = jax.extend.backend.get_compile_options(num_replicas=1, num_partitions=1)
@@ -174,7 +174,7 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
     used_devices.add(device)
     cache = executable_cache if cache is None else cache
     fp = fingerprint(module_text)
-    options = _compile_options(device.platform)
+    options = compile_options(device.platform)
     targets = list(mesh_devices) if mesh_devices else [device.jax_device]
     ids = tuple(d.id for d in targets)
     if mesh_devices:
@@ -207,7 +207,7 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
     except Exception as e:
         if not (_unknown_option(e) and options.env_option_overrides):
             raise
-        options = _compile_options(device.platform, overrides=False)  # XLA's defaults, then
+        options = compile_options(device.platform, overrides=False)  # XLA's defaults, then
         if mesh_devices:
             options = _spmd_options(options, ids)
         if disk_key is not None:
@@ -389,7 +389,7 @@ def make_recording(public: bool | None = None):
 
 
 def _traceback_switch(public):
-    private = None if _use_public(public, "FX2XLA_PUBLIC_EXECUTE") else _private_traceback_pause()
+    private = None if use_public(public, "FX2XLA_PUBLIC_EXECUTE") else _private_traceback_pause()
     return private or _public_traceback_pause()
 
 
@@ -398,7 +398,7 @@ def make_launcher(exe, export=None, public: bool | None = None):
     buffers and hand every output back with `export` (default: `handoff.export_array`), or
     with `export[i]` for output i when it is a list (outputs that go to different devices)."""
     export = export_array if export is None else export
-    private = None if _use_public(public, "FX2XLA_PUBLIC_EXECUTE") else _private_launcher(exe, export)
+    private = None if use_public(public, "FX2XLA_PUBLIC_EXECUTE") else _private_launcher(exe, export)
     return private or _public_launcher(exe, export)
 
 
@@ -410,12 +410,12 @@ def make_sharded_launcher(exe, shardings, shapes, export, keep=(), lazy=None):
     shards (each exported zero-copy, then written into place once). `export`: one function
     for every result, or one per result. `keep`: result indices also returned, after all the
     results, as global jax Arrays (their shards stay on the devices). `lazy`: result index ->
-    (mesh id, spec, torch dtype, torch device): returned as sharding.ShardedTensor instead,
-    assembled only when torch needs it whole."""
+    `wrap(array, assemble)`: that result is returned as what `wrap` makes of its global jax
+    Array and of a function assembling it whole (the frontend's ShardedTensor)."""
     import jax
     import torch
 
-    from fx2xla.sharding import ShardedTensor, gather
+    from .handoff import gather_array
 
     devices = exe.local_devices()  # the order of every result's shards (this process's)
     plans = []
@@ -434,7 +434,7 @@ def make_sharded_launcher(exe, shardings, shapes, export, keep=(), lazy=None):
     execute = exe.execute_sharded
     exports = export if isinstance(export, (list, tuple)) else [export] * len(plans)
     keep = [(r, shardings[r], tuple(shapes[r])) for r in keep]
-    lazy = {r: (shardings[r], tuple(shapes[r]), *lazy[r]) for r in (lazy or {})}
+    lazy = lazy or {}
 
     spans = bool(shardings) and len(devices) < len(shardings[0].device_set)  # several processes
 
@@ -442,7 +442,7 @@ def make_sharded_launcher(exe, shardings, shapes, export, keep=(), lazy=None):
         shape, pieces, sharding = plan
         if spans:  # the other processes hold the other shards
             home = export_one(shards[0]).device
-            return gather(jax.make_array_from_single_device_arrays(shape, sharding, shards), home)
+            return gather_array(jax.make_array_from_single_device_arrays(shape, sharding, shards), home)
         first = export_one(shards[pieces[0][0]])
         whole = torch.empty(shape, dtype=first.dtype, device=first.device)
         whole[pieces[0][1]] = first
@@ -451,10 +451,8 @@ def make_sharded_launcher(exe, shardings, shapes, export, keep=(), lazy=None):
         return whole
 
     def sharded(r, shards):
-        sharding, shape, mesh_id, spec, dtype, device = lazy[r]
-        array = jax.make_array_from_single_device_arrays(shape, sharding, shards)
-        return ShardedTensor(array, mesh_id, spec, dtype, device,
-                             lambda: assemble(shards, plans[r], exports[r]))
+        array = jax.make_array_from_single_device_arrays(tuple(shapes[r]), shardings[r], shards)
+        return lazy[r](array, lambda: assemble(shards, plans[r], exports[r]))
 
     def launch_sharded(bufs: list) -> list:
         per_result = execute(bufs).disassemble_into_single_device_arrays()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 
 import torch
@@ -131,7 +132,7 @@ def _torch_stream_public(index: int) -> int:
 def make_torch_stream(public: bool | None = None):
     """`stream(index) -> int`: the handle of torch's current CUDA stream on device `index`
     (torch's private raw getter, ~0.2 µs; public fallback `torch.cuda.current_stream`)."""
-    if not _use_public(public) and hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    if not use_public(public) and hasattr(torch._C, "_cuda_getCurrentRawStream"):
         return _torch_stream_private
     return _torch_stream_public
 
@@ -191,32 +192,53 @@ def _public_cuda_importer():
     import jax.dlpack
 
     def import_cuda_public(t: torch.Tensor, device):
-        # detach: Tensor.__dlpack__ refuses tensors that require grad (parameters).
-        with jax.enable_x64(True):  # jax.dlpack.from_dlpack orders torch's stream itself, per tensor
-            a = jax.dlpack.from_dlpack(aligned(t.detach()))
+        # detach: Tensor.__dlpack__ refuses tensors that require grad (parameters). The device
+        # scope: __dlpack__ orders torch's current stream of the current device, which must be
+        # t's (cuda:1 while cuda:0 is current); a no-op for a CPU tensor (index -1).
+        with jax.enable_x64(True), torch.cuda.device(t.get_device()):
+            a = jax.dlpack.from_dlpack(aligned(t.detach()))  # orders torch's stream itself, per tensor
         return a if a.devices() == {device} else jax.device_put(a, device)
 
     return import_cuda_public
 
 
-_external_streams: dict = {}
+_external_streams: dict = {}  # id(jax device) -> torch's handle on jax's external-ready stream
+
+
+class _ThreadEvents(threading.local):
+    """Per thread (torch's current stream is per thread: a shared event re-recorded by another
+    thread on its stream would let this thread's wait pass early): id(jax device) -> Event."""
+
+    def __init__(self):
+        self.events = {}
+
+
+_order_events = _ThreadEvents()
 
 
 def _order_after_torch(jax_device, index: int) -> None:
-    """Make jax's external-ready stream on `jax_device` wait (device-side, one CUDA event) for
-    everything queued so far on torch's current stream of device `index`."""
-    ext = _external_streams.get(id(jax_device))
+    """Make jax's external-ready stream on `jax_device` wait (device-side) for everything queued
+    so far on torch's current stream of device `index`: one CUDA event, made once per device
+    and thread and recorded again per call (`wait_stream` would make a new one per call). A
+    wait takes the event as last recorded when it is queued, so re-recording is safe."""
+    key = id(jax_device)
+    ext = _external_streams.get(key)
     if ext is None:
-        ext = _external_streams[id(jax_device)] = torch.cuda.ExternalStream(_ready_stream(jax_device),
-                                                                           device=torch.device("cuda", index))
-    ext.wait_stream(torch.cuda.current_stream(index))
+        ext = _external_streams[key] = torch.cuda.ExternalStream(_ready_stream(jax_device),
+                                                                device=torch.device("cuda", index))
+    events = _order_events.events
+    event = events.get(key)
+    if event is None:
+        event = events[key] = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(index))
+    ext.wait_event(event)
 
 
 def make_stream_order(public: bool | None = None, platform: str = "cpu"):
     """`order(jax_device, index)`, to call once per call between queuing the torch work that
     makes its inputs and importing them, where the importer needs it (the private CUDA one);
     None otherwise (the CPU; the public importer orders each tensor itself)."""
-    if not _gpu(platform) or _use_public(public) or _private_cuda_importer() is None:
+    if not _gpu(platform) or use_public(public) or _private_cuda_importer() is None:
         return None
     return _order_after_torch
 
@@ -245,7 +267,7 @@ def _public_cuda_exporter(index: int):
     return export_cuda_public
 
 
-def _use_public(public: bool | None, switch: str = "FX2XLA_PUBLIC_DLPACK") -> bool:
+def use_public(public: bool | None, switch: str = "FX2XLA_PUBLIC_DLPACK") -> bool:
     if public is None:
         return os.environ.get(switch, "") not in ("", "0")
     return public
@@ -264,9 +286,9 @@ def make_importer(public: bool | None = None, platform: str = "cpu"):
     global _handed
     _handed = True
     if _gpu(platform):
-        private = None if _use_public(public) else _private_cuda_importer()
+        private = None if use_public(public) else _private_cuda_importer()
         return private or _public_cuda_importer()
-    private = None if _use_public(public) else _private_importer()
+    private = None if use_public(public) else _private_importer()
     return private or _public_importer()
 
 
@@ -275,9 +297,9 @@ def make_exporter(public: bool | None = None, platform: str = "cpu", index: int 
     result that is still being computed. CUDA (device `index`): torch's current stream waits
     for it instead, and the host goes on."""
     if _gpu(platform):
-        private = None if _use_public(public) else _private_cuda_exporter(index)
+        private = None if use_public(public) else _private_cuda_exporter(index)
         return private or _public_cuda_exporter(index)
-    private = None if _use_public(public) else _private_exporter()
+    private = None if use_public(public) else _private_exporter()
     return private or _public_exporter()
 
 
@@ -293,3 +315,13 @@ def import_tensor(t: torch.Tensor, jax_device):
 
 
 export_array = make_exporter()
+
+
+def gather_array(array, device) -> torch.Tensor:
+    """The whole value of a global jax Array whose shards live in several processes (each holds
+    its own devices'), as a torch tensor on `device`: a collective every process must take part
+    in, in the same order."""
+    from jax.experimental import multihost_utils
+
+    whole = multihost_utils.process_allgather(array, tiled=True)
+    return torch.from_numpy(whole if whole.flags.writeable else whole.copy()).to(device)

@@ -1,7 +1,3 @@
-"""Lowering rules, one module per op family; importing this package registers them all."""
-from . import control_flow, creation, elementwise, fft, indexing, linalg, nn, random, reductions, shape  # noqa: F401
-from . import memory  # noqa: F401  (fx2xla.place_to_host / place_to_device)
-from .graph import lower_graph
-from .registry import LOWERINGS, LoweringContext, register_lowering
-
-__all__ = ["lower_graph", "register_lowering", "LoweringContext", "LOWERINGS"]
+"""Lowering: one rule per ATen overload (the registry, `registry.py`), rules in one module per op
+family (imported by `rules.py`, which `import fx2xla` runs once), and the module a graph's plan
+lowers to (`graph.py`)."""

@@ -16,7 +16,8 @@ from ..errors import InvalidInputError, LoweringError, UnsupportedOpError
 from .dtypes import to_jax_dtype
 from .checks import RuntimeChecks
 from . import memory
-from ..plan import GraphPlan, OutputPlan, inverse
+from ..layouts import inverse
+from ..plan import GraphPlan, OutputPlan
 from .registry import (PYTHON_OPS, LoweringContext, RejectedInput, complex_to_real, concrete_shape, current_platform,
                        is_array, lowering_for, lowering_platform, prepare_args)
 
@@ -85,7 +86,7 @@ def check_rules(gm: torch.fx.GraphModule) -> None:
 
 
 
-def _bindings(example_inputs, concrete_args) -> dict:
+def symbol_bindings(example_inputs, concrete_args) -> dict:
     """Each symbolic size of the placeholders' examples -> its value in the call's arguments."""
     bindings: dict = {}
     if concrete_args is None:
@@ -119,7 +120,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
     """
     check_rules(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    bindings = _bindings(example_inputs, concrete_args)
+    bindings = symbol_bindings(example_inputs, concrete_args)
 
     def sizes(s):
         if not isinstance(s, torch.SymInt):
@@ -269,18 +270,6 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
         except Exception as e:  # a rule bug or an unsupported argument combination
             raise LoweringError(node, e) from e
     return env
-
-
-def graph_uses_randomness(gm: torch.fx.GraphModule) -> bool:
-    """Whether any node of `gm` (or of a subgraph a rule lowers, e.g. a scan body) is random."""
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target in PYTHON_OPS:
-            continue
-        rule = lowering_for(n.target)
-        if rule is not None and (rule.draws(n) or (rule.subgraphs is not None and any(
-                graph_uses_randomness(sub) for sub in rule.subgraphs(gm, n)))):
-            return True
-    return False
 
 
 def _check_result(ctx: LoweringContext, out):

@@ -34,10 +34,19 @@ def _opmath(x):
     return x if x.dtype == dt else x.astype(dt)
 
 
-def _vjp(fn, primals, cotangent):
-    """Gradients of `fn` (one output) at `primals` for `cotangent`, computed in opmath dtypes."""
-    out, pull = jax.vjp(fn, *[_opmath(p) for p in primals])
+def _vjp(fn, primals, cotangent, opmath: bool = True):
+    """Gradients of `fn` (one output) at `primals` for `cotangent`, computed in opmath dtypes;
+    `opmath=False`: in the primals' own (half-precision GEMMs on GPUs: see `_half_gemm`)."""
+    out, pull = jax.vjp(fn, *[_opmath(p) if opmath else p for p in primals])
     return pull(cotangent.astype(out.dtype))
+
+
+def _half_gemm(dtype) -> bool:
+    """Whether GEMMs and convolutions of `dtype` run in it on the platform being lowered for
+    (bf16/f16 on GPUs: float32 accumulation inside the kernel, as torch's), rather than on
+    operands upcast to float32 (the CPU; float32 itself): see linalg.dot_result_dtype."""
+    dtype = jnp.dtype(dtype)
+    return dtype != accumulation_dtype(dtype) and dot_result_dtype(dtype) == dtype
 
 
 def _channel(v, ndim):
@@ -351,7 +360,7 @@ def _convolution_backward(ctx, grad, x, w, bias_sizes, stride, padding, dilation
     def fwd(x, w):
         return _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
 
-    dx, dw = _vjp(fwd, (x, w), grad)
+    dx, dw = _vjp(fwd, (x, w), grad, opmath=not _half_gemm(x.dtype))  # GPUs: bf16/f16 convs, as forward
     db = jnp.sum(_opmath(grad), axis=(0,) + tuple(range(2, grad.ndim)))
     return _masked((dx[0] if unbatched else dx, dw, db), output_mask)
 
@@ -594,17 +603,48 @@ def _upsample_bilinear2d_default(ctx, x, output_size, align_corners, scales_h=No
 # Attention
 # ---------------------------------------------------------------------------------------------
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _half_dot(a, b, contract, batch):
+    """A bf16/f16 GEMM with a float32 result (tensor cores, float32 accumulation). Its gradients
+    are half-precision GEMMs too: the cotangent is rounded to the operands' dtype first, as
+    torch's fused attention backward rounds dS and dO (jax's own transposes would run float32
+    GEMMs on upcast operands)."""
+    return lax.dot_general(a, b, (contract, batch), precision=matmul_precision(a.dtype),
+                           preferred_element_type=jnp.float32)
+
+
+def _half_dot_fwd(a, b, contract, batch):
+    return _half_dot(a, b, contract, batch), (a, b)
+
+
+def _half_dot_bwd(contract, batch, res, g):
+    a, b = res
+    _, pull = jax.vjp(lambda a, b: lax.dot_general(a, b, (contract, batch), precision=matmul_precision(a.dtype),
+                                                   preferred_element_type=a.dtype), a, b)
+    return pull(g.astype(a.dtype))
+
+
+_half_dot.defvjp(_half_dot_fwd, _half_dot_bwd)
+
+
 def _sdpa(q, k, v, attn_mask, is_causal, scale, keep=None, dropout_p=0.0):
-    """Attention like ATen's CPU flash kernel, in opmath: returns (out, logsumexp). Rows with
-    every key masked give output 0 and logsumexp 0 (the kernel's max -> 0, sum -> 1 rule).
-    `keep`: the dropout mask over the attention weights (True: kept, scaled by 1/(1-p)); the
-    logsumexp is of the weights before dropout, as the fused kernels return it."""
-    q, k, v = _opmath(q), _opmath(k), _opmath(v)
+    """Attention like ATen's CPU flash kernel: returns (out, logsumexp). Rows with every key
+    masked give output 0 and logsumexp 0 (the kernel's max -> 0, sum -> 1 rule), as eager's
+    math attention does. `keep`: the dropout mask over the attention weights (True: kept,
+    scaled by 1/(1-p)); the logsumexp is of the weights before dropout, as the fused kernels
+    return it. In opmath, except bf16/f16 on GPUs (`_half_gemm`), as flash attention computes:
+    QK^T and PV as half-precision GEMMs accumulating in float32, the softmax in float32, P
+    rounded to the inputs' dtype for PV."""
+    half = _half_gemm(q.dtype)
+    if not half:
+        q, k, v = _opmath(q), _opmath(k), _opmath(v)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group
         k = jnp.repeat(k, q.shape[1] // k.shape[1], axis=1)
         v = jnp.repeat(v, q.shape[1] // v.shape[1], axis=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = dot(q, k, ((3,), (3,)), ((0, 1), (0, 1))) * jnp.asarray(scale, q.dtype)
+    mm = _half_dot if half else dot
+    s = mm(q, k, ((3,), (3,)), ((0, 1), (0, 1)))
+    s = s * jnp.asarray(scale, s.dtype)
     neg_inf = jnp.asarray(-jnp.inf, s.dtype)
     if attn_mask is not None:
         s = jnp.where(attn_mask, s, neg_inf) if attn_mask.dtype == jnp.bool_ else s + _opmath(attn_mask)
@@ -621,7 +661,7 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, keep=None, dropout_p=0.0):
             return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype), lse
         p = jnp.where(keep, p, jnp.zeros((), p.dtype))
         total = total * jnp.asarray(1.0 - dropout_p, total.dtype)
-    return dot(p, v, ((3,), (2,)), ((0, 1), (0, 1))) / total, lse
+    return mm(p.astype(v.dtype), v, ((3,), (2,)), ((0, 1), (0, 1))) / total, lse
 
 
 def _check_no_dropout(dropout_p):
@@ -676,9 +716,11 @@ def _attention_grads(grad, q, k, v, bias, is_causal, scale, dropout_p, seed, bia
     if bias is not None and bias.ndim < 2:  # the backward's required bias argument, left empty
         bias = None
     keep = _dropout_keep(seed, dropout_p, q, k) if dropout_p else None
+    opmath = not _half_gemm(q.dtype)  # GPUs: bf16/f16 GEMMs, as the forward (see _sdpa)
     if bias_grad and bias is not None:
-        return _vjp(lambda q, k, v, b: _sdpa(q, k, v, b, is_causal, scale, keep, dropout_p)[0], (q, k, v, bias), grad)
-    grads = _vjp(lambda q, k, v: _sdpa(q, k, v, bias, is_causal, scale, keep, dropout_p)[0], (q, k, v), grad)
+        return _vjp(lambda q, k, v, b: _sdpa(q, k, v, b, is_causal, scale, keep, dropout_p)[0], (q, k, v, bias), grad,
+                    opmath)
+    grads = _vjp(lambda q, k, v: _sdpa(q, k, v, bias, is_causal, scale, keep, dropout_p)[0], (q, k, v), grad, opmath)
     return (*grads, None)
 
 
@@ -774,50 +816,137 @@ def _sdpa_overrideable_backward(ctx, grad, q, k, v, attn_bias, grad_input_mask, 
 # Every refusal (jax's checks while tracing, or XLA/cuDNN at compile time: see
 # `cudnn_attention_disabled`) falls back to the math rules above.
 
+CUDNN_MARKER = "cudnn"  # in a module's text where it holds cuDNN attention (__cudnn$fmha... custom calls)
 _cudnn_state = threading.local()
 
 
 @contextlib.contextmanager
-def cudnn_attention_disabled():
-    """Lower attention with the math rules only (a graph whose cuDNN fusion XLA rejected)."""
-    old = getattr(_cudnn_state, "off", False)
-    _cudnn_state.off = True
+def _thread_flag(name: str):
+    """Sets `_cudnn_state.<name>` for this thread inside the block (nests)."""
+    old = getattr(_cudnn_state, name, False)
+    setattr(_cudnn_state, name, True)
     try:
         yield
     finally:
-        _cudnn_state.off = old
+        setattr(_cudnn_state, name, old)
+
+
+def cudnn_attention_disabled():
+    """Lower attention with the math rules only (a graph whose cuDNN fusion XLA rejected)."""
+    return _thread_flag("off")
+
+
+def _fused_attention_module():
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo
+
+
+_dbias_lock = threading.Lock()
+
+
+def _private_dbias_switch():
+    """A context in which this thread's cuDNN attention traces export no dbias (jax's backward
+    kernel computes it whenever a bias or mask exists; fx2xla never reads it: a wanted bias
+    gradient goes to the math rules): jax's private `should_export_dbias`, wrapped once to
+    answer False inside it, as it did for broadcast biases before. None where it moved."""
+    try:
+        module = _fused_attention_module()
+        current = module.should_export_dbias
+    except (ImportError, AttributeError):
+        return None
+    if not getattr(current, "_fx2xla", False):
+        with _dbias_lock:
+            current = module.should_export_dbias
+            if not getattr(current, "_fx2xla", False):
+                def should_export_dbias(*args, _jax=current, **kwargs):
+                    return False if getattr(_cudnn_state, "no_dbias", False) else _jax(*args, **kwargs)
+
+                should_export_dbias._fx2xla = True
+                module.should_export_dbias = should_export_dbias
+    return _no_dbias
+
+
+def _no_dbias():
+    return _thread_flag("no_dbias")
+
+
+def _dbias_unexported():
+    """`_private_dbias_switch`'s context; public fallback: none (dbias computed, unread)."""
+    switch = _private_dbias_switch()
+    return switch() if switch is not None else contextlib.nullcontext()
+
+
+_lse_layouts: dict = {}  # jax.nn.dot_product_attention -> whether its residual is [B, Lq, H]
+
+
+def _lse_is_blh() -> bool:
+    """Whether jax.nn.dot_product_attention returns cuDNN's log-sum-exp as [B, Lq, H] (jax
+    0.10's documented layout, in the output's dtype) rather than [B, H, Lq]. A shape cannot
+    tell them apart when H == Lq: read once per process from an abstract evaluation with
+    Lq != H; raises where cuDNN takes no inputs at all."""
+    fn = jax.nn.dot_product_attention
+    blh = _lse_layouts.get(fn)
+    if blh is None:
+        probe = jax.ShapeDtypeStruct((1, 16, 2, 64), jnp.bfloat16)  # [B, L, H, D]
+        shape = jax.eval_shape(lambda x: fn(x, x, x, implementation="cudnn", return_residual=True)[1], probe).shape
+        if shape not in ((1, 16, 2), (1, 2, 16)):
+            raise NotImplementedError(f"cuDNN's residual has shape {shape} for [B, L, H] = [1, 16, 2]")
+        blh = _lse_layouts[fn] = shape == (1, 16, 2)
+    return blh
+
+
+# jax's value for masked keys (fused_attention_stablehlo.get_large_negative_number): finite, as
+# cuDNN mishandles the difference of two large negative numbers.
+_CUDNN_MASKED = {jnp.dtype(jnp.bfloat16): -2.0 ** 41, jnp.dtype(jnp.float16): -2.0 ** 15}
 
 
 def _cudnn_fused(q, k, v, bias, is_causal, scale, residual=False):
     """cuDNN attention on torch's [B, H, L, D] layout (with the [B, H, Lq] float32 log-sum-exp
-    when `residual`); raises where cuDNN does not take these inputs."""
-    import jax
-
+    when `residual`); raises where cuDNN does not take these inputs. A row with every key
+    masked gives 0 (log-sum-exp 0), as eager's math attention and the math rules do (cuDNN
+    would give the mean of v for a bool mask, NaN for a -inf bias)."""
     if getattr(_cudnn_state, "off", False):
         raise NotImplementedError("cuDNN attention disabled for this graph")
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    if jnp.dtype(q.dtype) not in _CUDNN_MASKED:
         raise NotImplementedError("cuDNN attention takes bf16/f16 only")
     if (is_causal and q.shape[2] != k.shape[2]) or (bias is not None and bias.ndim < 2):
         raise NotImplementedError("unsupported causal/bias form")
-    mask = None
+    blh = _lse_is_blh() if residual else None
+    mask = kept = None
     if bias is not None:
         # jax broadcasts a 4-D bias itself: only leading unit dims are added here, never the
         # full [B, H, Lq, Lk] (no copy of the mask per head).
         bias = jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
         if bias.dtype == jnp.bool_:
-            mask, bias = bias, None
+            mask, bias, kept = bias, None, bias
         else:
-            bias = bias.astype(q.dtype)
+            kept = bias != -jnp.inf
+            # -inf would make a fully masked row's max -inf in cuDNN: NaN, in its gradients too.
+            bias = jnp.maximum(bias.astype(q.dtype), jnp.asarray(_CUDNN_MASKED[jnp.dtype(q.dtype)], q.dtype))
+    if kept is not None:
+        if is_causal:  # keys after a row's own position are masked too
+            shape = (q.shape[2], k.shape[2])
+            kept = kept & (lax.broadcasted_iota(jnp.int32, shape, 0) >= lax.broadcasted_iota(jnp.int32, shape, 1))
+        kept = jnp.any(kept, axis=-1, keepdims=True)  # [b, h, Lq, 1]: rows with a key left
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, H, L, D] <-> [B, L, H, D]
-    result = jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, mask=mask, scale=scale,
-                                          is_causal=bool(is_causal), implementation="cudnn",
-                                          return_residual=residual)
+    with _dbias_unexported():
+        result = jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, mask=mask, scale=scale,
+                                              is_causal=bool(is_causal), implementation="cudnn",
+                                              return_residual=residual)
+    out, lse = result if residual else (result, None)
+    out = t(out)
+    if kept is not None:
+        out = jnp.where(kept, out, jnp.zeros((), out.dtype))
     if not residual:
-        return t(result)
-    out, lse = result
+        return out
+    lse = t(lse) if blh else lse  # -> [B, H, Lq]
     if lse.shape != q.shape[:3]:
-        raise NotImplementedError(f"cuDNN's residual has shape {lse.shape}, not [B, H, Lq]")
-    return t(out), lse.astype(jnp.float32)
+        raise NotImplementedError(f"cuDNN's residual has shape {lse.shape}, not [B, H, Lq] {q.shape[:3]}")
+    lse = lse.astype(jnp.float32)  # (jax 0.10 rounds it to the output's dtype; the backward rules never read it)
+    if kept is not None:
+        lse = jnp.where(kept[..., 0], lse, jnp.zeros((), lse.dtype))
+    return out, lse
 
 
 _CUDNN_REFUSALS = (RuntimeError, ValueError, NotImplementedError, TypeError)
@@ -834,8 +963,6 @@ def _cudnn_attention(q, k, v, bias, is_causal, scale, residual=False):
 def _cudnn_grads(grad, q, k, v, bias, is_causal, scale):
     """(dq, dk, dv) through cuDNN's fused backward, or None where cuDNN does not apply (jax's
     vjp rule refuses some forms the forward takes, e.g. a bias with odd sequence lengths)."""
-    import jax
-
     try:
         out, pull = jax.vjp(lambda q, k, v: _cudnn_fused(q, k, v, bias, is_causal, scale), q, k, v)
         return pull(grad.astype(out.dtype))

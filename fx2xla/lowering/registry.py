@@ -340,3 +340,15 @@ def prepare_args(rule: LoweringRule, ctx: LoweringContext, args: list, kwargs: d
         shape = ctx.out_shape
         args = [jnp.broadcast_to(a, shape) if is_array(a) and a.shape != shape else a for a in args]
     return args, kwargs
+
+
+def graph_uses_randomness(gm: torch.fx.GraphModule) -> bool:
+    """Whether any node of `gm` (or of a subgraph a rule lowers, e.g. a scan body) is random."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target in PYTHON_OPS:
+            continue
+        rule = lowering_for(n.target)
+        if rule is not None and (rule.draws(n) or (rule.subgraphs is not None and any(
+                graph_uses_randomness(sub) for sub in rule.subgraphs(gm, n)))):
+            return True
+    return False

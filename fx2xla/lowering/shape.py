@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 from torch.ops import aten
 
-from ..plan import dense_permutation
+from ..layouts import dense_permutation
 from ..sharding import MARK_SHARDING, decode_spec, mesh_by_id
 from .registry import concrete_shape, register_lowering
 

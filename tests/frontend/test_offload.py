@@ -317,12 +317,12 @@ def test_disk_cache_keeps_the_memory_kinds(monkeypatch):
 def test_saved_activations_are_the_host_buffers_themselves():
     """Between forward and backward, torch holds each offloaded activation as a tensor over the
     very buffer XLA left in pinned_host memory (zero-copy on the CPU client)."""
-    from fx2xla.compiled_graph import _sharded_twins
+    from fx2xla.sharding import sharded_twins
 
     model = torch.compile(mlp(), backend="fx2xla", options={"offload": "activations"})
-    earlier = set(_sharded_twins)
+    earlier = set(sharded_twins())
     loss = F.mse_loss(model(torch.randn(32, 16)), torch.randn(32, 16))  # forward only, so far
-    host = [(ptr, array) for key, (_, ptr, array) in list(_sharded_twins.items())
+    host = [(ptr, array) for key, (_, ptr, array) in sharded_twins().items()
             if key not in earlier and array.sharding.memory_kind == "pinned_host" and not array.is_deleted()]
     assert len(host) >= 2
     assert all(ptr == array.unsafe_buffer_pointer() for ptr, array in host)

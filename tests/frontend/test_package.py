@@ -239,7 +239,7 @@ def test_portable_module_private_and_public(public):
     assert kind == ("text" if public else "portable")
     device = default_device()
     exe = device.client.compile_and_load(blob if kind == "portable" else blob.decode(), [device.jax_device],
-                                         __import__("fx2xla.runtime.executor", fromlist=["x"])._compile_options())
+                                         __import__("fx2xla.runtime.executor", fromlist=["x"]).compile_options())
     out = exe.execute([jax.device_put(jnp.arange(3.0), device.jax_device)])[0]
     assert list(map(float, out)) == [1.0, 2.0, 5.0]
 

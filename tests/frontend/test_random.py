@@ -90,16 +90,61 @@ def test_bernoulli():
     assert abs(a.mean() - 0.2) < 0.01 and abs(b.mean() - 0.7) < 0.01
 
 
-def test_dropout_free_attention_draws_no_seed():
-    """A graph whose attention has dropout_p=0 takes no seed: torch's generator does not
-    advance across a call (a drawn seed would be an extra kernel and input per call), and the
-    output matches eager (float32: 1e-5)."""
-    q = torch.randn(2, 4, 16, 8)
-    compiled = torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                             backend="fx2xla", options={"fallback": "error"})
-    compiled(q, q, q)
+def _attention_node(op, *args, **kwargs):
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(n) for n in "qkv")
+    return graph.call_function(op, (q, k, v, *args), kwargs)
+
+
+aten = torch.ops.aten
+EFFICIENT = aten._scaled_dot_product_efficient_attention.default
+
+
+@pytest.mark.parametrize("op,args,kwargs,drops", [
+    (EFFICIENT, (None, False, 0.0), {}, False),  # positional
+    (EFFICIENT, (None, False, 0.1), {}, True),
+    (EFFICIENT, (None, False), {"dropout_p": 0.0}, False),  # keyword
+    (EFFICIENT, (None, False), {"dropout_p": 0.2}, True),
+    (EFFICIENT, (None, False), {}, False),  # the schema's default
+    (aten._scaled_dot_product_flash_attention.default, (), {}, False),
+    (aten._scaled_dot_product_flash_attention.default, (0.5,), {}, True),
+    (aten._scaled_dot_product_cudnn_attention.default, (None, False), {"dropout_p": 0.3}, True),
+    (aten.scaled_dot_product_attention.default, (), {}, False),
+    (aten.scaled_dot_product_attention.default, (None, 0.1), {}, True),
+], ids=lambda v: str(v) if not isinstance(v, torch._ops.OpOverload) else v._schema.name.split("::")[1])
+def test_attention_draws_random_bits_only_with_dropout(op, args, kwargs, drops):
+    """The attention rules' `random` predicate reads dropout_p wherever the node has it
+    (positional, keyword, or the schema's default): a graph takes a seed only when it drops."""
+    from fx2xla.lowering.nn import _drops
+    from fx2xla.lowering.registry import lowering_for
+
+    node = _attention_node(op, *args, **kwargs)
+    assert _drops(node) is drops
+    assert lowering_for(op).random is _drops
+
+
+def test_symbolic_dropout_is_assumed_to_draw():
+    from fx2xla.lowering.nn import _drops
+
+    graph = torch.fx.Graph()
+    p = graph.placeholder("p")
+    assert _drops(_attention_node(EFFICIENT, None, False, p))
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_fused_attention_draws_a_seed_only_with_dropout(dropout_p):
+    """A graph of fused attention (the memory-efficient kernel's op, as CUDA graphs hold it;
+    lowered here on the CPU) takes no seed with dropout_p=0: torch's generator does not advance
+    across a call (a drawn seed would be an extra kernel and input per call), and the output
+    matches eager's math attention (float32: 1e-5). With dropout it draws (the check can fail)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v: aten._scaled_dot_product_efficient_attention(q, k, v, None, False, dropout_p)[0],
+                             backend="fx2xla", fullgraph=True, options={"fallback": "error"})
+    compiled(q, k, v)
     state = torch.random.get_rng_state()
-    out = compiled(q, q, q)
-    assert torch.equal(torch.random.get_rng_state(), state)
-    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out = compiled(q, k, v)
+    assert torch.equal(torch.random.get_rng_state(), state) == (dropout_p == 0)
+    if not dropout_p:
+        expected = aten._scaled_dot_product_attention_math(q, k, v)[0]
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -119,7 +119,10 @@ def test_scan_pytrees_and_dtypes():
         for key in ("f", "b", "n"):
             _close(carry[key], expected[0][key])
         _close(ys[0], expected[1][0])
-        _close(ys[1]["b"], expected[1][1]["b"])
+        # b.float() of bf16 values carries bf16's precision: XLA may round `c*0.75 + v` to bf16
+        # once where eager rounds after each op (seen on a CPU with AVX-512 bf16)
+        assert ys[1]["b"].dtype == torch.float32
+        torch.testing.assert_close(ys[1]["b"], expected[1][1]["b"], **tolerance(torch.bfloat16))
         _close(ys[1]["n"], expected[1][1]["n"])
 
 

@@ -6,7 +6,7 @@ autocast, dropout, gradient accumulation, train/eval switching and `transformers
 Every comparison runs the same model twice from identical copies (same seed, same inputs):
 once eagerly, once compiled with fx2xla. Dropout is switched off in the transformer models
 (p=0) wherever values are compared: fx2xla's random bits differ from eager's by design
-(README: "Random ops"); dropout itself is checked statistically.
+(docs/usage.md: "Random ops"); dropout itself is checked statistically.
 """
 from __future__ import annotations
 

@@ -230,11 +230,11 @@ def test_coordination_client_private_path_and_public_fallback(monkeypatch):
     fake = FakeClient()
     monkeypatch.setattr(jax_distributed.global_state, "client", fake)
 
-    assert distributed._coordination_client() is fake
+    assert distributed.coordination_client() is fake
     distributed.barrier("step", timeout_s=1.5)
     assert fake.barriers == [("fx2xla/barrier/step", 1500)] and synced == []
 
-    assert distributed._coordination_client(public=True) is None
+    assert distributed.coordination_client(public=True) is None
     monkeypatch.setenv("FX2XLA_PUBLIC_DISTRIBUTED", "1")
     distributed.barrier("step", timeout_s=1.5)
     assert synced == ["step"] and len(fake.barriers) == 1
@@ -242,7 +242,7 @@ def test_coordination_client_private_path_and_public_fallback(monkeypatch):
     # A jax whose client lacks what this module calls: the public path, not an AttributeError.
     monkeypatch.delenv("FX2XLA_PUBLIC_DISTRIBUTED")
     monkeypatch.setattr(jax_distributed.global_state, "client", object())
-    assert distributed._coordination_client() is None
+    assert distributed.coordination_client() is None
 
 
 def torch_distributed_available() -> bool:

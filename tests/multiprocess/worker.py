@@ -62,11 +62,11 @@ def main():
     except distributed.DistributedError as e:
         result["different_args"] = str(e)
     # Both ways of waiting: the coordination service's barrier, and the public collective.
-    result["private_client"] = distributed._coordination_client() is not None
+    result["private_client"] = distributed.coordination_client() is not None
     distributed.barrier("twice", timeout_s=30)
     distributed.barrier("twice", timeout_s=30)
     os.environ["FX2XLA_PUBLIC_DISTRIBUTED"] = "1"
-    result["public_client"] = distributed._coordination_client() is not None
+    result["public_client"] = distributed.coordination_client() is not None
     distributed.barrier("public", timeout_s=30)
     del os.environ["FX2XLA_PUBLIC_DISTRIBUTED"]
     # One write: the other process and Gloo's C++ logging may share this stdout (under torchrun).

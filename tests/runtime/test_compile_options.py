@@ -27,15 +27,15 @@ def _run(exe, x):
 def test_overrides_are_in_the_compile_options(monkeypatch):
     monkeypatch.setattr(executor, "CPU_OPTION_OVERRIDES", KNOWN)
     monkeypatch.delenv("FX2XLA_XLA_CPU_DEFAULTS", raising=False)
-    with_overrides = executor._compile_options("cpu")
+    with_overrides = executor.compile_options("cpu")
     assert [tuple(o) for o in with_overrides.env_option_overrides] == list(KNOWN)
     monkeypatch.setenv("FX2XLA_XLA_CPU_DEFAULTS", "1")
-    plain = executor._compile_options("cpu")
+    plain = executor.compile_options("cpu")
     assert list(plain.env_option_overrides) == []
     # The disk-cache key is built from the serialized options: the overrides change it.
     assert with_overrides.SerializeAsString() != plain.SerializeAsString()
     # CPU overrides never reach another platform's compiles.
-    assert not {o[0] for o in executor._compile_options("cuda").env_option_overrides} & {k for k, _ in KNOWN}
+    assert not {o[0] for o in executor.compile_options("cuda").env_option_overrides} & {k for k, _ in KNOWN}
 
 
 def test_overrides_split_both_caches(monkeypatch, tmp_path):
@@ -66,13 +66,13 @@ def test_unknown_override_falls_back_to_xla_defaults(monkeypatch):
 def test_default_overrides_compile_and_match():
     """Whatever fx2xla ships in CPU_OPTION_OVERRIDES compiles on this jaxlib and gives the
     same numbers as XLA's defaults."""
-    o = executor._compile_options("cpu")
+    o = executor.compile_options("cpu")
     assert [tuple(p) for p in o.env_option_overrides] == list(executor.cpu_option_overrides())
     dev = default_device()
     text = _module(4.0)
     be = dev.client
     tuned = be.compile_and_load(text, [dev.jax_device], o)
-    plain = be.compile_and_load(text, [dev.jax_device], executor._compile_options("cpu", overrides=False))
+    plain = be.compile_and_load(text, [dev.jax_device], executor.compile_options("cpu", overrides=False))
     x = torch.randn(5)
     torch.testing.assert_close(_run(tuned, x), _run(plain, x), rtol=1e-6, atol=1e-6)
 
@@ -90,16 +90,16 @@ def test_gpu_options_keep_autotune_results_beside_the_executables(monkeypatch, t
     monkeypatch.setenv("FX2XLA_CACHE_DIR", str(cache_dir))
     folder = str(cache_dir / "xla-autotune")
     for platform in ("cuda", "rocm"):
-        assert _overrides(executor._compile_options(platform)) == [(executor.AUTOTUNE_OPTION, folder)]
+        assert _overrides(executor.compile_options(platform)) == [(executor.AUTOTUNE_OPTION, folder)]
     assert (cache_dir / "xla-autotune").is_dir()  # made here: XLA asks for an existing folder
     # A fixed path: the serialized options, and with them the disk-cache key, do not change.
-    first, again = (executor._compile_options("cuda").SerializeAsString() for _ in range(2))
+    first, again = (executor.compile_options("cuda").SerializeAsString() for _ in range(2))
     assert first == again
-    assert _overrides(executor._compile_options("cuda", overrides=False)) == []  # compile_module's retry
-    assert all(o[0] != executor.AUTOTUNE_OPTION for o in _overrides(executor._compile_options("cpu")))
+    assert _overrides(executor.compile_options("cuda", overrides=False)) == []  # compile_module's retry
+    assert all(o[0] != executor.AUTOTUNE_OPTION for o in _overrides(executor.compile_options("cpu")))
     monkeypatch.chdir(tmp_path)  # a relative FX2XLA_CACHE_DIR is made absolute for XLA
     monkeypatch.setenv("FX2XLA_CACHE_DIR", "cache")
-    assert _overrides(executor._compile_options("cuda")) == [(executor.AUTOTUNE_OPTION, folder)]
+    assert _overrides(executor.compile_options("cuda")) == [(executor.AUTOTUNE_OPTION, folder)]
 
 
 def test_gpu_autotune_level_is_an_option(monkeypatch, tmp_path):
@@ -107,21 +107,21 @@ def test_gpu_autotune_level_is_an_option(monkeypatch, tmp_path):
     ones; unset keeps XLA's default; a bad value is a clear error."""
     monkeypatch.setenv("FX2XLA_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("FX2XLA_GPU_AUTOTUNE_LEVEL", "2")
-    overrides = dict(_overrides(executor._compile_options("cuda")))
+    overrides = dict(_overrides(executor.compile_options("cuda")))
     assert int(overrides[executor.AUTOTUNE_LEVEL_OPTION]) == 2 and executor.AUTOTUNE_OPTION in overrides
-    assert all(o[0] != executor.AUTOTUNE_LEVEL_OPTION for o in _overrides(executor._compile_options("cpu")))
+    assert all(o[0] != executor.AUTOTUNE_LEVEL_OPTION for o in _overrides(executor.compile_options("cpu")))
     monkeypatch.setenv("FX2XLA_CACHE_DIR", "")
-    assert [(k, int(v)) for k, v in _overrides(executor._compile_options("cuda"))] == [(executor.AUTOTUNE_LEVEL_OPTION, 2)]
+    assert [(k, int(v)) for k, v in _overrides(executor.compile_options("cuda"))] == [(executor.AUTOTUNE_LEVEL_OPTION, 2)]
     monkeypatch.setenv("FX2XLA_GPU_AUTOTUNE_LEVEL", "fast")
     with pytest.raises(ValueError, match="FX2XLA_GPU_AUTOTUNE_LEVEL"):
-        executor._compile_options("cuda")
+        executor.compile_options("cuda")
     monkeypatch.delenv("FX2XLA_GPU_AUTOTUNE_LEVEL")
-    assert _overrides(executor._compile_options("cuda")) == []
+    assert _overrides(executor.compile_options("cuda")) == []
 
 
 def test_no_autotune_folder_without_the_disk_cache(monkeypatch):
     monkeypatch.setenv("FX2XLA_CACHE_DIR", "")
-    assert _overrides(executor._compile_options("cuda")) == []
+    assert _overrides(executor.compile_options("cuda")) == []
     assert executor.gpu_autotune_cache_dir() is None
 
 
@@ -140,7 +140,7 @@ def test_this_jaxlib_knows_the_autotune_option(monkeypatch, tmp_path):
     """Overrides are checked against XLA's DebugOptions when compiling, on any client: the CPU
     client compiles with the GPU options (the GPU option itself is only read by XLA:GPU)."""
     monkeypatch.setenv("FX2XLA_CACHE_DIR", str(tmp_path))
-    options = executor._compile_options("cuda")
+    options = executor.compile_options("cuda")
     assert _overrides(options) == [(executor.AUTOTUNE_OPTION, str(tmp_path / "xla-autotune"))]
     dev = default_device()
     exe = dev.client.compile_and_load(_module(5.0), [dev.jax_device], options)
@@ -183,7 +183,7 @@ def test_an_xla_without_the_autotune_option_still_compiles(monkeypatch, tmp_path
 
     monkeypatch.setenv("FX2XLA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(executor, "AUTOTUNE_OPTION", "xla_gpu_option_that_does_not_exist")
-    options = executor._compile_options("cuda")
+    options = executor.compile_options("cuda")
     assert _overrides(options) == []  # unknown to this jaxlib's options: never set
     folder = str(tmp_path / "xla-autotune")
     monkeypatch.setattr(executor, "gpu_autotune_cache_dir", lambda options=None: folder)

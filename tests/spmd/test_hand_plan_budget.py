@@ -218,7 +218,7 @@ def test_training_steps_at_the_hand_plans_step_peak(name, vocab):
     eager's (float32 tolerances)."""
     import torch.nn.functional as F
 
-    from fx2xla.sharding import _per_device
+    from fx2xla.sharding import per_device_bytes
 
     mesh = fx2xla.Mesh((8,), ("model",))
     base, x = build(name), ids()
@@ -246,7 +246,7 @@ def test_training_steps_at_the_hand_plans_step_peak(name, vocab):
     fx2xla.shard_module(hand_model, mesh, {**BLOCKS[name], **(VOCAB[name] if vocab else {})})
     _, hand = train(hand_model, None)
     fw = next(g for g in graphs_of(hand) if g.name.endswith("forward"))
-    params = sum(_per_device(tuple(p.shape), getattr(p, "_fx2xla_sharding").spec if hasattr(p, "_fx2xla_sharding")
+    params = sum(per_device_bytes(tuple(p.shape), getattr(p, "_fx2xla_sharding").spec if hasattr(p, "_fx2xla_sharding")
                              else ((),) * p.dim(), mesh) * p.element_size() for p in hand_model.parameters())
     budget = peak_bytes(fw._static.exe.get_compiled_memory_stats()) + 3 * params
     torch._dynamo.reset()

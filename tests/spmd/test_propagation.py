@@ -7,7 +7,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fx2xla
-from fx2xla.passes.sharding import _fit, _reshape, propagate
+from fx2xla.passes.sharding import propagate
+from fx2xla.passes.spec_rules import fit_spec, reshape_spec
 from fx2xla.sharding import Annotation
 
 aten = torch.ops.aten
@@ -28,16 +29,16 @@ def specs_of(gm, annotations):
 
 
 def test_fit_drops_axes_that_do_not_divide_or_repeat():
-    assert _fit((("model",), ()), (8, 3), SIZES) == (("model",), ())
-    assert _fit((("model",), ()), (6, 3), SIZES) == ((), ())  # 6 % 4
-    assert _fit((("data", "model"),), (16,), SIZES) == (("data", "model"),)
-    assert _fit((("data",), ("data",)), (4, 4), SIZES) == (("data",), ())
+    assert fit_spec((("model",), ()), (8, 3), SIZES) == (("model",), ())
+    assert fit_spec((("model",), ()), (6, 3), SIZES) == ((), ())  # 6 % 4
+    assert fit_spec((("data", "model"),), (16,), SIZES) == (("data", "model"),)
+    assert fit_spec((("data",), ("data",)), (4, 4), SIZES) == (("data",), ())
 
 
 def test_reshape_keeps_leading_axes_through_splits_and_merges():
-    assert _reshape((("data",), (), ("model",)), (4, 6, 8), (4, 6, 2, 4)) == (("data",), (), ("model",), ())
-    assert _reshape((("data",), ()), (4, 6), (24,)) == (("data",),)
-    assert _reshape(((), ("model",)), (4, 8), (32,)) == ((),)  # a minor dim's shards are not one block
+    assert reshape_spec((("data",), (), ("model",)), (4, 6, 8), (4, 6, 2, 4)) == (("data",), (), ("model",), ())
+    assert reshape_spec((("data",), ()), (4, 6), (24,)) == (("data",),)
+    assert reshape_spec(((), ("model",)), (4, 8), (32,)) == ((),)  # a minor dim's shards are not one block
 
 
 def test_matmul_chain_and_reduction():

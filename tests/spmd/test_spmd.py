@@ -351,9 +351,9 @@ def test_five_training_steps_match_one_device(plan):
         assert opt.state[p0]["exp_avg"].shape == p0.shape  # torch still sees whole tensors
         # The step's new parameter shards stay on their devices: the next forward takes them
         # as they are instead of splitting the parameter again.
-        from fx2xla.compiled_graph import _sharded_twins
+        from fx2xla.sharding import sharded_twin
 
-        twin = _sharded_twins[id(p0)][2]
+        twin = sharded_twin(p0)
         assert len(twin.sharding.device_set) == 8 and not twin.sharding.is_fully_replicated
         forward(x)
         assert any(r is not None and r[0] is p0 and r[3] is twin for r in fw._resident)
@@ -399,7 +399,8 @@ def test_sharded_buffer_and_its_update():
 def test_backward_takes_the_forwards_shards(monkeypatch):
     """Saved activations the forward left sharded reach the backward as those shards (no new
     split of the whole tensor), and the gradients still match eager."""
-    from fx2xla.compiled_graph import CompiledGraph, _sharded_twins
+    from fx2xla.compiled_graph import CompiledGraph
+    from fx2xla.sharding import sharded_twins
 
     mesh = fx2xla.Mesh((2, 4), ("data", "model"))
     model, x = mlp(), torch.randn(8, 16)
@@ -415,7 +416,7 @@ def test_backward_takes_the_forwards_shards(monkeypatch):
 
     def moved(self, t, move, *rest):
         buf = real_moved(self, t, move, *rest)
-        twin = _sharded_twins.get(id(t))
+        twin = sharded_twins().get(id(t))
         (taken if twin is not None and twin[2] is buf else split).append(tuple(t.shape))
         return buf
 
@@ -468,7 +469,7 @@ def test_fsdp_step_updates_its_shards_in_place(metadata, monkeypatch):
         opt.zero_grad(set_to_none=True)
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
-        twin = cg._sharded_twins[id(p0)][2]
+        twin = fx2xla.sharding.sharded_twin(p0)
         pointers = [twin.addressable_data(d).unsafe_buffer_pointer() for d in range(8)]
         if previous is not None:
             old, old_pointers = previous

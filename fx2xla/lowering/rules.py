@@ -1,0 +1,2 @@
+"""Every lowering rule: importing this module registers them all (`import fx2xla` does, once)."""
+from . import control_flow, creation, elementwise, fft, indexing, linalg, memory, nn, random, reductions, shape  # noqa: F401
