@@ -12,6 +12,8 @@ folds) and off (unrolled):
             `torch.compiler.nested_compile_region`: AOTAutograd then traces the block once
             instead of once per layer (Dynamo still steps through every call), and the pass
             folds the region's calls
+  marked    the same with `fx2xla.scan_layers(model)` marking the model's layer stack instead
+            of editing GPT2Block (one region per layer class, arguments passed flat)
   latency   steady-state median per call, folded and unrolled interleaved in rounds (the
             order alternates between rounds)
 The disk cache is off, so every compile is real. With matplotlib installed (`make bench`
@@ -46,7 +48,7 @@ def _backend_seconds() -> float:
     return sum(m["pass_seconds"].values()) + m["lower_seconds"] + m["compile_seconds"]
 
 
-def measure(layers: int, fold: bool, ids, train: bool, region: bool = False):
+def measure(layers: int, fold: bool, ids, train: bool, region: bool = False, marked: bool = False):
     import transformers.models.gpt2.modeling_gpt2 as modeling_gpt2
 
     block = modeling_gpt2.GPT2Block
@@ -54,18 +56,20 @@ def measure(layers: int, fold: bool, ids, train: bool, region: bool = False):
     if region:
         block.forward = torch.compiler.nested_compile_region(forward)
     try:
-        return _measure(layers, fold, ids, train)
+        return _measure(layers, fold, ids, train, marked)
     finally:
         block.forward = forward
 
 
-def _measure(layers: int, fold: bool, ids, train: bool):
+def _measure(layers: int, fold: bool, ids, train: bool, marked: bool = False):
     # Every compile is real: the region variant lowers to the very module the plain folded
     # one does, which the in-memory executable cache would otherwise hand back.
     executable_cache.clear()
     torch.manual_seed(0)
     model = LogitsOnly(gpt2(layers=layers))
     model.train(False)  # no dropout: training steps are deterministic and foldable
+    if marked:
+        fx2xla.scan_layers(model)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fx2xla", fullgraph=True, options={"scan_folding": fold, "scan_min_layers": 2})
 
@@ -105,7 +109,8 @@ def plot(rows: list, mode: str, path: str) -> bool:
                               ("backend_fold", "backend compile, folded", "o-"),
                               ("first_unroll", "first call, unrolled", "s--"),
                               ("first_fold", "first call, folded", "s-"),
-                              ("first_region", "first call, folded, nested_compile_region", "^-")):
+                              ("first_region", "first call, folded, nested_compile_region", "^-"),
+                              ("first_marked", "first call, folded, scan_layers(model)", "v-")):
         if all(key in r for r in rows):
             a.plot(layers, [r[key] for r in rows], style, label=label)
     a.set(xlabel="layers", ylabel="seconds", title=f"GPT-2 compile time ({mode})")
@@ -137,35 +142,40 @@ def main(argv=None) -> int:
     mode = "train step (fw+bw)" if args.train else "inference"
     print(f"GPT-2 hidden 256, batch {args.batch} x seq {args.seq}, {mode}; fx2xla folded vs unrolled")
     header = (f"{'layers':>6} | {'backend fold':>12} {'backend unroll':>14} {'ratio':>6} | "
-              f"{'first fold':>10} {'first unroll':>12} {'first region':>12} | {'frontend fold':>13} "
+              f"{'first fold':>10} {'first unroll':>12} {'first region':>12} {'first marked':>12} | {'frontend fold':>13} "
               f"{'frontend unroll':>15} | {'lat fold':>10} {'lat unroll':>10} {'fold/unroll':>11}")
     print(header)
     # Warm-up (imports, PJRT client, Dynamo's and jax's first-use costs), not measured.
     measure(2, True, ids, args.train)
     measure(2, False, ids, args.train)
     measure(2, True, ids, args.train, region=True)
+    measure(2, True, ids, args.train, marked=True)
     rows = []
     for n in args.layers:
-        runs = {"region": [], "fold": [], "unroll": []}
-        variants = [("region", True, True), ("fold", True, False), ("unroll", False, False)]
+        runs = {"region": [], "marked": [], "fold": [], "unroll": []}
+        variants = [("region", True, True, False), ("marked", True, False, True), ("fold", True, False, False),
+                    ("unroll", False, False, False)]
         for r in range(args.repeats):  # compile times are medians over repeats, order rotated
-            for name, fold, region in variants[r % 3:] + variants[:r % 3]:
-                runs[name].append(measure(n, fold, ids, args.train, region=region))
-        region, folded, unrolled = ({**rs[-1], **{k: statistics.median(x[k] for x in rs)
-                                                  for k in ("first", "backend", "frontend")}}
-                                    for rs in runs.values())
-        assert folded["folded"] == region["folded"] == 1 and unrolled["folded"] == 0, (
-            folded["folded"], region["folded"], unrolled["folded"])
+            k = r % len(variants)
+            for name, fold, region, marked in variants[k:] + variants[:k]:
+                runs[name].append(measure(n, fold, ids, args.train, region=region, marked=marked))
+        region, marked, folded, unrolled = ({**rs[-1], **{k: statistics.median(x[k] for x in rs)
+                                                          for k in ("first", "backend", "frontend")}}
+                                            for rs in runs.values())
+        assert folded["folded"] == region["folded"] == marked["folded"] == 1 and unrolled["folded"] == 0, (
+            folded["folded"], region["folded"], marked["folded"], unrolled["folded"])
         lat = interleaved_medians({"fold": folded["step"], "unroll": unrolled["step"]}, (ids,),
                                   rounds=args.rounds, budget_s=90)
         row = {"layers": n, **{f"{k}_fold": folded[k] for k in ("backend", "first", "frontend")},
                **{f"{k}_unroll": unrolled[k] for k in ("backend", "first", "frontend")},
                "first_region": region["first"], "frontend_region": region["frontend"],
+               "first_marked": marked["first"], "frontend_marked": marked["frontend"],
                "latency_fold": lat["fold"], "latency_unroll": lat["unroll"]}
         rows.append(row)
         print(f"{n:>6} | {fmt_time(row['backend_fold']):>12} {fmt_time(row['backend_unroll']):>14} "
               f"{row['backend_unroll'] / row['backend_fold']:>6.2f} | {fmt_time(row['first_fold']):>10} "
-              f"{fmt_time(row['first_unroll']):>12} {fmt_time(row['first_region']):>12} | "
+              f"{fmt_time(row['first_unroll']):>12} {fmt_time(row['first_region']):>12} "
+              f"{fmt_time(row['first_marked']):>12} | "
               f"{fmt_time(row['frontend_fold']):>13} {fmt_time(row['frontend_unroll']):>15} | "
               f"{fmt_time(lat['fold']):>10} {fmt_time(lat['unroll']):>10} {lat['fold'] / lat['unroll']:>11.2f}",
               flush=True)
@@ -181,7 +191,10 @@ def main(argv=None) -> int:
     last = rows[-1]
     print(f"Dynamo + AOTAutograd share of the folded first call at {last['layers']} layers: "
           f"{last['frontend_fold'] / last['first_fold']:.0%}; with nested_compile_region blocks the "
-          f"first call is {last['first_fold'] / last['first_region']:.2f}x shorter")
+          f"first call is {last['first_fold'] / last['first_region']:.2f}x shorter, with scan_layers(model) "
+          f"{last['first_fold'] / last['first_marked']:.2f}x; first call unrolled / folded: "
+          f"{last['first_unroll'] / last['first_fold']:.2f}x, unrolled / marked: "
+          f"{last['first_unroll'] / last['first_marked']:.2f}x (target >= 1.5x)")
     if args.json:
         write_json(args.json, {"mode": mode, "rows": rows})
         png = os.path.splitext(args.json)[0] + ".png"

@@ -8,13 +8,22 @@ results.
 
     final, ys = fx2xla.scan(lambda c, x: (c * 0.9 + x, c.sum()), init, xs)
     h = fx2xla.scan_layers(model.layers, h, attention_mask)
+
+`scan_layers(model)` (no x) changes no code of the model: it marks the model's stacks of
+identical layers so that Dynamo traces one layer once instead of once per layer (see
+`_mark_layers`), and the scan-folding pass turns the calls into the same single loop.
 """
 from __future__ import annotations
 
+import itertools
+import logging
+import types
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+
+log = logging.getLogger("fx2xla.scan")
 
 __all__ = ["scan", "scan_layers"]
 
@@ -131,8 +140,14 @@ def _python_scan(fn, init, xs_leaves, xs_spec, n, reverse):
     return carry, pytree.tree_unflatten(stacked, y_spec)
 
 
-def scan_layers(layers: Sequence[torch.nn.Module], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+_MARK = object()  # scan_layers(model) without x: mark the model's layer stacks
+
+
+def scan_layers(layers: Sequence[torch.nn.Module] | torch.nn.Module, x: torch.Tensor = _MARK, *args, **kwargs):
     """`for layer in layers: x = layer(x, *args, **kwargs)`, as ONE loop over the layers.
+
+    `scan_layers(model)`, without x, instead marks every stack of identical layers in `model`
+    (see below) so that torch.compile traces each stack's layer once; it returns `model`.
 
     layers: a list / nn.ModuleList / nn.Sequential of structurally identical modules (same
     class, same parameter and buffer names, shapes, dtypes, devices and requires_grad, same
@@ -150,7 +165,27 @@ def scan_layers(layers: Sequence[torch.nn.Module], x: torch.Tensor, *args, **kwa
 
     Compiled with backend="fx2xla", the loop is one while loop whose body (one layer) is
     compiled once.
+
+    `scan_layers(model)`: the same single loop without changing the model's code. Every
+    nn.ModuleList / nn.Sequential in `model` whose children (two or more) are structurally
+    identical as above (and are not torch.nn's own leaf modules) has its children marked, in
+    place: each gets a `forward` that, under torch.compile, calls its class's forward as a
+    `torch.compiler.nested_compile_region` (all layers of a class share one region, so Dynamo
+    traces the layer once and stamps out the other calls; it checks each stamped call with the
+    guards of the first). The scan-folding pass then folds the run of calls into one loop. In
+    eager mode, and for a call whose arguments are not tensors, numbers, strings, None or
+    tuples/lists of those (a KV cache object), a marked layer runs its own forward unchanged;
+    layers in training mode that own buffers (BatchNorm's running statistics, which torch's
+    regions cannot update under autograd) do too. What a marked layer still needs: its forward
+    must trace without graph breaks (torch raises UncapturedHigherOrderOpError for a graph break
+    inside a region, with every backend and also without fullgraph). Marking again is a no-op;
+    `del layer.forward` unmarks a layer. Containers inside marked layers are left alone.
     """
+    if x is _MARK:
+        if args or kwargs:
+            raise TypeError("scan_layers(model) marks a model's layer stacks and takes no other arguments; "
+                            "scan_layers(layers, x, ...) runs the layers on x")
+        return _mark_layers(layers)
     layers = list(layers)
     if not layers:
         return x
@@ -228,3 +263,138 @@ def _check_homogeneous(layers: list, named: list) -> None:
                 raise ValueError(f"scan_layers: layer {i}'s {name} differs from layer 0's: {diffs}")
         if d["training"] != ref["training"]:
             raise ValueError(f"scan_layers: layer {i} is not in the same train/eval mode as layer 0")
+
+
+# ------------------------------------------------------------------ scan_layers(model): marking
+#
+# Why a mark and not the backend: a torch.compile backend receives Dynamo's graph after Dynamo
+# traced every layer, so it cannot make Dynamo trace less; the model's modules have to say so
+# before the trace, which is what torch.compiler.nested_compile_region is for. Dynamo (torch
+# >= 2.9) traces the first call of a region and "stamps out" the later calls after checking
+# the first call's guards against the new layer. Two costs of that check are avoidable from
+# here: arguments passed by keyword (and tuples such as LLaMA's position embeddings) make
+# Dynamo flatten them with pytree on every call, traced; and a region keyed on a class's own
+# forward would share its reuse cache with any other marking of that class. The marked
+# forward therefore calls a per-class region function with positional leaves only (tensors,
+# numbers, strings, None) plus one constant string that says how to rebuild the call.
+
+_LEAVES = (torch.Tensor, bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
+_regions: dict = {}  # layer class -> its region function (one per class: one Dynamo reuse cache)
+_region_ids = itertools.count()
+
+
+def _flatten_call(args: tuple, kwargs: dict):
+    """(leaves, layout) for a call whose arguments are leaves or tuples/lists of leaves, else
+    (None, None). layout is a constant string: "." a leaf, "(n" / "[n" a tuple / list of n
+    leaves, "=name" the keyword of the next item. Runs under Dynamo (plain Python on purpose)."""
+    leaves, layout = [], []
+    items = [(None, a) for a in args] + list(kwargs.items())
+    for name, value in items:
+        if name is not None:
+            layout.append("=" + name)
+        if isinstance(value, _LEAVES):
+            layout.append(".")
+            leaves.append(value)
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, _LEAVES) for v in value):
+            layout.append(("(" if isinstance(value, tuple) else "[") + str(len(value)))
+            leaves.extend(value)
+        else:
+            return None, None
+    return leaves, ",".join(layout)
+
+
+def _unflatten_call(layout: str, leaves: tuple):
+    args, kwargs, name, i = [], {}, None, 0
+    for item in layout.split(",") if layout else ():
+        if item[0] == "=":
+            name = item[1:]
+            continue
+        if item == ".":
+            value, i = leaves[i], i + 1
+        else:
+            n = int(item[1:])
+            value, i = (tuple if item[0] == "(" else list)(leaves[i:i + n]), i + n
+        if name is None:
+            args.append(value)
+        else:
+            kwargs[name] = value
+    return args, kwargs
+
+
+def _layer_region_template(self, layout, *leaves):
+    args, kwargs = _unflatten_call(layout, leaves)
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _region_for(cls) -> Callable:
+    """The nested_compile_region function of layer class `cls`. Dynamo keys its reuse cache
+    on the function's code object, so each class gets its own copy of the template's code
+    (a distinct name). max_reuse_entries only bounds how many variants Dynamo keeps before it
+    raises; a layer whose guards differ from every earlier variant is traced again, as
+    unmarked, so no bound is wanted."""
+    if cls not in _regions:
+        name = f"fx2xla_layer_{next(_region_ids)}_{cls.__name__}"
+        code = _layer_region_template.__code__.replace(co_name=name, co_qualname=name)
+        fn = types.FunctionType(code, _layer_region_template.__globals__, name)
+        _regions[cls] = torch.compiler.nested_compile_region(fn, max_reuse_entries=1 << 30)
+    return _regions[cls]
+
+
+def _marked_forward(region: Callable, owns_buffers: bool) -> Callable:
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and not (owns_buffers and self.training):
+            leaves, layout = _flatten_call(args, kwargs)
+            if leaves is not None:
+                return region(self, layout, *leaves)
+        return type(self).forward(self, *args, **kwargs)
+
+    forward._fx2xla_trace_once = True
+    return forward
+
+
+def is_marked(layer: torch.nn.Module) -> bool:
+    """Whether `layer` was marked by scan_layers(model)."""
+    return getattr(layer.__dict__.get("forward"), "_fx2xla_trace_once", False)
+
+
+def _markable(layers: list) -> bool:
+    if len(layers) < 2 or not all(isinstance(m, torch.nn.Module) for m in layers):
+        return False
+    cls = type(layers[0])
+    if cls.__module__.startswith("torch.nn.") or hasattr(cls.forward, "__marked_compile_region_fn__"):
+        return False  # torch's own leaf modules: nothing to trace once; already a region
+    if any("forward" in m.__dict__ and not is_marked(m) for m in layers):
+        return False  # a forward the user set on the instance is theirs
+    try:
+        _check_homogeneous(layers, [(dict(m.named_parameters()), dict(m.named_buffers())) for m in layers])
+    except ValueError:
+        return False
+    return True
+
+
+def _mark_layers(model: torch.nn.Module) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"scan_layers(model) marks an nn.Module's layer stacks, got {type(model).__name__}; "
+                        "scan_layers(layers, x, ...) runs the layers on x")
+    if torch.compiler.is_compiling():
+        raise RuntimeError("scan_layers(model) marks the model before torch.compile traces it; call it "
+                           "outside the compiled function")
+    done: list[str] = []
+    for path, container in model.named_modules():
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        if any(path == d or path.startswith(d + ".") for d in done):
+            continue  # inside a marked layer: the outer region covers it
+        layers = list(container)
+        if not _markable(layers):
+            continue
+        region = _region_for(type(layers[0]))
+        owns_buffers = any(True for _ in layers[0].buffers())
+        for layer in layers:
+            if not is_marked(layer):
+                layer.forward = types.MethodType(_marked_forward(region, owns_buffers), layer)
+        prefix = f"{path}." if path else ""
+        done.extend(f"{prefix}{i}" for i in range(len(layers)))
+        log.info("scan_layers: %s.0..%d (%s) traced once per compile", path or "<model>", len(layers) - 1,
+                 type(layers[0]).__qualname__)
+    return model

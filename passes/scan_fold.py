@@ -102,6 +102,47 @@ def _region_members(node: torch.fx.Node) -> list | None:
     return members
 
 
+def _writes_inputs(body: torch.fx.GraphModule) -> bool:
+    """Whether a region's body updates one of its inputs in place (BatchNorm's statistics, an
+    `x.add_()`): Dynamo traced the body on the fake tensors of its first call, whose version
+    counters then moved. Such a body can be neither a scan body nor, under autograd, an
+    invoke_subgraph (torch refuses both). An input already written before the call counts
+    too: conservative, it only costs the fold."""
+    for p in body.graph.find_nodes(op="placeholder"):
+        value = p.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            try:
+                if value._version > 0:
+                    return True
+            except RuntimeError:  # an inference tensor keeps no version counter
+                continue
+    return False
+
+
+def _calls_to_inline(gm: torch.fx.GraphModule) -> list:
+    """Region calls whose body writes its inputs: they are inlined (the graph Dynamo would have
+    traced without the region), each as [call, its getitems]."""
+    calls, verdict = [], {}
+    for node in gm.graph.nodes:
+        if not (node.op == "call_function" and node.target is _INVOKE):
+            continue
+        attr = node.args[0]
+        if not (isinstance(attr, torch.fx.Node) and attr.op == "get_attr"):
+            continue
+        if attr.target not in verdict:
+            body = _attr(gm, attr.target)
+            verdict[attr.target] = _writes_inputs(body) and _inlinable(body)
+        if verdict[attr.target]:
+            calls.append([node, *(u for u in node.users
+                                  if u.op == "call_function" and u.target is operator.getitem)])
+    return calls
+
+
+def _inlinable(body: torch.fx.GraphModule) -> bool:
+    return not any(n.op == "call_module" or (n.op == "get_attr" and not _is_region_attr(n))
+                   for n in body.graph.nodes)
+
+
 def _region_runs(gm: torch.fx.GraphModule, claimed: set, min_layers: int):
     """Maximal runs of consecutive calls of one nested_compile_region with nothing between
     them: [(identifier, [node lists])]. Exact: every call runs the very same traced body."""
@@ -359,12 +400,14 @@ def _emit_scan(graph: torch.fx.Graph, env: dict, plan: _Plan, body_name: str) ->
                 env[node] = graph.call_function(operator.getitem, (outs[len(plan.carries) + yi], k))
 
 
-def _rebuild(gm: torch.fx.GraphModule, plans: list) -> torch.fx.GraphModule:
-    """A new GraphModule: `gm`'s graph with each plan's run replaced by its loop. Built in one
-    pass that copies only the nodes outside the runs (copying the whole graph and erasing the
-    runs costs ~4x more at 48 layers); `gm` itself is left as it was."""
+def _rebuild(gm: torch.fx.GraphModule, plans: list, inline: list = ()) -> torch.fx.GraphModule:
+    """A new GraphModule: `gm`'s graph with each plan's run replaced by its loop and the
+    region calls of `inline` by their bodies. Built in one pass that copies only the nodes
+    outside the runs (copying the whole graph and erasing the runs costs ~4x more at 48
+    layers); `gm` itself is left as it was."""
     first_node = {plan.segments[0].nodes[0]: (i, plan) for i, plan in enumerate(plans)}
     folded = {n for plan in plans for seg in plan.segments for n in seg.nodes}
+    inlined = {nodes[0] for nodes in inline}
     root = torch.nn.Module()
     graph = torch.fx.Graph()
     env: dict = {}
@@ -376,6 +419,15 @@ def _rebuild(gm: torch.fx.GraphModule, plans: list) -> torch.fx.GraphModule:
             _emit_scan(graph, env, plan, name)
         if node in folded:
             continue
+        if node in inlined:
+            args = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args[2:]]
+            env[node] = _inline(graph, _attr(gm, node.args[0].target), args)  # its results, a list
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(env.get(node.args[0]), list):
+            env[node] = env[node.args[0]][node.args[1]]
+            continue
+        if node.op == "get_attr" and node.users and all(u in inlined for u in node.users):
+            continue  # a region body read only by calls that were inlined
         if node.op == "get_attr":  # Dynamo's graphs rarely hold attributes; carry them over
             _copy_attr(gm, root, node.target)
         env[node] = graph.node_copy(node, env.__getitem__)
@@ -423,7 +475,13 @@ def scan_folding(gm: torch.fx.GraphModule, example_inputs, options) -> PassResul
         # with its own weights' shardings (and memory per device as the plan says).
         return PassResult(gm, False, ["not folded: the graph is sharded over a mesh"])
     notes, plans = [], []
-    claimed: set = set()  # nodes of runs already folded (regions, then outer levels first)
+    # Region calls whose body writes its inputs are inlined, never folded
+    inline = _calls_to_inline(gm)
+    claimed: set = {n for nodes in inline for n in nodes}  # nodes of runs already folded (regions, then outer levels first)
+    if inline:
+        idents = sorted({nodes[0].args[1] for nodes in inline})
+        notes.append(f"inlined {len(inline)} calls of nested_compile_region {', '.join(idents)}: the body updates "
+                     "its inputs in place, which neither a loop nor torch's invoke_subgraph under autograd can do")
 
     def candidates():
         # Calls of a torch.compiler.nested_compile_region first: the same traced body by
@@ -447,9 +505,9 @@ def scan_folding(gm: torch.fx.GraphModule, example_inputs, options) -> PassResul
             continue
         plans.append((where, plan))
         claimed.update(n for nodes in node_lists for n in nodes)
-    if not plans:
+    if not plans and not inline:
         return PassResult(gm, False, notes)
-    new = _rebuild(gm, [plan for _, plan in plans])
+    new = _rebuild(gm, [plan for _, plan in plans], inline)
     for where, plan in plans:
         notes.append(f"folded {where}: {len(plan.segments)} layers of {len(plan.segments[0].nodes)} "
                      f"nodes, {len(plan.carries)} carried, {len(plan.xs)} stacked, "

@@ -1,0 +1,160 @@
+"""LLaMA decoding with a static KV cache: transformers `generate`, eager vs Inductor vs fx2xla.
+
+    .venv/bin/python bench/decode.py [--batches 1,8] [--new-tokens 64] [--rounds 7]
+
+The model is fx2xla.testing.llama() (4 layers x 256, 4 heads, 2 KV heads, vocab 1000: the
+configuration bench/inference.py uses), random weights. Each contender is its own copy of the
+model (the same weights) and decodes greedily with `cache_implementation="static"`, as users of
+transformers compile generation: the prompt (16 tokens) runs eagerly, and transformers compiles
+the decode step (`CompileConfig(backend=..., fullgraph=True)`; on CPU that needs its
+`_compile_all_devices` flag) -- "eager" passes `disable_compile=True`. `min_new_tokens` makes
+every call decode exactly `--new-tokens` tokens.
+
+Measured per batch size, in one process: the first call of each (its compiles; Inductor with a
+cold TORCHINDUCTOR_CACHE_DIR, fx2xla with a cold FX2XLA_CACHE_DIR), then whole `generate`
+calls of the three interleaved in rounds in balanced orders (bench/harness.py), with a short
+sleep before each so one contender's spinning thread pool does not take the cores from the
+next: medians, tokens/s (batch x new tokens / median), the ratios, and the process CPU time
+per call (less sensitive than wall time to other processes on a shared machine). Checked:
+every contender's generated ids against eager's, and fx2xla's and Inductor's logits at every
+step against eager's (one untimed call with output_logits=True).
+
+Writes bench/results/decode.json.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+# Cold compiler caches for honest first calls; set before torch is imported.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cold-"))
+os.environ["FX2XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fx2xla-cold-")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import balanced_orders, write_json  # noqa: E402
+
+import fx2xla  # noqa: E402,F401  (registers the backend)
+from fx2xla.testing import llama  # noqa: E402
+
+CONTENDERS = ("eager", "inductor", "fx2xla")
+
+
+def compile_config(backend: str):
+    from transformers import CompileConfig
+
+    # mode=None: torch.compile's default for both (transformers' default, "reduce-overhead",
+    # asks Inductor for CUDA graphs, which a CPU does not have).
+    config = CompileConfig(backend=backend, fullgraph=True, mode=None)
+    config._compile_all_devices = True  # transformers compiles the decode step on CPUs only when asked
+    return config
+
+
+def make_generate(model, name: str, ids, new_tokens: int):
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+              do_sample=False, cache_implementation="static", pad_token_id=0)
+    if name == "eager":
+        kw["disable_compile"] = True
+    else:
+        kw["compile_config"] = compile_config(name)
+
+    def generate(**extra):
+        with torch.no_grad():
+            return model.generate(ids, **kw, **extra)
+
+    return generate
+
+
+def load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def bench_batch(batch: int, args) -> dict:
+    torch.manual_seed(0)
+    base = llama(layers=args.layers, hidden=args.hidden).eval()
+    ids = torch.randint(1, base.config.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(1))
+    models = {name: copy.deepcopy(base) for name in CONTENDERS}
+    gens = {name: make_generate(models[name], name, ids, args.new_tokens) for name in CONTENDERS}
+    res: dict = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "first_call_s": {}}
+    outs = {}
+    for name in CONTENDERS:  # first calls: the compiles (Dynamo, and the backend's)
+        t0 = time.perf_counter()
+        outs[name] = gens[name]()
+        res["first_call_s"][name] = time.perf_counter() - t0
+    # Numerics: ids against eager's; every step's logits against eager's.
+    res["ids_match_eager"] = {n: bool(torch.equal(outs[n], outs["eager"])) for n in CONTENDERS}
+    logits = {n: torch.stack(gens[n](output_logits=True, return_dict_in_generate=True).logits) for n in CONTENDERS}
+    res["max_abs_logit_err_vs_eager"] = {n: float((logits[n] - logits["eager"]).abs().max()) for n in CONTENDERS}
+    res["logit_scale"] = float(logits["eager"].abs().max())
+    try:
+        res["fx2xla_metrics"] = {k: v for k, v in fx2xla.metrics().items() if isinstance(v, (int, float))}
+    except Exception:  # metrics are informative only
+        pass
+    for g in gens.values():  # one warm call each
+        g()
+    names = list(CONTENDERS)
+    orders = [[names[i] for i in row] for row in balanced_orders(len(names))]
+    wall = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in orders[r % len(orders)]:
+            time.sleep(args.gap_ms / 1e3)
+            t0, c0 = time.perf_counter(), time.process_time()
+            gens[name]()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    med = {n: statistics.median(v) for n, v in wall.items()}
+    cmed = {n: statistics.median(v) for n, v in cpu.items()}
+    tokens = batch * args.new_tokens
+    res.update(median_s=med, cpu_median_s=cmed, samples_s=wall,
+               tokens_per_s={n: tokens / med[n] for n in names},
+               cpu_tokens_per_s={n: tokens / cmed[n] for n in names},
+               fx2xla_vs_inductor_tokens_per_s=med["inductor"] / med["fx2xla"],
+               fx2xla_vs_eager_tokens_per_s=med["eager"] / med["fx2xla"],
+               inductor_vs_eager_tokens_per_s=med["eager"] / med["inductor"],
+               fx2xla_vs_inductor_cpu=cmed["inductor"] / cmed["fx2xla"], load=load())
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--gap-ms", type=float, default=50.0, help="sleep before each timed call")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
+    a = p.parse_args()
+    torch._dynamo.config.recompile_limit = 64  # three compiled copies of one forward
+    results = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+               "cores": len(os.sched_getaffinity(0)), "load_before": load(), "batches": {}}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {results['cores']} cores usable, "
+          f"load {results['load_before']}")
+    print(f"\n{'batch':>5s} {'contender':10s} {'first call':>10s} {'median':>9s} {'tok/s':>8s} {'cpu tok/s':>9s} "
+          f"{'ids=eager':>9s} {'max|dlogit|':>11s}")
+    for b in (int(x) for x in a.batches.split(",")):
+        r = bench_batch(b, a)
+        results["batches"][str(b)] = r
+        for n in CONTENDERS:
+            print(f"{b:5d} {n:10s} {r['first_call_s'][n]:9.2f}s {r['median_s'][n] * 1e3:7.1f}ms "
+                  f"{r['tokens_per_s'][n]:8.1f} {r['cpu_tokens_per_s'][n]:9.1f} {str(r['ids_match_eager'][n]):>9s} "
+                  f"{r['max_abs_logit_err_vs_eager'][n]:11.2e}")
+        print(f"      fx2xla ÷ Inductor tokens/s {r['fx2xla_vs_inductor_tokens_per_s']:.2f} (cpu time: "
+              f"{r['fx2xla_vs_inductor_cpu']:.2f}), fx2xla ÷ eager {r['fx2xla_vs_eager_tokens_per_s']:.2f}, "
+              f"Inductor ÷ eager {r['inductor_vs_eager_tokens_per_s']:.2f}; logits up to {r['logit_scale']:.2f}; "
+              f"load {r['load']}")
+    results["load_after"] = load()
+    write_json(a.out, results)
+    print(f"\nraw numbers: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
