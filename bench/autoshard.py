@@ -129,8 +129,8 @@ def compiled_figures(model, x, options=None) -> tuple:
     with torch.no_grad():
         fn(x)
     (g,) = [g for g in live_graphs if id(g) not in before]
-    stats = g._static.exe.get_compiled_memory_stats()
-    found = collectives(optimized_hlo_text(g._static.exe))
+    stats = g.static.exe.get_compiled_memory_stats()
+    found = collectives(optimized_hlo_text(g.static.exe))
     coll, moved = sum(c.bytes for c in found), sum(c.moved for c in found)
     return fn, {"arguments_per_device": stats.argument_size_in_bytes, "peak_per_device": peak_bytes(stats),
                 "collective_bytes": coll, "collective_moved": moved}, g
@@ -239,13 +239,13 @@ def step_figures(graphs, model, mesh) -> dict:
     forward = []
     for g in graphs:
         kind = graph_kind(g)
-        if g._static is None:  # nothing compiled for it (no executable)
+        if g.static is None:  # nothing compiled for it (no executable)
             per_graph[g.name] = {"kind": kind, "compiled": False}
             continue
-        stats = g._static.exe.get_compiled_memory_stats()
+        stats = g.static.exe.get_compiled_memory_stats()
         peak = peak_bytes(stats)
         ops: dict = {}
-        found = collectives(optimized_hlo_text(g._static.exe))
+        found = collectives(optimized_hlo_text(g.static.exe))
         for c in found:
             n, b = ops.get(c.op, (0, 0))
             ops[c.op] = (n + 1, b + c.bytes)

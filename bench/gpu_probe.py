@@ -50,7 +50,7 @@ def main():
     compiled(x)
     torch.cuda.synchronize()
     graph = [g for g in live_graphs][-1]
-    spec = graph._static
+    spec = graph.static
     dev = graph._jax_device
     imp = handoff.make_importer(platform="cuda")
     order = handoff.make_stream_order(platform="cuda")

@@ -104,13 +104,13 @@ def graph_figures(graphs) -> dict:
     mem = {"arguments": 0, "outputs": 0, "temporaries": 0}
     coll: dict = {}
     for g in graphs:
-        if g._static is None:
+        if g.static is None:
             continue
-        stats = g._static.exe.get_compiled_memory_stats()
+        stats = g.static.exe.get_compiled_memory_stats()
         mem["arguments"] += stats.argument_size_in_bytes
         mem["outputs"] += stats.output_size_in_bytes
         mem["temporaries"] += stats.temp_size_in_bytes
-        for c in collectives(optimized_hlo_text(g._static.exe)):
+        for c in collectives(optimized_hlo_text(g.static.exe)):
             n, b = coll.get(c.op, (0, 0))
             coll[c.op] = (n + 1, b + c.bytes)
     return {"memory_per_device": mem, "collectives": {k: {"count": n, "bytes": b} for k, (n, b) in coll.items()},

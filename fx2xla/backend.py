@@ -447,7 +447,7 @@ def _step_peak(compiled, training: bool) -> float | None:
     from .runtime.executor import peak_bytes
     from .sharding import per_device_bytes
 
-    spec = compiled._static
+    spec = compiled.static
     try:
         stats = spec.exe.get_compiled_memory_stats() if spec is not None else None
     except Exception:  # noqa: BLE001  (a PJRT plugin without memory analysis)

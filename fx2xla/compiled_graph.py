@@ -12,6 +12,7 @@ import threading
 import time
 import warnings
 import weakref
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,8 +34,19 @@ _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
 _recording = make_recording()
 
 
-class _Specialization:
-    """One executable and the plan to call it with (one per concrete input signature)."""
+class ResidentInput(NamedTuple):
+    """A resident input's record (the call path keeps it as a plain tuple, in this order)."""
+    tensor: torch.Tensor
+    version: int
+    data_ptr: int
+    buffer: Any
+
+
+class Specialization:
+    """One executable and the plan to call it with (one per concrete input signature). Read by
+    reports, benches and tests: `exe` (the loaded executable), `lowered` (its LoweredGraph:
+    module text, outputs, input stacks), `checks` (index-check records), `direct` (the call
+    returns the executable's results as they are), `concats`, `needs_seed`."""
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
                  "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "keeps_arrays", "concats",
@@ -327,7 +339,7 @@ class CompiledGraph:
         # inputs stay valid while it is unchanged (no per-member check on the call path).
         self._resident_epoch = 0
         self._resident_args = {i for i in self._tensor_positions if plan.inputs[i].resident}
-        self._static: _Specialization | None = None
+        self.static: Specialization | None = None  # a static-shape graph's one specialization
         self._weakself = weakref.ref(self)
         counters.graphs += 1
         self.executions = 0
@@ -338,10 +350,10 @@ class CompiledGraph:
         self._buckets = (BatchBuckets.find(gm, self.example_inputs, batch_buckets)
                          if self.dynamic and batch_buckets and not input_mutations(gm) else None)
         if not self.dynamic:
-            self._static = self._specialize(None)
+            self.static = self._specialize(None)
 
     # -- compile --------------------------------------------------------------------------
-    def _specialize(self, args) -> _Specialization:
+    def _specialize(self, args) -> Specialization:
         from .serving import check_compile_allowed
 
         if args is not None:  # a new concrete shape of a dynamic graph
@@ -372,7 +384,7 @@ class CompiledGraph:
         counters.specializations += 1
         suffix = "" if args is None else "_" + "_".join("x".join(map(str, s)) for s, _ in lowered.arg_shapes)[:80]
         dump.write_graph(self.name + suffix, self.gm, lowered.module_text, lambda: optimized_hlo_text(exe))
-        return _Specialization(exe, lowered, result_exports(self.plan, bool(lowered.checks)), self.sharded_outputs)
+        return Specialization(exe, lowered, result_exports(self.plan, bool(lowered.checks)), self.sharded_outputs)
 
     def _signature(self, args):
         return tuple(
@@ -381,14 +393,14 @@ class CompiledGraph:
 
     # -- call -----------------------------------------------------------------------------
     def __call__(self, args: list):
-        spec = self._static
+        spec = self.static
         if spec is None:
             if self._buckets is not None:
                 return self._buckets.call(self, args)
             return self._run(self._specialization_for(args), args)
         return self._run(spec, args)
 
-    def _specialization_for(self, args) -> _Specialization:
+    def _specialization_for(self, args) -> Specialization:
         key = self._signature(args)
         spec = self._specializations.get(key)
         if spec is None:
@@ -427,7 +439,7 @@ class CompiledGraph:
         groups = spec.lowered.input_concats
         return {("concat", j): self._concat_cache[groups[j]][1] for j in spec.concat_outputs}
 
-    def _run(self, spec: _Specialization, args):
+    def _run(self, spec: Specialization, args):
         # The hand-off's arrays need no recorded Python stack. A sharded graph's may be kept past
         # the call and read by jax later, which demands the context recording gives.
         if spec.keeps_arrays:
@@ -440,7 +452,7 @@ class CompiledGraph:
             if paused:
                 _resume_tracebacks(paused)
 
-    def _run_paused(self, spec: _Specialization, args):
+    def _run_paused(self, spec: Specialization, args):
         self.executions += 1
         bufs = self._import(args, spec.concats, spec.needs_seed)
         held = {i: args[i] for i in spec.input_outputs} if spec.input_outputs else None
@@ -472,7 +484,7 @@ class CompiledGraph:
                 keep_sharded_twin(held[i] if i >= 0 else outs[r], array)
         if spec.mutations:
             del outs[spec.num_outputs:]
-        return outs if spec.plain_outputs else self._wrap_outputs(spec, outs, held)
+        return outs if spec.plain_outputs else self.wrap_outputs(spec, outs, held)
 
     def _execute_timed(self, spec, bufs, held):
         t0 = time.perf_counter()
@@ -482,7 +494,7 @@ class CompiledGraph:
 
     def call_unboxed(self, *args):
         """Dynamo's calling convention, for graphs that bypass AOTAutograd's wrappers."""
-        spec = self._static
+        spec = self.static
         if spec is None:
             return self(list(args))
         return self._run(spec, args)  # a tuple: nothing of ours to clear
@@ -638,8 +650,16 @@ class CompiledGraph:
         if entry not in holders:
             holders.append(entry)
 
+    def resident_buffers(self) -> list:
+        """Per resident input slot, a ResidentInput as last imported (the device buffer is None
+        for an input only checked for changes: stacked weights), or None: what a later call
+        reuses while the tensor's version and data pointer are unchanged."""
+        return [None if r is None else ResidentInput(*r) for r in self._resident]
+
     @staticmethod
-    def _wrap_outputs(spec: _Specialization, outs, held):
+    def wrap_outputs(spec: Specialization, outs, held):
+        """The graph's outputs from the executable's results `outs` and the inputs it returns
+        (`held`), as `spec`'s output plans say (constants, views, eager's strides)."""
         results = []
         for p in spec.out_plans:
             if p.kind == "const":

@@ -359,7 +359,7 @@ def memory_by_kind(graph) -> dict | None:
     runtime has none), "plan": the bytes the plan offloads per call (left in, taken from host)."""
     from .runtime.executor import optimized_hlo_text
 
-    spec = getattr(graph, "_static", None)
+    spec = getattr(graph, "static", None)
     if spec is None:
         return None
     layout = _entry_layout(optimized_hlo_text(spec.exe))

@@ -594,7 +594,7 @@ class _Variant:
     """One set of input shapes: its executable's launcher, output plans and index checks."""
 
     launch: object
-    out_plans: list  # what CompiledGraph._wrap_outputs reads
+    out_plans: list  # what CompiledGraph.wrap_outputs reads
     checks: list
     raise_failed: object
     compiled_from_module: bool
@@ -772,7 +772,7 @@ class LoadedModel:
                     install_input(self._held[i], outs[r])
                 self._reimport([i for i, _ in self._mutations])
             del outs[min(r for _, r in self._mutations):]
-        results = CompiledGraph._wrap_outputs(variant, outs, held)
+        results = CompiledGraph.wrap_outputs(variant, outs, held)
         if self._written:
             with self._lock, torch.no_grad():
                 for i, j in self._written:

@@ -313,7 +313,7 @@ def explain_sharding(graph=None, file=None) -> str:
             mine = per_device_bytes(shape, spec, mesh) * (val.element_size() if isinstance(val, torch.Tensor) else 0)
             lines.append(f"  {kind:10s} {name:{width}s} {dtype:>8s}{list(shape)!s:>16s}  {describe_spec(spec):24s} "
                          f"{sh.source(node):10s} {fmt_bytes(mine)}/device of {fmt_bytes(whole)}")
-        spec_ = g._static
+        spec_ = g.static
         if spec_ is None:
             lines.append("  (dynamic shapes: collectives and memory per specialization, once compiled)")
             continue

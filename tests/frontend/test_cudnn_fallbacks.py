@@ -143,7 +143,7 @@ def _run(lowered, *tensors):
     launch = make_launcher(compile_module(lowered.module_text, default_device()))
     dev = default_device().jax_device
     outs = launch([import_tensor(t.contiguous(), dev) for t in tensors])
-    return CompiledGraph._wrap_outputs(SimpleNamespace(out_plans=lowered.outputs), outs, {})
+    return CompiledGraph.wrap_outputs(SimpleNamespace(out_plans=lowered.outputs), outs, {})
 
 
 def _qkv(heads=H, seq=L, seed=0):

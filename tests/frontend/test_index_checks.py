@@ -138,7 +138,7 @@ def test_graphs_without_index_ops_keep_the_direct_path():
     x = torch.randn(4)
     torch.testing.assert_close(compiled(x), x * 2 + 1)
     (graph,) = [g for g in live_graphs if g not in older]
-    assert not graph._static.checks and graph._static.direct
+    assert not graph.static.checks and graph.static.direct
 
 
 def test_check_indices_false_skips_the_checks():

@@ -123,8 +123,8 @@ def test_outputs_that_are_views_of_inputs_are_not_copied():
     torch.testing.assert_close(out, x @ w.t())
     assert x_out.data_ptr() == x.data_ptr() and x_out.shape == x.shape
     assert wt_out.data_ptr() == w.data_ptr() and wt_out.stride() == w.t().stride()
-    assert g._static.lowered.module_text.count("return") == 1
-    assert len(g._static.lowered.outputs) == 3 and sum(p.kind == "tensor" for p in g._static.lowered.outputs) == 1
+    assert g.static.lowered.module_text.count("return") == 1
+    assert len(g.static.lowered.outputs) == 3 and sum(p.kind == "tensor" for p in g.static.lowered.outputs) == 1
 
 
 def test_expanded_output_keeps_eager_broadcast_strides():

@@ -46,7 +46,7 @@ def graphs_since(before: set) -> dict:
 
 
 def module(graph) -> str:
-    return graph._static.lowered.module_text
+    return graph.static.lowered.module_text
 
 
 def func_signature(text: str) -> tuple[str, str]:
@@ -122,7 +122,7 @@ def test_host_value_returned_from_a_graph_is_in_device_memory():
     (g,) = graphs_since(before).values()
     _, results = func_signature(module(g))
     assert "pinned_host" not in results  # torch's tensors live in device memory
-    assert g._static.exe.get_output_memory_kinds() == [["device"]]
+    assert g.static.exe.get_output_memory_kinds() == [["device"]]
 
 
 # -- options and errors --------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def test_activations_and_optimizer_state_live_in_host_memory(monkeypatch):
     assert fw.plan.results[0].memory_kind is None  # the user's output stays on the device
     _, results = func_signature(module(fw))
     assert results.count(HOST) == len(saved)
-    assert fw._static.exe.get_output_memory_kinds()[0].count("pinned_host") == len(saved)
+    assert fw.static.exe.get_output_memory_kinds()[0].count("pinned_host") == len(saved)
     # ... and the backward takes them from there.
     bw_host = [n.name for n, p in zip([n for n in bw.gm.graph.nodes if n.op == "placeholder"], bw.plan.inputs)
                if p.memory_kind == "pinned_host"]
@@ -239,7 +239,7 @@ def test_activations_and_optimizer_state_live_in_host_memory(monkeypatch):
 def _entry_layout(graph) -> str:
     from fx2xla.runtime.executor import optimized_hlo_text
 
-    return offload._entry_layout(optimized_hlo_text(graph._static.exe))
+    return offload._entry_layout(optimized_hlo_text(graph.static.exe))
 
 
 def test_explain_memory_reports_bytes_per_memory_kind():
@@ -291,7 +291,7 @@ def test_sharded_activations_are_offloaded_as_shards(monkeypatch):
     assert fw.mesh is mesh and bw.mesh is mesh
     saved = [r for r in fw.plan.results if r.memory_kind == "pinned_host"]
     assert saved and all(r.sharding[0] == ("data",) for r in saved)  # split over the batch, as computed
-    assert fw._static.exe.get_output_memory_kinds()[0].count("pinned_host") == len(saved)
+    assert fw.static.exe.get_output_memory_kinds()[0].count("pinned_host") == len(saved)
     # Per device: its shard of each activation.
     assert fw.offload_per_call[0] == sum(r.node.meta["val"].numel() for r in saved) * 4 // 8
     assert offload.memory_by_kind(fw)["results"]["pinned_host"] == fw.offload_per_call[0]
@@ -311,7 +311,7 @@ def test_disk_cache_keeps_the_memory_kinds(monkeypatch):
     torch.testing.assert_close(first, expected, **tolerance(torch.float32))
     assert torch.equal(again, first)
     fw = graphs_since(before)["forward"]
-    assert "pinned_host" in fw._static.exe.get_output_memory_kinds()[0]
+    assert "pinned_host" in fw.static.exe.get_output_memory_kinds()[0]
 
 
 def test_saved_activations_are_the_host_buffers_themselves():

@@ -177,7 +177,7 @@ def test_bf16_attention_uses_cudnn_fused_attention():
         out = compiled(q, q, q)
     expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     torch.testing.assert_close(out.float(), expected.float(), **tolerance(torch.bfloat16, 4))
-    texts = [g._static.lowered.module_text for g in live_graphs if g not in older and g._static is not None]
+    texts = [g.static.lowered.module_text for g in live_graphs if g not in older and g.static is not None]
     assert any("cudnn" in t for t in texts)
 
 
@@ -217,7 +217,7 @@ def test_bf16_logits_gemm_writes_bf16():
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.float(), **tolerance(torch.bfloat16, 4))
     (g,) = [g for g in live_graphs if g not in older]
-    hlo = optimized_hlo_text(g._static.exe)
+    hlo = optimized_hlo_text(g.static.exe)
     assert "f32[512,4096]" not in hlo, hlo
 
 
@@ -280,7 +280,7 @@ def test_bf16_training_attention_uses_cudnn(causal):
     torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=1e-1)
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g.float(), r.float(), **tolerance(torch.bfloat16, 8))
-    texts = [g._static.lowered.module_text for g in live_graphs if g not in older and g._static is not None]
+    texts = [g.static.lowered.module_text for g in live_graphs if g not in older and g.static is not None]
     assert len(texts) == 2 and all("cudnn" in t for t in texts), [("cudnn" in t) for t in texts]
 
 

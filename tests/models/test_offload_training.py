@@ -96,7 +96,7 @@ def _host_results(graph) -> list:
 
 
 def _signature(graph) -> tuple[str, str]:
-    line = next(l for l in graph._static.lowered.module_text.splitlines() if "func.func public @main" in l)
+    line = next(l for l in graph.static.lowered.module_text.splitlines() if "func.func public @main" in l)
     args, _, results = line.partition(") -> (")
     return args, results
 

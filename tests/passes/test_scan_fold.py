@@ -276,7 +276,7 @@ def test_folded_graph_keeps_weights_resident_and_stacks_them_once():
     older = set(live_graphs)  # graphs of earlier tests may still be alive
     with torch.no_grad():
         compiled(ids)
-        graph, = [g for g in live_graphs if g not in older and g._static is not None and g._static.lowered.input_concats]
+        graph, = [g for g in live_graphs if g not in older and g.static is not None and g.static.lowered.input_concats]
         stacks = {k: v[1] for k, v in graph._concat_cache.items()}
         assert graph._resident_args and graph._check_steps  # parameters resident; layer weights only checked
         passed = {i for i, *_ in graph._import_steps}

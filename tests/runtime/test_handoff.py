@@ -150,7 +150,7 @@ def test_one_stream_order_per_call(monkeypatch):
     with torch.no_grad():
         dropped(a)
     graph = _new_graph(older)
-    assert graph._static.needs_seed
+    assert graph.static.needs_seed
     events.clear()
     _watch(graph, events)
     with torch.no_grad():
@@ -169,7 +169,7 @@ def test_one_stream_order_per_call(monkeypatch):
     with torch.no_grad():
         folded(ids)
     graph = _new_graph(older)
-    groups = graph._static.concats
+    groups = graph.static.concats
     assert len(groups) >= 2
     events.clear()
     _watch(graph, events)

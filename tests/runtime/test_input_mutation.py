@@ -123,9 +123,9 @@ def test_optimizer_step_swaps_parameters_and_state(foreach):
             torch.testing.assert_close(opt.state[p][k], ref_opt.state[q][k], rtol=1e-4, atol=1e-6)
     # No compiled graph keeps a device buffer of a replaced (old) parameter storage alive.
     for g in list(live_graphs):
-        for slot in g._resident:
-            if slot is not None and any(slot[0] is p for p in params):
-                assert slot[2] == slot[0].data_ptr()
+        for slot in g.resident_buffers():
+            if slot is not None and any(slot.tensor is p for p in params):
+                assert slot.data_ptr == slot.tensor.data_ptr()
 
 
 def test_parameter_with_outside_alias_is_copied_into():

@@ -245,7 +245,7 @@ def test_island_inputs_are_resident_only_for_parameters():
         for p, ex, slot in zip(g.plan.inputs, g.example_inputs, range(len(g.plan.inputs))):
             assert p.resident == (tuple(ex.shape) in params), (g.name, tuple(ex.shape))
         # Buffers held across calls are the parameters' alone.
-        held = [r for r in g._resident if r is not None]
+        held = [r for r in g.resident_buffers() if r is not None]
         assert len(held) == sum(p.resident for p in g.plan.inputs) == 2
 
 

@@ -134,7 +134,7 @@ def test_auto_training_matches_eager_and_the_hand_plan():
     fw = graphs["forward"]
     sol = fw.auto_sharding
     assert sol is not None and sol.memory_bytes <= budget
-    counted = sum(c.bytes for c in collectives(optimized_hlo_text(fw._static.exe)))
+    counted = sum(c.bytes for c in collectives(optimized_hlo_text(fw.static.exe)))
     # The HLO counts the all-reduce's result bytes; the model counts a ring's traffic.
     assert counted == 64 * 256 * 4
     assert sol.collective_bytes == pytest.approx(2 * counted * 7 / 8)
@@ -145,7 +145,7 @@ def test_auto_training_matches_eager_and_the_hand_plan():
     bw = graphs["backward"]
     assert bw.auto_sharding is not None and bw.auto_sharding.status == "optimal"
     assert bw.auto_sharding.collective_bytes == 0
-    assert [c for c in collectives(optimized_hlo_text(bw._static.exe)) if c.type != "pred[]"] == []
+    assert [c for c in collectives(optimized_hlo_text(bw.static.exe)) if c.type != "pred[]"] == []
     # The parameters carry the solution, so the optimizer step (its own graph) shards each
     # one as the forward does.
     assert [(p._fx2xla_sharding.spec, p._fx2xla_sharding.source) for p in model.parameters()] == [
@@ -259,7 +259,7 @@ def test_a_deep_stack_stays_within_the_budget():
                             options={"sharding": "auto", "mesh": fx2xla.Mesh((8,), ("x",)), "memory_budget": budget})(x)
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
     (g,) = [g for g in live_graphs if id(g) not in before]
-    assert g._static.exe.get_compiled_memory_stats().argument_size_in_bytes <= budget
+    assert g.static.exe.get_compiled_memory_stats().argument_size_in_bytes <= budget
     assert g.auto_sharding.xla_peak_bytes == peak_of(g) <= budget
 
 
@@ -296,7 +296,7 @@ def test_repeated_layers_share_one_set_of_variables(monkeypatch):
 def peak_of(g) -> int:
     """XLA's peak per device for a compiled graph: arguments, outputs not written in place of
     an argument, temporaries."""
-    st = g._static.exe.get_compiled_memory_stats()
+    st = g.static.exe.get_compiled_memory_stats()
     return st.argument_size_in_bytes + st.output_size_in_bytes - st.alias_size_in_bytes + st.temp_size_in_bytes
 
 
@@ -434,7 +434,7 @@ def test_advanced_indexing_has_a_rule():
     assert g.auto_sharding.specs[index] == (("x",), (), ())
     assert g.auto_sharding.collective_bytes == 0
     # The only collective: the index check's flag (an out-of-range id on any device raises).
-    assert [(c.op, c.type) for c in collectives(optimized_hlo_text(g._static.exe))] == [("all-reduce", "pred[]")]
+    assert [(c.op, c.type) for c in collectives(optimized_hlo_text(g.static.exe))] == [("all-reduce", "pred[]")]
 
 
 def test_a_backward_over_the_budget_is_said():

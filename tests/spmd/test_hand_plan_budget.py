@@ -56,7 +56,7 @@ def compiled_peak(compiled) -> tuple:
     """(the one graph of a compiled inference module, its peak per device by XLA's memory
     analysis: arguments + outputs not written in place + temporaries)."""
     (g,) = graphs_of(compiled)
-    return g, peak_bytes(g._static.exe.get_compiled_memory_stats())
+    return g, peak_bytes(g.static.exe.get_compiled_memory_stats())
 
 
 def hand_peak(base, name: str, vocab: bool, mesh) -> int:
@@ -66,7 +66,7 @@ def hand_peak(base, name: str, vocab: bool, mesh) -> int:
     with torch.no_grad():
         compiled(ids())
     g, peak = compiled_peak(compiled)
-    stats = g._static.exe.get_compiled_memory_stats()
+    stats = g.static.exe.get_compiled_memory_stats()
     assert peak == stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
     assert "memory per device" in fx2xla.explain_sharding(compiled)
     weights = sum(p.numel() * 4 for p in base.parameters())
@@ -163,7 +163,7 @@ def test_a_vocab_split_embedding_is_looked_up_where_it_lies():
     assert split and all(st.out[-1] == () for st in split) and all(st.moved > 0 for st in split)
     sol = g.auto_sharding
     assert sol.collective_bytes == pytest.approx(2 * 8 * 16 * 64 * 4 * 7 / 8)
-    found = [(c.op, c.type) for c in collectives(optimized_hlo_text(g._static.exe)) if c.type != "pred[]"]
+    found = [(c.op, c.type) for c in collectives(optimized_hlo_text(g.static.exe)) if c.type != "pred[]"]
     assert [op for op, _ in found] == ["all-reduce"]
 
 
@@ -171,7 +171,7 @@ def _moved(g) -> float:
     from fx2xla.runtime.executor import optimized_hlo_text
     from fx2xla.sharding import collectives
 
-    return sum(c.moved for c in collectives(optimized_hlo_text(g._static.exe)))
+    return sum(c.moved for c in collectives(optimized_hlo_text(g.static.exe)))
 
 
 @pytest.mark.slow
@@ -248,7 +248,7 @@ def test_training_steps_at_the_hand_plans_step_peak(name, vocab):
     fw = next(g for g in graphs_of(hand) if g.name.endswith("forward"))
     params = sum(per_device_bytes(tuple(p.shape), getattr(p, "_fx2xla_sharding").spec if hasattr(p, "_fx2xla_sharding")
                              else ((),) * p.dim(), mesh) * p.element_size() for p in hand_model.parameters())
-    budget = peak_bytes(fw._static.exe.get_compiled_memory_stats()) + 3 * params
+    budget = peak_bytes(fw.static.exe.get_compiled_memory_stats()) + 3 * params
     torch._dynamo.reset()
     losses, auto = train(copy.deepcopy(base).train(),
                          {"sharding": "auto", "mesh": mesh, "memory_budget": budget})

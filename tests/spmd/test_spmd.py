@@ -36,11 +36,11 @@ def snapshot() -> set:
 
 
 def ops_in(graph) -> list[str]:
-    return [c.op for c in collectives(optimized_hlo_text(graph._static.exe))]
+    return [c.op for c in collectives(optimized_hlo_text(graph.static.exe))]
 
 
 def memory(graph):
-    return graph._static.exe.get_compiled_memory_stats()
+    return graph.static.exe.get_compiled_memory_stats()
 
 
 def mlp(d=16, h=64):
@@ -271,9 +271,9 @@ def test_resident_sharded_parameters_are_not_resharded():
     with torch.no_grad():
         compiled(torch.randn(8, 16))
         (g,) = graphs_since(before)
-        first = [r[3] if r else None for r in g._resident]
+        first = [r.buffer if r else None for r in g.resident_buffers()]
         out = compiled(x := torch.randn(8, 16))
-        again = [r[3] if r else None for r in g._resident]
+        again = [r.buffer if r else None for r in g.resident_buffers()]
     assert any(b is not None for b in first)
     assert all(a is b for a, b in zip(first, again))  # the same device buffers
     assert len(first[0].sharding.device_set) == 8
@@ -356,7 +356,7 @@ def test_five_training_steps_match_one_device(plan):
         twin = sharded_twin(p0)
         assert len(twin.sharding.device_set) == 8 and not twin.sharding.is_fully_replicated
         forward(x)
-        assert any(r is not None and r[0] is p0 and r[3] is twin for r in fw._resident)
+        assert any(r is not None and r.tensor is p0 and r.buffer is twin for r in fw.resident_buffers())
 
 
 @torch.library.custom_op("fx2xla_spmd_test::halve", mutates_args=())
@@ -609,7 +609,7 @@ def test_collectives_count_every_element_of_a_tuple():
     losses, *_ = _train(model, x, y, "fx2xla", steps=2)
     torch.testing.assert_close(losses, eager_losses, rtol=1e-4, atol=1e-5)
     bw = next(g for g in graphs_since(before) if g.name.endswith("backward"))
-    found = collectives(optimized_hlo_text(bw._static.exe))
+    found = collectives(optimized_hlo_text(bw.static.exe))
     assert {c.op for c in found} == {"all-reduce"}
     assert sum(c.bytes for c in found) == sum(p.numel() for p in model.parameters()) * 4
     # Over the 8 devices of the mesh, a ring all-reduce sends 2 * 7/8 of those bytes.
