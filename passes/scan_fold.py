@@ -119,6 +119,18 @@ def _writes_inputs(body: torch.fx.GraphModule) -> bool:
     return False
 
 
+def _written(node: torch.fx.Node) -> bool:
+    """Whether the graph updates input `node` in place: Dynamo ran the graph's ops on the fake
+    tensors it records, whose version counters then moved (as in `_writes_inputs`)."""
+    value = node.meta.get("example_value")
+    if node.op not in ("placeholder", "get_attr") or not isinstance(value, torch.Tensor):
+        return False
+    try:
+        return value._version > 0
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return False
+
+
 def _calls_to_inline(gm: torch.fx.GraphModule) -> list:
     """Region calls whose body writes its inputs: they are inlined (the graph Dynamo would have
     traced without the region), each as [call, its getitems]."""
@@ -292,6 +304,11 @@ def _plan(segments: list[_Segment]) -> _Plan:
         elif not any(v in owner for v in vals) and len(set(vals)) == len(vals):
             if len(metas) != 1:
                 raise _Mismatch(f"per-layer input {e} changes shape or dtype across layers")
+            written = next((v for v in vals if _written(v)), None)
+            if written is not None:
+                # torch's scan lets a body update only its loop-invariant inputs in place
+                raise _Mismatch(f"a layer updates its own input {written.name} in place (BatchNorm's running "
+                                "statistics in training, an add_ on a buffer)")
             xs.append(e)
         else:
             raise _Mismatch(f"input {e} of a layer comes from a layer other than the previous one")
