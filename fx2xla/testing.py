@@ -47,6 +47,19 @@ class SmallCNN(torch.nn.Module):
         return self.head(torch.flatten(self.pool(self.features(x)), 1))
 
 
+class NormBlock(torch.nn.Module):
+    """linear -> batch norm -> relu, plus the input: a residual block with buffers (running
+    statistics) it updates in place in training."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.lin(x))) + x
+
+
 def gpt2(layers=4, hidden=256, heads=4, vocab=1000, positions=256):
     tf = _quiet_transformers()
     cfg = tf.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,

@@ -15,7 +15,7 @@ import torch
 
 import fx2xla
 from fx2xla.passes import run_passes
-from fx2xla.testing import LogitsOnly, bert, gpt2, llama, token_ids
+from fx2xla.testing import LogitsOnly, NormBlock, bert, gpt2, llama, token_ids
 
 BUILDERS = {"gpt2": gpt2, "bert": bert, "llama": llama}
 
@@ -210,16 +210,6 @@ def test_blocks_that_differ_are_not_folded(case):
         else:
             assert not changed and any("layer other than the previous one" in n for n in notes), notes
         torch.testing.assert_close(_compile(model)(x), model(x), rtol=1e-5, atol=1e-5)
-
-
-class NormBlock(torch.nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.lin = torch.nn.Linear(width, width)
-        self.bn = torch.nn.BatchNorm1d(width)
-
-    def forward(self, x):
-        return torch.relu(self.bn(self.lin(x))) + x
 
 
 def test_layers_updating_their_buffers_stay_unrolled_without_a_failed_compile():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fx2xla
-from fx2xla.testing import LogitsOnly, gpt2, llama, token_ids
+from fx2xla.testing import LogitsOnly, NormBlock, gpt2, llama, token_ids
 
 scan_module = importlib.import_module("fx2xla.scan")  # `fx2xla.scan` is the function
 
@@ -84,16 +84,6 @@ def test_marking_changes_no_eager_result_and_can_be_undone():
         assert torch.equal(model(ids), plain)
 
 
-class _Norm(torch.nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = torch.nn.Linear(d, d)
-        self.bn = torch.nn.BatchNorm1d(d)
-
-    def forward(self, x):
-        return torch.relu(self.bn(self.lin(x))) + x
-
-
 class _Configured(torch.nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -108,7 +98,7 @@ def test_layers_owning_buffers_in_training_run_their_own_forward():
     cannot write buffers under autograd) run their own forward: outputs, running statistics and
     gradients match eager; in eval mode they are regions again and still match."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[_Norm(16) for _ in range(4)]).train()
+    model = torch.nn.Sequential(*[NormBlock(16) for _ in range(4)]).train()
     twin = copy.deepcopy(model)
     fx2xla.scan_layers(twin)
     assert all(scan_module.is_marked(m) for m in twin)
