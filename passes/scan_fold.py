@@ -104,24 +104,15 @@ def _region_members(node: torch.fx.Node) -> list | None:
 
 def _writes_inputs(body: torch.fx.GraphModule) -> bool:
     """Whether a region's body updates one of its inputs in place (BatchNorm's statistics, an
-    `x.add_()`): Dynamo traced the body on the fake tensors of its first call, whose version
-    counters then moved. Such a body can be neither a scan body nor, under autograd, an
-    invoke_subgraph (torch refuses both). An input already written before the call counts
-    too: conservative, it only costs the fold."""
-    for p in body.graph.find_nodes(op="placeholder"):
-        value = p.meta.get("example_value")
-        if isinstance(value, torch.Tensor):
-            try:
-                if value._version > 0:
-                    return True
-            except RuntimeError:  # an inference tensor keeps no version counter
-                continue
-    return False
+    `x.add_()`). Such a body can be neither a scan body nor, under autograd, an invoke_subgraph
+    (torch refuses both). An input already written before the call counts too: conservative,
+    it only costs the fold."""
+    return any(_written(p) for p in body.graph.find_nodes(op="placeholder"))
 
 
 def _written(node: torch.fx.Node) -> bool:
     """Whether the graph updates input `node` in place: Dynamo ran the graph's ops on the fake
-    tensors it records, whose version counters then moved (as in `_writes_inputs`)."""
+    tensors it records, whose version counters then moved."""
     value = node.meta.get("example_value")
     if node.op not in ("placeholder", "get_attr") or not isinstance(value, torch.Tensor):
         return False
