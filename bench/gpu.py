@@ -83,7 +83,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import _materialise, fmt_time, interleaved_medians, write_json  # noqa: E402
+from harness import fmt_time, interleaved_medians, materialise, write_json  # noqa: E402
 import train  # noqa: E402  (make_step)
 
 import fx2xla  # noqa: E402
@@ -188,7 +188,7 @@ def make_sync(device: torch.device) -> Callable[[Any], None]:
             torch.cuda.synchronize(device)
     else:
         def sync(out=None):
-            _materialise(out)
+            materialise(out)
     return sync
 
 

@@ -51,7 +51,7 @@ def main():
     torch.cuda.synchronize()
     graph = [g for g in live_graphs][-1]
     spec = graph.static
-    dev = graph._jax_device
+    dev = graph.executor.jax_device
     imp = handoff.make_importer(platform="cuda")
     order = handoff.make_stream_order(platform="cuda")
     export = handoff.make_exporter(platform="cuda")
@@ -101,7 +101,7 @@ def queue_depth(graph, spec, dev, imp, order, export, x, calls=30):
 
     out = {}
     for name, fn in (("unordered_execute_export", unordered), ("ordered_execute_export", ordered_export),
-                     ("ordered_execute_no_export", ordered_no_export), ("graph_call", lambda: graph._run(spec, [x]))):
+                     ("ordered_execute_no_export", ordered_no_export), ("graph_call", lambda: graph.executor.run(spec, [x]))):
         torch.cuda.synchronize()
         torch.cuda._sleep(600_000_000)
         keep, times = [], []

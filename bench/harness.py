@@ -8,7 +8,8 @@ import time
 from typing import Callable
 
 
-def _materialise(out):
+def materialise(out):
+    """Wait for `out` (a tensor, or tuples, lists and dicts of them) to be computed."""
     # Read one element so an asynchronous executor cannot stop the clock early.
     import torch
 
@@ -17,15 +18,15 @@ def _materialise(out):
             out.reshape(-1)[0].item()
     elif isinstance(out, (tuple, list)):
         for o in out:
-            _materialise(o)
+            materialise(o)
     elif hasattr(out, "values"):
         for o in out.values():
-            _materialise(o)
+            materialise(o)
 
 
 def timed_call(fn: Callable, args: tuple) -> float:
     t0 = time.perf_counter()
-    _materialise(fn(*args))
+    materialise(fn(*args))
     return time.perf_counter() - t0
 
 
@@ -65,7 +66,7 @@ def interleaved_medians(contenders: dict[str, Callable], args: tuple, rounds: in
             t0 = clock()
             for _ in range(calls_per_round):
                 out = fn(*args)
-            _materialise(out)
+            materialise(out)
             samples[name].append((clock() - t0) / calls_per_round)
         if budget_s is not None and r >= 4 and time.perf_counter() - start > budget_s:
             break

@@ -5,10 +5,11 @@ import argparse
 import os
 import sys
 
+from .coverage import coverage
+from .runtime.executor import disk_cache
+
 
 def _ops(args) -> int:
-    from .coverage import coverage
-
     lowered, missing = coverage()
     total = len(lowered) + len(missing)
     if args.verbose:
@@ -22,8 +23,6 @@ def _ops(args) -> int:
 
 
 def _cache(args) -> int:
-    from .runtime.executor import disk_cache
-
     cache = disk_cache()
     if cache is None:
         print("disk cache is off (FX2XLA_CACHE_DIR is empty)")

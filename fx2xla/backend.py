@@ -9,13 +9,30 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import re
 import warnings
+import weakref
 
 import torch
 
-from . import dump
-from .metrics import counters
+from . import dump, precompile
+from .compiled_graph import CompiledGraph, static_input_indices
+from .decompositions import decomposition_table, sharded_decomposition_table
+from .distributed import process_share
+from .errors import InvalidInputError
+from .metrics import counters, live_graphs
+from .offload import note_forward, parse_offload, plan_offload
+from .partition import partitioned_graph, unsupported_nodes
 from .passes import pass_options, run_passes
+from .passes.auto_sharding import (InfeasibleBudget, Solution, graph_key, repeated_layers, solution_from_record,
+                                   solution_record, solve_cached, solve_least)
+from .passes.sharding import graph_mesh, input_annotations, input_tensors
+from .runtime import device_for, executor
+from .runtime.disk_cache import DiskCache
+from .serving import InputSignature, RecompileError, check_compile_allowed, compile_allowed, signature_change
+from .sharding import (Annotation, Mesh, ShardingError, annotation_of, is_mark, note_compile_origin,
+                       per_device_bytes)
 
 OPTIONS = {
     # name: (default, help)
@@ -59,12 +76,8 @@ def _check_options(options: dict | None) -> dict:
         raise ValueError(f"fx2xla: option outputs={opts['outputs']!r}; expected 'whole' or 'sharded'")
     if opts["sharding"] not in (None, "auto"):
         raise ValueError(f"fx2xla: option sharding={opts['sharding']!r}; expected 'auto' or None")
-    from .offload import parse_offload
-
     opts["offload"] = parse_offload(opts["offload"])  # a frozenset of offload.OFFLOAD_VALUES
     if opts["sharding"] == "auto":
-        from .sharding import Mesh
-
         if not isinstance(opts["mesh"], Mesh):
             raise ValueError("fx2xla: option sharding='auto' needs options['mesh'], an fx2xla.Mesh "
                              f"(got {type(opts['mesh']).__name__})")
@@ -111,12 +124,6 @@ def aot_wrappers_needed(meta, graph_inputs: int, dynamo_inputs: int) -> bool:
 
 def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None = None, dynamo_inputs=None,
              solution=None):
-    from .compiled_graph import CompiledGraph
-    from .runtime import device_for
-
-    from .partition import partitioned_graph, unsupported_nodes
-    from .serving import check_compile_allowed
-
     # The device follows the data (PJRT_DEVICE and device_index are explicit overrides).
     device = device_for([v.device for v in example_inputs if isinstance(v, torch.Tensor)
                          and not (v.device.type == "cpu" and v.dim() == 0)], options["device_index"])
@@ -141,8 +148,6 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                           f"not offloaded (option offload)", stacklevel=2)
             offload = None
         _refuse_sharded_islands(gm, annotations, name)
-        from .compiled_graph import static_input_indices
-
         return partitioned_graph(
             gm,
             lambda sub, examples, sub_name, resident: CompiledGraph(
@@ -158,13 +163,9 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              solution=solution,
                              # Training graphs' outputs feed autograd and the backward: kept whole.
                              sharded_outputs=kind == "inference" and options["outputs"] == "sharded",
-                             offload=offload)
+                             offload=offload, input_names=names)
     if kind == "forward" and offload is not None:
-        from .offload import note_forward
-
         note_forward(gm, compiled.plan, _compile_key())
-    compiled.input_names = names  # for explain_sharding: the user's names of the inputs
-    compiled.auto_sharding = solution
     if made is not None:
         made.append((compiled, _fw_metadata()))
     if kind == "forward" and compiled.mesh is not None:
@@ -179,8 +180,6 @@ def _offload_plan(gm, example_inputs, kind: str, options: dict, device):
     graph whose values live in host memory, or None."""
     if not options["offload"]:
         return None
-    from .offload import plan_offload
-
     return plan_offload(gm, example_inputs, kind, options["offload"], device, _compile_key(), _fw_metadata())
 
 
@@ -189,8 +188,6 @@ def _warn_if_over_budget(compiled, budget: float) -> None:
     again: over the budget, it is said, once, when it compiles."""
     peak = _step_peak(compiled, training=False)
     if peak is not None and peak > budget:
-        import warnings
-
         warnings.warn(f"fx2xla auto-sharding: backward graph {compiled.name} holds {peak:,.0f} bytes per device at "
                       f"its peak (XLA's memory analysis), over memory_budget={budget:,.0f}: its inputs are the activations "
                       f"the forward's plan saved, laid out as that plan left them", stacklevel=2)
@@ -207,8 +204,6 @@ def _compile_key():
 
 
 def _result_annotations(compiled) -> tuple[dict, list]:
-    from .sharding import Annotation
-
     plan = compiled.plan
     by_name = {r.node.name: Annotation(plan.mesh_id, r.sharding, "forward") for r in plan.results}
     outputs = [(tuple(plan.results[o.index].node.meta["val"].shape), by_name[plan.results[o.index].node.name])
@@ -237,8 +232,6 @@ def _auto_backward(gm, example_inputs, annotations, options):
     the forward saved, the tangents) fixed in the layouts the forward gave them, so that its own
     values are laid out by the same costs (and the budget) rather than left to XLA's
     propagation."""
-    from .passes.auto_sharding import InfeasibleBudget, solve_cached
-
     mesh = options["mesh"]
     fixed = _fixed_specs(annotations, mesh)
     try:
@@ -257,8 +250,6 @@ def _fixed_specs(annotations, mesh) -> list:
 def _solved_annotations(annotations, solution, example_inputs, mesh) -> list:
     """The inputs' annotations: the given ones, and the solver's spec (marked "auto") for the
     other tensors."""
-    from .sharding import Annotation
-
     return [a if a is not None or spec is None or not isinstance(ex, torch.Tensor) else Annotation(mesh.id, spec, "auto")
             for a, spec, ex in zip(annotations, solution.input_specs, example_inputs)]
 
@@ -282,10 +273,6 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
     Only then is the budget called infeasible; the error gives the least compiled peak of the
     plans measured, a budget at which step 4 takes that plan. A plan already measured is not
     compiled again to be refused."""
-    from .metrics import live_graphs
-    from .passes.auto_sharding import InfeasibleBudget
-    from .passes.auto_sharding import Solution as Solution_
-
     budget = options["memory_budget"]
     training = kind == "forward"
     mesh = options["mesh"]
@@ -294,7 +281,7 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
         compiled, _ = _compile_solution(gm, example_inputs, user_annotations, tensors, names, kind, options,
                                         solution, training)
         return _take(compiled, solution, example_inputs, tensors, mesh, made)
-    seen = _measured.setdefault(_measure_key(gm, user_annotations, mesh, training), {})
+    seen = measured_plans.setdefault(_measure_key(gm, user_annotations, mesh, training), {})
     tried: list = []  # (solution, compiled peak) of this search, in order
 
     def measure(solution):
@@ -306,8 +293,6 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
         compiled, peak = _compile_solution(gm, example_inputs, user_annotations, tensors, names, kind, options,
                                            solution, training)
         if peak is not None:
-            from .passes.auto_sharding import solution_record
-
             seen[sig] = (solution_record(solution), peak, solution.objective, solution.memory_bytes)
         tried.append((solution, peak))
         if peak is None or peak <= budget:
@@ -339,12 +324,12 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
             break
     # 2. The least-memory plan.
     least = solve(None, least=True)
-    if isinstance(least, Solution_):
+    if isinstance(least, Solution):
         compiled, peak = measure(least)
         if fits(peak):
             if refused is not None and len(tried) == 1 and peak is not None and least.memory_bytes > peak:
                 better = solve(budget + (least.memory_bytes - peak))
-                if isinstance(better, Solution_) and better.objective < least.objective and \
+                if isinstance(better, Solution) and better.objective < least.objective and \
                         _plan_signature(better) != _plan_signature(least):
                     c2, p2 = measure(better)
                     if fits(p2):
@@ -357,7 +342,7 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
     spread = max(min(misses) if misses else 0.0, 0.01 * budget)
     for f in _EXPLORE_STEPS[:_EXPLORE_ROUNDS]:
         solution = solve(budget + f * spread)
-        if not isinstance(solution, Solution_) or _plan_signature(solution) in seen:
+        if not isinstance(solution, Solution) or _plan_signature(solution) in seen:
             continue
         compiled, peak = measure(solution)
         if fits(peak):
@@ -365,8 +350,6 @@ def _compile_auto(gm, example_inputs, user_annotations, tensors, names, name, ki
     # 4. A plan measured before (in this process, under another budget) that fits.
     fitting = sorted((rec[2], sig) for sig, rec in seen.items() if rec[1] <= budget)
     if fitting:
-        from .passes.auto_sharding import solution_from_record
-
         record = seen[fitting[0][1]][0]
         solution = solution_from_record(record, {n.name: n for n in gm.graph.nodes}, "measured")
         compiled, peak = _compile_solution(gm, example_inputs, user_annotations, tensors, names, kind, options,
@@ -421,13 +404,12 @@ _BUDGET_ROUNDS = 4
 _EXPLORE_STEPS = (0.25, 0.5, 1.0)
 _EXPLORE_ROUNDS = 3
 # Plans measured per graph, in this process: (graph, inputs' fixed specs, mesh, training) ->
-# {plan signature: (solution record, compiled peak, objective, estimate)}.
-_measured: dict = {}
+# {plan signature: (solution record, compiled peak, objective, estimate)}. Public: a test (or a
+# long-lived process) may start it afresh.
+measured_plans: dict = {}
 
 
 def _measure_key(gm, user_annotations, mesh, training: bool):
-    from .passes.auto_sharding import graph_key
-
     return graph_key(gm), repr(_fixed_specs(user_annotations, mesh)), repr(sorted(mesh.shape.items())), training
 
 
@@ -443,10 +425,6 @@ def _step_peak(compiled, training: bool) -> float | None:
     not written in place of an argument, temporaries), plus in a training step the gradients
     and two AdamW moments of its parameters, laid out as the parameters; None for a graph
     compiled per shape (dynamic) or a runtime without the analysis."""
-    from .compiled_graph import static_input_indices
-    from .runtime.executor import peak_bytes
-    from .sharding import per_device_bytes
-
     spec = compiled.static
     try:
         stats = spec.exe.get_compiled_memory_stats() if spec is not None else None
@@ -454,7 +432,7 @@ def _step_peak(compiled, training: bool) -> float | None:
         stats = None
     if stats is None:
         return None
-    peak = peak_bytes(stats)
+    peak = executor.peak_bytes(stats)
     if training and compiled.mesh is not None:
         params = static_input_indices(len(compiled.example_inputs))
         for i, (p, ex) in enumerate(zip(compiled.plan.inputs, compiled.example_inputs)):
@@ -466,13 +444,7 @@ def _step_peak(compiled, training: bool) -> float | None:
 def _solver_services() -> dict:
     """What the solver's cache borrows from the rest of fx2xla: the disk cache's folder for
     solutions, and how process 0's solution reaches the other processes."""
-    import os
-
-    from .distributed import process_share
-    from .runtime.disk_cache import DiskCache
-    from .runtime.executor import disk_cache
-
-    disk = disk_cache()
+    disk = executor.disk_cache()
     store = None if disk is None else DiskCache(os.path.join(disk.folder, "auto-sharding"))
     return {"store": store, "share": process_share()}
 
@@ -481,9 +453,6 @@ def _auto_solution(gm, example_inputs, annotations, options, training: bool, nam
     """Sharding=auto: the solver's plan, the user's annotations as constraints. `least`: the
     cheapest of the plans that hold the least memory by the estimate (the budget aside), or None
     if the solver found none in its time limit."""
-    from .compiled_graph import static_input_indices
-    from .passes.auto_sharding import repeated_layers, solve_cached, solve_least
-
     mesh = options["mesh"]
     kwargs = dict(fixed=_fixed_specs(annotations, mesh), parameters=static_input_indices(len(example_inputs)),
                   training=training, ties=repeated_layers(gm, names), **_solver_services())
@@ -497,9 +466,6 @@ def _mark_parameters(example_inputs, tensors, solution, mesh_id: int) -> None:
     shard them alike. A mark an earlier solve left ("auto") is replaced: a later sharding="auto"
     compile of the same module (another budget, a new input shape, after torch._dynamo.reset())
     solves afresh rather than with that plan pinned."""
-    from .compiled_graph import static_input_indices
-    from .sharding import Annotation, annotation_of
-
     if tensors is None:
         return
     for i in static_input_indices(len(example_inputs)):
@@ -511,10 +477,6 @@ def _mark_parameters(example_inputs, tensors, solution, mesh_id: int) -> None:
 
 
 def _refuse_sharded_islands(gm, annotations, name: str) -> None:
-    from .partition import unsupported_nodes
-    from .passes.sharding import graph_mesh
-    from .sharding import ShardingError
-
     if graph_mesh(gm, annotations or []) is not None:
         ops = sorted({str(n.target) for n in unsupported_nodes(gm)})
         raise ShardingError(f"fx2xla: graph {name} is sharded over a mesh but has ops without a lowering rule "
@@ -539,8 +501,6 @@ def _input_name(node: torch.fx.Node) -> str:
 
 def _check_recompile(gm, example_inputs, opts, name: str) -> None:
     """Raise RecompileError (naming what changed) if this compile is forbidden; else note it."""
-    from .serving import InputSignature, check_compile_allowed, compile_allowed, signature_change
-
     cid = torch._guards.CompileContext.current_compile_id()
     seen = _compiled_signatures.setdefault(getattr(cid, "frame_id", None), [])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -559,17 +519,9 @@ def _observe_pass(graph_name: str, record, gm) -> None:
 
 def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None):
     """Compile a Dynamo graph for XLA. Registered as the `fx2xla` torch.compile backend."""
-
-    import weakref
-
-    from .passes.sharding import input_annotations, input_tensors
-    from .sharding import is_mark
-
     opts = _check_options(options)
     name = _graph_name("dynamo")
     if name != "dynamo":  # which torch.compile result these graphs are of: explain_sharding(compiled)
-        from .sharding import note_compile_origin
-
         note_compile_origin(name[: -len("dynamo")])
     _check_recompile(gm, example_inputs, opts, name)
     # Read before any pass: the real tensors behind the inputs, and the user's names of them.
@@ -587,9 +539,6 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         try:
             compiled = _aot_compile(passed, example_inputs, opts, dynamo_inputs)
         except Exception as e:  # noqa: BLE001  a pass produced a graph we cannot compile
-            from .errors import InvalidInputError
-            from .serving import RecompileError
-
             if isinstance(e, (RecompileError, InvalidInputError)):  # the inputs', not the pass's
                 raise
             changed = ", ".join(r.name for r in records if r.changed)
@@ -597,8 +546,6 @@ def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); compiling it "
                           f"without them. options={{{changed!r}: False}} skips them.", stacklevel=2)
         else:
-            from .metrics import counters
-
             counters.scan_folds += sum(n.startswith("folded") for r in records for n in r.notes)
             return compiled
     return _aot_compile(gm, example_inputs, opts, dynamo_inputs)
@@ -617,16 +564,12 @@ def _input_names(gm) -> list[str]:
 
 def _readable(source: str) -> str:
     """`L['self']._modules['fc']._parameters['weight']` as `fc.weight`; `L['x']` as `x`."""
-    import re
-
     name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", source)
     name = re.sub(r"^L\['(?:self|fn|mod|model)'\]\.", "", name)
     return re.sub(r"^L\['([^']+)'\]", r"\1", name)
 
 
 def _aot_compile(gm, example_inputs, opts, dynamo_inputs=None):
-    from . import precompile
-
     check = precompile.in_precompile
     precompiling = check()
     inference_graphs: list = []
@@ -646,9 +589,6 @@ def _aot_compile(gm, example_inputs, opts, dynamo_inputs=None):
 
 def _aot_autograd(gm, example_inputs, opts, inference_graphs: list, dynamo_inputs=None):
     from torch._dynamo.backends.common import aot_autograd
-
-    from .decompositions import decomposition_table, sharded_decomposition_table
-    from .sharding import is_mark
 
     sharded = dynamo_inputs is not None or any(is_mark(n) for n in gm.graph.nodes)
     return aot_autograd(

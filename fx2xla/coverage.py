@@ -5,6 +5,8 @@ import importlib
 
 import torch
 
+from .lowering.registry import lowering_for
+
 # Prims that survive the core-ATen decompositions in real graphs (e.g. AdamW's fma).
 SURVIVING_PRIMS = ("fma",)
 
@@ -33,8 +35,6 @@ def core_overloads() -> list:
 
 def coverage() -> tuple[list, list]:
     """(lowered, falls_back): core overloads with and without a rule."""
-    from .lowering.registry import lowering_for
-
     lowered, missing = [], []
     for op in core_overloads():
         (lowered if lowering_for(op) is not None else missing).append(op)

@@ -13,6 +13,8 @@ import torch
 from torch._decomp import core_aten_decompositions
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes, get_computation_dtype
 
+from .errors import InvalidInputError
+
 aten = torch.ops.aten
 
 
@@ -46,8 +48,6 @@ def _take(x, index):
 def _checked_index_add(decomposition, x, dim, index, source, *, alpha=1):
     """Eager's shape check of index_add, which the core decomposition (an index_put that
     broadcasts `source`) would skip: a wrongly shaped source is an error, not a broadcast."""
-    from .errors import InvalidInputError
-
     if x.dim() > 0 and source.dim() > 0:
         d = dim % x.dim()
         same = source.dim() == x.dim() and all(x.shape[i] == source.shape[i] for i in range(x.dim()) if i != d)

@@ -158,8 +158,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     address, store = request.coordinator_address, None
     if address is None:
         host, store_port = request.store_address
-        port, store = _agree_port(host, store_port, request.process_id, request.num_processes,
-                                  request.init_timeout_s)
+        port, store = agree_port(host, store_port, request.process_id, request.num_processes,
+                                 request.init_timeout_s)
         address = _join_host_port(host, port)
 
     # jax terminates the process (SIGABRT) when joining times out; the timer speaks first.
@@ -212,6 +212,13 @@ def shutdown() -> None:
 
     jax.distributed.shutdown()
     _state.request = _state.store = _state.watchdog = None
+
+
+def group_settings() -> dict | None:
+    """The settings initialize() resolved for this process's group (coordinator and store
+    addresses, process count and id, local devices, timeouts, watchdog), or None where it has not
+    run here (or shutdown() left the group)."""
+    return None if _state.request is None else dataclasses.asdict(_state.request)
 
 
 def is_initialized() -> bool:
@@ -442,8 +449,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agree_port(host: str, store_port: int, process_id: int, num_processes: int, timeout_s: float,
-                agent_store: bool | None = None):
+def agree_port(host: str, store_port: int, process_id: int, num_processes: int, timeout_s: float,
+               agent_store: bool | None = None):
     """(coordinator port, store): process 0 picks a free port and publishes it in the TCPStore at
     host:store_port; the others read it (waiting up to `timeout_s`). `agent_store` (default:
     TORCHELASTIC_USE_AGENT_STORE=True, torchrun's mark): the store is torchrun's agent's, so every

@@ -1,14 +1,14 @@
 """Errors a user can hit, each naming the op, its inputs and the user's source line."""
 from __future__ import annotations
 
+from .lowering.dtypes import short_dtype_name
+
 
 def describe_value(v) -> str:
     """`f32[4, 8]` for a tensor-like (FakeTensor or meta val), repr for anything else."""
     import torch
 
     if isinstance(v, torch.Tensor):
-        from .lowering.dtypes import short_dtype_name
-
         return f"{short_dtype_name(v.dtype)}{list(v.shape)}"
     if isinstance(v, (list, tuple)):
         inner = ", ".join(describe_value(x) for x in v)

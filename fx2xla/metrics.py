@@ -4,6 +4,8 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
+from .runtime import client, executable_cache, executor
+
 
 @dataclass
 class Counters:
@@ -33,17 +35,14 @@ def metrics() -> dict:
     (memory and disk), XLA compiles and their seconds, lowering seconds, and the memory XLA
     holds on each device fx2xla used (`device_memory`), and the bytes host offloading moved
     (`offloaded_bytes` into host memory, `reloaded_bytes` out of it)."""
-    from .runtime import executable_cache
-    from .runtime.executor import disk_cache
-
     out = dict(counters.__dict__)
     out["pass_seconds"] = dict(counters.pass_seconds)
     graphs = list(live_graphs)
-    out["executions"] = sum(g.executions for g in graphs)
-    out["execute_seconds"] = sum(g.execute_seconds for g in graphs)  # with FX2XLA_TIME_EXECUTE=1
+    out["executions"] = sum(g.executor.executions for g in graphs)
+    out["execute_seconds"] = sum(g.executor.execute_seconds for g in graphs)  # with FX2XLA_TIME_EXECUTE=1
     # Host offloading (option offload): bytes per device the executables left in host memory and
     # took from it, over the live graphs' calls.
-    per_call = [(g.offload_per_call, g.executions) for g in graphs if getattr(g, "offload_per_call", None)]
+    per_call = [(g.offload_per_call, g.executor.executions) for g in graphs if g.offload_per_call]
     out["offloaded_bytes"] = sum(p[0] * n for p, n in per_call)
     out["reloaded_bytes"] = sum(p[1] * n for p, n in per_call)
     s = executable_cache.stats
@@ -54,7 +53,7 @@ def metrics() -> dict:
         compiles=s.compiles,
         compile_seconds=s.compile_seconds,
     )
-    d = disk_cache()
+    d = executor.disk_cache()
     ds = d.stats if d is not None else None
     out.update(
         disk_cache_dir=d.folder if d is not None else None,
@@ -64,11 +63,9 @@ def metrics() -> dict:
         disk_dropped=ds.dropped if ds else 0,
         disk_load_seconds=ds.load_seconds if ds else 0.0,
     )
-    from .runtime.client import device_memory, used_devices
-
     # Per device fx2xla ran on: what XLA holds there ({"bytes_in_use", "peak_bytes_in_use",
     # "bytes_limit"}; None where the platform does not say).
-    out["device_memory"] = {str(d): device_memory(d) for d in sorted(used_devices, key=str)}
+    out["device_memory"] = {str(d): client.device_memory(d) for d in sorted(client.used_devices, key=str)}
     return out
 
 

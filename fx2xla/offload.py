@@ -34,6 +34,10 @@ import warnings
 import torch
 
 from .errors import Fx2XlaError
+from .metrics import is_compiled_graph, live_graphs
+from .plan import input_mutations
+from .runtime.executor import optimized_hlo_text
+from .sharding import fmt_bytes, mesh_by_id, per_device_bytes
 
 # The memory kind host-offloaded values live in: jax's `jax.memory.Space.Host`, on accelerators
 # and on the CPU client alike (which has "device", "pinned_host" and "unpinned_host").
@@ -186,8 +190,6 @@ def optimizer_state_inputs(gm: torch.fx.GraphModule, example_inputs, meta) -> se
     """Positions of the optimizer state an inference graph writes: floating tensors of one
     dimension or more that it writes and that are not parameters, in a graph that writes
     parameters too (an optimizer step; a step counter is 0-d and stays on the device)."""
-    from .plan import input_mutations
-
     info = getattr(meta, "input_info", None)
     if info is None or len(info) != len(example_inputs):
         return set()
@@ -307,8 +309,6 @@ def offload_per_call(plan, example_inputs) -> tuple[int, int]:
             return 0
         shape = tuple(int(s) for s in meta.shape)
         if spec is not None and plan.mesh_id is not None:
-            from .sharding import per_device_bytes, mesh_by_id
-
             return per_device_bytes(shape, spec, mesh_by_id(plan.mesh_id)) * meta.element_size()
         return math.prod(shape) * meta.element_size()
 
@@ -326,7 +326,9 @@ _SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\](?:\{([^}]*)\})?")
 _SPACES = {0: "device", 5: HOST_KIND}
 
 
-def _entry_layout(hlo_text: str) -> str:
+def entry_layout(hlo_text: str) -> str:
+    """The entry computation layout of an optimized HLO module's text (`(params)->results`, each
+    array with its layout and memory space), or "" where the text has none."""
     m = re.search(r"entry_computation_layout=\{", hlo_text)
     if m is None:
         return ""
@@ -357,12 +359,10 @@ def memory_by_kind(graph) -> dict | None:
     entry computation layout (XLA's memory space of each parameter and result), "xla": XLA's
     memory analysis (`get_compiled_memory_stats()`, its device and host_* fields; None where the
     runtime has none), "plan": the bytes the plan offloads per call (left in, taken from host)."""
-    from .runtime.executor import optimized_hlo_text
-
     spec = getattr(graph, "static", None)
     if spec is None:
         return None
-    layout = _entry_layout(optimized_hlo_text(spec.exe))
+    layout = entry_layout(optimized_hlo_text(spec.exe))
     params, _, results = layout.partition("->")
     try:
         stats = spec.exe.get_compiled_memory_stats()
@@ -379,20 +379,12 @@ def memory_by_kind(graph) -> dict | None:
             "plan": {"offloaded": per_call[0], "reloaded": per_call[1]}}
 
 
-def _fmt(n: float) -> str:
-    from .sharding import fmt_bytes
-
-    return fmt_bytes(n)
-
-
 def explain_memory(graph=None, file=None) -> str:
     """A report, per compiled graph, of its bytes per memory kind: XLA's memory analysis of the
     executable (device and host fields as the runtime reports them), the memory kind XLA compiled
     each argument and result into (its entry computation layout), and which values fx2xla
     offloaded. `graph`: a CompiledGraph, a list of them, or None for every live graph. Printed to
     `file` when given; returned."""
-    from .metrics import is_compiled_graph, live_graphs
-
     if graph is None:
         graphs = sorted(live_graphs, key=lambda g: g.name)
     else:
@@ -411,16 +403,17 @@ def explain_memory(graph=None, file=None) -> str:
         if xla is None:
             lines.append("  XLA's memory analysis: not available on this runtime")
         else:
-            lines.append(f"  XLA's memory analysis (per device): device: arguments {_fmt(xla['argument_size_in_bytes'])}, "
-                         f"results {_fmt(xla['output_size_in_bytes'])}, aliased {_fmt(xla['alias_size_in_bytes'])}, "
-                         f"temporaries {_fmt(xla['temp_size_in_bytes'])}; host: arguments "
-                         f"{_fmt(xla.get('host_argument_size_in_bytes', 0))}, results "
-                         f"{_fmt(xla.get('host_output_size_in_bytes', 0))}, temporaries "
-                         f"{_fmt(xla.get('host_temp_size_in_bytes', 0))}")
+            lines.append(f"  XLA's memory analysis (per device): device: arguments "
+                         f"{fmt_bytes(xla['argument_size_in_bytes'])}, results {fmt_bytes(xla['output_size_in_bytes'])}, "
+                         f"aliased {fmt_bytes(xla['alias_size_in_bytes'])}, "
+                         f"temporaries {fmt_bytes(xla['temp_size_in_bytes'])}; host: arguments "
+                         f"{fmt_bytes(xla.get('host_argument_size_in_bytes', 0))}, results "
+                         f"{fmt_bytes(xla.get('host_output_size_in_bytes', 0))}, temporaries "
+                         f"{fmt_bytes(xla.get('host_temp_size_in_bytes', 0))}")
         for side in ("arguments", "results"):
             kinds = info[side]
             lines.append(f"  {side} by memory kind (XLA's compiled layout, per device): "
-                         + (", ".join(f"{k} {_fmt(b)}" for k, b in sorted(kinds.items())) or "none"))
+                         + (", ".join(f"{k} {fmt_bytes(b)}" for k, b in sorted(kinds.items())) or "none"))
         host_layout = sum(b for side in ("arguments", "results") for k, b in info[side].items() if k != "device")
         host_xla = sum(v for k, v in (xla or {}).items() if k.startswith("host_"))
         if host_layout and xla is not None and not host_xla:
@@ -431,8 +424,9 @@ def explain_memory(graph=None, file=None) -> str:
         offloaded = [f"input {n.name}" for n, p in zip(placeholders, plan.inputs) if p.memory_kind is not None]
         offloaded += [f"result {r.node.name}" for r in plan.results if r.memory_kind is not None]
         if offloaded:
-            lines.append(f"  in host memory ({HOST_KIND}): {len(offloaded)} value(s), {_fmt(info['plan']['offloaded'])} "
-                         f"left there and {_fmt(info['plan']['reloaded'])} taken from there per call: "
+            lines.append(f"  in host memory ({HOST_KIND}): {len(offloaded)} value(s), "
+                         f"{fmt_bytes(info['plan']['offloaded'])} "
+                         f"left there and {fmt_bytes(info['plan']['reloaded'])} taken from there per call: "
                          + ", ".join(offloaded[:12]) + (f", ... ({len(offloaded) - 12} more)" if len(offloaded) > 12 else ""))
     text = "\n".join(lines) if lines else "no compiled graphs"
     if file is not None:

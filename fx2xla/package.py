@@ -28,20 +28,36 @@ Other objects are refused at export, with what to change.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 
+import safetensors.torch
 import torch
 
+from .compiled_graph import compile_lowered
+from .decompositions import decomposition_table
 from .errors import Fx2XlaError
+from .layouts import inverse
+from .lowering.checks import CheckRecord
+from .lowering.graph import lower_graph, symbol_bindings
+from .plan import (InputKind, build_plan, from_json, json_value, outputs_from_record, outputs_record, plan_from_record,
+                   plan_record)
+from .plan_executor import PlanExecutor, Specialization, install_input
+from .runtime import compile_module, default_device, device_for
+from .runtime.client import local_device
+from .runtime.executor import compile_options
+from .sharding import annotation_of, is_mark
+from .version import __version__
 
 FORMAT = "fx2xla-package"
-FORMAT_VERSION = 1
+# 2: the manifest holds the plan's record (plan.plan_record); 1 kept its fields beside the
+# inputs and is still read.
+FORMAT_VERSION = 2
 _MANIFEST = "manifest.json"
 _WEIGHTS = "weights.safetensors"
 _PROGRAM = "program.pt2"
@@ -56,7 +72,6 @@ def _export_table() -> dict:
     """AOTAutograd's decomposition table minus the attention entries: torch.export keeps the
     composite SDPA op (which has its own rule), and its math decomposition re-traced here
     gives the attention output other strides than the model's later views expect."""
-    from .decompositions import decomposition_table
 
     return {k: v for k, v in decomposition_table().items() if "dot_product" not in str(k)}
 
@@ -113,33 +128,6 @@ def portable_module(module_text: str, public: bool | None = None) -> tuple[str, 
         except (ImportError, AttributeError):
             pass
     return _portable_public(module_text)
-
-
-def _json_value(v):
-    if isinstance(v, (tuple, list)):
-        return [_json_value(x) for x in v]
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, torch.dtype):
-        return {"dtype": str(v).removeprefix("torch.")}
-    raise PackageError(f"fx2xla.export: an output or view argument {v!r} ({type(v).__name__}) cannot be stored")
-
-
-def _from_json(v):
-    if isinstance(v, list):
-        return [_from_json(x) for x in v]
-    if isinstance(v, dict) and "dtype" in v:
-        return getattr(torch, v["dtype"])
-    return v
-
-
-def _op_name(op) -> str:
-    return f"{op.namespace}.{op._schema.name.split('::')[1]}.{op._overloadname}"
-
-
-def _op(name: str):
-    namespace, op, overload = name.split(".")
-    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
 # The model's return value. torch.export takes flat outputs, and refuses objects it has no pytree
@@ -216,7 +204,7 @@ def _flatten_output(value, leaves: list, where: str = "output", cache: str | Non
         leaves.append(value)
         return {"leaf": len(leaves) - 1}
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
-        return {"const": _json_value(value)}
+        return {"const": json_value(value)}
     cls = type(value)
     generic = sys.modules.get("transformers.utils.generic")
     if generic is not None and isinstance(value, generic.ModelOutput):
@@ -297,7 +285,7 @@ def _builder(node, torch_device):
         i = node["leaf"]
         return lambda r: r[i]
     if "const" in node:
-        value = _from_json(node["const"])
+        value = from_json(node["const"])
         return lambda r: value
     if "device" in node:
         return lambda r: torch_device
@@ -340,7 +328,6 @@ def _builder(node, torch_device):
 def _warn_unsharded(model, example_inputs, gm) -> None:
     """Packages hold one-device executables: say so when the model was sharded (values are the
     same; only the layout over devices is not kept)."""
-    from .sharding import annotation_of, is_mark
 
     tensors = [*model.parameters(), *model.buffers(), *example_inputs]
     if any(annotation_of(t) is not None for t in tensors) or any(is_mark(n) for n in gm.graph.nodes):
@@ -364,9 +351,6 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     transformers' DynamicCache / EncoderDecoderCache (a causal LM with use_cache=True); the
     loaded model returns the same structure. Anything else (a StaticCache, an offloaded or
     quantized cache, another object) raises PackageError naming it and what to change."""
-    import safetensors.torch
-
-    from .runtime import device_for
 
     example_inputs = tuple(example_inputs)
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
@@ -408,9 +392,8 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     dynamic = any(isinstance(d, dict) for spec in inputs for d in spec.get("dims", ()))
     device = device_for([v.device for v in fakes if isinstance(v, torch.Tensor) and not (v.device.type == "cpu" and v.dim() == 0)])
     plan, lowered = _lower(gm, fakes, device, inputs, concrete if dynamic else None, check_indices)
-    for spec, fake, p in zip(inputs, fakes, plan.inputs):
-        spec.update(dtype=str(fake.dtype).removeprefix("torch."), layout=p.kind,
-                    perm=list(p.perm) if p.perm is not None else None)
+    for spec, fake in zip(inputs, fakes):
+        spec["dtype"] = str(fake.dtype).removeprefix("torch.")
     # Inputs the graph writes (BatchNorm statistics, counters, caches; user inputs written in
     # place): torch.export returns their new contents as leading outputs, which the loaded
     # model installs in them after each call instead of returning them.
@@ -438,7 +421,6 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     import jax
     import jaxlib
 
-    from .runtime.executor import compile_options
 
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
@@ -446,9 +428,9 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
                        "jaxlib": jaxlib.version.__version__},
         "platform": device.platform, "device_kind": device.kind,
         "compile_options": compile_options(device.platform).SerializeAsString().hex(),
-        "inputs": inputs, "mutations": [list(m) for m in plan.mutations], "written_outputs": written,
+        "inputs": inputs, "plan": plan_record(plan), "written_outputs": written,
         "output_tree": record["tree"],
-        "seed": plan.seed, "dynamic": dynamic, "check_indices": check_indices, "variants": [variant],
+        "dynamic": dynamic, "check_indices": check_indices, "variants": [variant],
         "export_seconds": time.perf_counter() - t0,
         "files": {name: {"sha256": _sha256(os.path.join(path, name)), "bytes": os.path.getsize(os.path.join(path, name))}
                   for name in files},
@@ -481,8 +463,6 @@ def _dims(fake: torch.Tensor, ranges) -> list:
 def _lower(gm, fakes, device, inputs, concrete, check_indices):
     """(plan, lowered) of an exported graph on `device`, at the shapes of `concrete` (all
     placeholders' values) or, for static graphs (None), at the example shapes."""
-    from .lowering.graph import lower_graph
-    from .plan import build_plan
 
     resident = {i for i, spec in enumerate(inputs) if spec["kind"] != "user"}
     plan = build_plan(gm, fakes, device, resident)
@@ -495,9 +475,6 @@ def _lower(gm, fakes, device, inputs, concrete, check_indices):
 def _at_shapes(lowered, fakes, concrete):
     """`lowered` with its outputs' strides and view arguments (symbolic in a dynamic graph: a
     slice of a cache) as numbers at the shapes of `concrete`, as a variant stores them."""
-    import dataclasses
-
-    from .lowering.graph import symbol_bindings
 
     bindings = symbol_bindings(fakes, concrete)
 
@@ -515,18 +492,16 @@ def _at_shapes(lowered, fakes, concrete):
 
 
 def _variant_json(lowered, shapes) -> dict:
-    return {"shapes": shapes,
-            "outputs": [{"kind": o.kind, "index": o.index, "inv_perm": _json_value(o.inv_perm),
-                         "stride": _json_value(o.stride), "value": _json_value(o.value),
-                         "views": [[_op_name(op), _json_value(args)] for op, args in o.views]}
-                        for o in lowered.outputs],
-            "checks": [r.message for r in lowered.checks]}
+    try:
+        outputs = outputs_record(lowered.outputs)
+    except TypeError as e:
+        raise PackageError(f"fx2xla.export: {e}") from None
+    return {"shapes": shapes, "outputs": outputs, "checks": [r.message for r in lowered.checks]}
 
 
 def _write_variant(path, n, device, lowered, shapes, compile_here: bool) -> dict:
     """Write variant `n` (one set of input shapes): its portable module and, when
     `compile_here`, its executable for `device`. Returns its manifest entry."""
-    from .runtime.executor import compile_options
 
     variant = _variant_json(lowered, shapes)
     module_format, module_bytes = portable_module(lowered.module_text)
@@ -546,19 +521,7 @@ def _write_variant(path, n, device, lowered, shapes, compile_here: bool) -> dict
 
 
 def _version() -> str:
-    from .version import __version__
-
     return __version__
-
-
-@dataclass(frozen=True)
-class _OutputPlan:
-    kind: str
-    index: int
-    inv_perm: tuple | None
-    stride: tuple | None
-    value: object
-    views: tuple
 
 
 def _read_manifest(path: str) -> dict:
@@ -589,26 +552,13 @@ def _check_file(path: str, name: str, entry: dict, full: bool) -> str:
     return file
 
 
-@dataclass(frozen=True)
-class _Variant:
-    """One set of input shapes: its executable's launcher, output plans and index checks."""
-
-    launch: object
-    out_plans: list  # what CompiledGraph.wrap_outputs reads
-    checks: list
-    raise_failed: object
-    compiled_from_module: bool
-
-
 class LoadedModel:
     """A package ready to run: `model(*tensors) -> output(s)`, as the exported model returned
-    them. Thread-safe: any number of threads may call it."""
+    them. Thread-safe: any number of threads may call it. Calls run the package's plan through
+    the same executor as a compiled graph (plan_executor.PlanExecutor): the weights are its
+    resident inputs, imported once and again only after the model writes them."""
 
     def __init__(self, path: str, verify: bool = True):
-        import safetensors.torch
-
-        from .runtime.handoff import make_importer, make_stream_order
-
         t0 = time.perf_counter()
         manifest = _read_manifest(path)
         self.path = path
@@ -627,33 +577,24 @@ class LoadedModel:
         self._inputs = manifest["inputs"]
         self._user = [i for i, spec in enumerate(self._inputs) if spec["kind"] == "user"]
         self._dtypes = {i: getattr(torch, spec["dtype"]) for i, spec in enumerate(self._inputs)}
-        self._import = make_importer(platform=device.platform)
-        # CUDA/ROCm: jax's import stream waits once per batch of imports for the torch kernels
-        # that made them (handoff.make_stream_order), and misaligned tensors are copied first.
-        self._order = make_stream_order(platform=device.platform)
-        self._align = device.platform in ("cuda", "rocm")
-        self._jax_device = device.jax_device
-        self._held = {}  # input position -> its torch tensor (weights; outputs may be views of them)
-        self._resident = {}  # input position -> device buffer
-        for i, spec in enumerate(self._inputs):
-            if spec["kind"] != "user":
-                self._held[i] = weights[spec["weight"]]
-        self._reimport(list(self._held))
+        first = manifest["variants"][0]
+        self.plan = plan_from_record(_plan_of(manifest), device, outputs_from_record(first["outputs"]))
+        # The call's arguments: the weights (laid out as the plan passes them) at their
+        # positions, the user's tensors filled in per call.
+        self._args = [None if spec["kind"] == "user" else _laid_out(weights[spec["weight"]], self.plan.inputs[i])
+                      for i, spec in enumerate(self._inputs)]
+        self._executor = PlanExecutor(self.plan)
+        self.compiled_from_module = False  # some executable was compiled here from the portable module
         self._variants = {_shape_key(v["shapes"]): self._load_variant(v) for v in manifest["variants"]}
-        self.compiled_from_module = any(v.compiled_from_module for v in self._variants.values())
         self._program = None  # the exported program (dynamic packages), read at the first new shape
-        self._mutations = [tuple(m) for m in manifest["mutations"]]
         self._written = [tuple(m) for m in manifest.get("written_outputs", [])]
         self._written_outputs = {j for _, j in self._written}
-        self._seed = manifest["seed"]
         self._build = _output_builder(manifest.get("output_tree"), torch_device)
         self._lock = threading.Lock()
         self.load_seconds = time.perf_counter() - t0
 
-    def _load_variant(self, v: dict) -> _Variant:
+    def _load_variant(self, v: dict) -> Specialization:
         """Deserialize the executable that fits this device and jaxlib, else compile the module."""
-        from .runtime.executor import compile_options
-
         device, files = self.device, self.manifest["files"]
         module_file = _check_file(self.path, v["module"], files[v["module"]], True)
         exe = None
@@ -666,42 +607,32 @@ class LoadedModel:
                                                                compile_options(device.platform))
             except Exception:  # noqa: BLE001  built by an XLA this one cannot load: compile instead
                 exe = None
-        from_module = exe is None
         if exe is None:
+            self.compiled_from_module = True
             with open(module_file, "rb") as f:
                 blob = f.read()
             exe = _compile_portable(blob if v["module_format"] == "portable" else blob.decode(), device)
-        return self._variant(exe, v, from_module)
+        return self._variant(exe, v)
 
-    def _variant(self, exe, v: dict, from_module: bool) -> _Variant:
-        from .compiled_graph import make_check_raiser
-        from .lowering.checks import CheckRecord
-        from .runtime.executor import make_launcher
+    def _variant(self, exe, v: dict) -> Specialization:
+        return Specialization(exe, self.plan, outputs_from_record(v["outputs"]),
+                              tuple(CheckRecord(m) for m in v["checks"]), None)
 
-        outputs = [_OutputPlan(o["kind"], o["index"], _tuple(o["inv_perm"]), _tuple(o["stride"]), _from_json(o["value"]),
-                               tuple((_op(name), tuple(_from_json(args))) for name, args in o["views"]))
-                   for o in v["outputs"]]
-        checks = [CheckRecord(m) for m in v["checks"]]
-        return _Variant(make_launcher(exe, _exporter(self.device)), outputs, checks,
-                        make_check_raiser(self.device.platform) if checks else None, from_module)
-
-    def _new_variant(self, args) -> _Variant:
+    def _new_variant(self, args) -> Specialization:
         """A dynamic package called with shapes it holds no executable for: lower its exported
         program at these shapes (no tracing) and compile, through the disk cache."""
-        from .compiled_graph import compile_lowered
-        from .runtime import compile_module
-
         if self._program is None:
             program_file = _check_file(self.path, _PROGRAM, self.manifest["files"][_PROGRAM], True)
             self._program = torch.export.load(program_file)
         gm = self._program.graph_module
         fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
         user = iter(args)
-        concrete = [self._held[i] if i in self._held else next(user) for i in range(len(self._inputs))]
+        concrete = [next(user) if held is None else held for held in self._args]
         lowered, exe = compile_lowered(
             lambda: _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"])[1],
             lambda text: compile_module(text, self.device), f"package {self.path!r}")
-        return self._variant(exe, _variant_json(lowered, [list(a.shape) for a in args]), True)
+        self.compiled_from_module = True
+        return self._variant(exe, _variant_json(lowered, [list(a.shape) for a in args]))
 
     def __repr__(self) -> str:
         sig = ", ".join(f"{self._inputs[i]['name']}: {self._inputs[i]['dtype']}{_describe(self._inputs[i]['dims'])}"
@@ -727,9 +658,6 @@ class LoadedModel:
                     f"{self.path!r} was exported for {spec['dtype']}{_describe(dims)}{hint}")
 
     def __call__(self, *args):
-        from .compiled_graph import CompiledGraph, draw_seed, install_input
-        from .runtime.handoff import aligned
-
         self._check_args(args)
         key = tuple(tuple(a.shape) for a in args)
         variant = self._variants.get(key)
@@ -738,64 +666,22 @@ class LoadedModel:
                 variant = self._variants.get(key)
                 if variant is None:
                     variant = self._variants[key] = self._new_variant(args)
-        device = self.device.torch_device
-        bufs = []
-        fresh = []  # (position in bufs, tensor to import): every one made in torch before the order
-        user = iter(args)
-        resident = self._resident
-        for i, spec in enumerate(self._inputs):
-            if i in resident:
-                bufs.append(resident[i])
-                continue
-            t = next(user)
-            if not self.device.holds(t.device):
-                t = t.to(device)
-            t = _layout(t, spec)
-            fresh.append((len(bufs), aligned(t) if self._align else t))
-            bufs.append(None)
-        if self._seed:
-            fresh.append((len(bufs), draw_seed(device)))
-            bufs.append(None)
-        if fresh:
-            if self._order is not None:  # once, after every torch kernel queued above
-                self._order(self._jax_device, device.index)
-            for pos, t in fresh:
-                bufs[pos] = self._import(t, self._jax_device)
-        outs = variant.launch(bufs)
-        if variant.checks:
-            variant.raise_failed(outs.pop(), variant.checks)
-        held = dict(self._held)
-        held.update({i: a for i, a in zip(self._user, args)})
-        if self._mutations:
-            with self._lock, torch.no_grad():  # a written buffer: its new contents serve the next call
-                for i, r in self._mutations:
-                    install_input(self._held[i], outs[r])
-                self._reimport([i for i, _ in self._mutations])
-            del outs[min(r for _, r in self._mutations):]
-        results = CompiledGraph.wrap_outputs(variant, outs, held)
+        # No Dynamo guards here: each user tensor is brought to the device and the layout the
+        # plan passes it in (no copy where it already is).
+        call = list(self._args)
+        inputs = self.plan.inputs
+        for i, a in zip(self._user, args):
+            call[i] = _laid_out(a if self.device.holds(a.device) else a.to(self.plan.torch_device), inputs[i])
+        results = self._executor.run(variant, call)
         if self._written:
+            # torch.export returns the new contents of written buffers and inputs as outputs:
+            # installed in them (a written weight's resident buffer is renewed at the next call).
             with self._lock, torch.no_grad():
                 for i, j in self._written:
-                    install_input(self._held[i] if i in self._held else held[i], results[j])
-                self._reimport([i for i, _ in self._written if i in resident])
+                    dst = self._args[i] if self._args[i] is not None else args[self._user.index(i)]
+                    install_input(dst, results[j])
             results = [r for j, r in enumerate(results) if j not in self._written_outputs]
         return self._build(results)
-
-    def _reimport(self, positions) -> None:
-        """New resident buffers for the held tensors at `positions` (weights at load; written
-        buffers after install_input): each made dense (and aligned) in torch first, then one
-        stream order, then the imports."""
-        from .runtime.handoff import aligned
-
-        if not positions:
-            return
-        dense = [(i, _layout(self._held[i], self._inputs[i])) for i in positions]
-        if self._align:
-            dense = [(i, aligned(t)) for i, t in dense]
-        if self._order is not None:
-            self._order(self._jax_device, self.device.torch_device.index)
-        for i, t in dense:
-            self._resident[i] = self._import(t, self._jax_device)
 
 
 def _shape_key(shapes) -> tuple:
@@ -807,24 +693,27 @@ def _describe(dims) -> str:
                            for d in dims) + "]"
 
 
-def _tuple(v):
-    return tuple(v) if v is not None else None
-
-
-def _layout(t: torch.Tensor, spec: dict) -> torch.Tensor:
-    if spec["layout"] == "permuted":
-        return t.permute(spec["perm"]).contiguous()
+def _laid_out(t: torch.Tensor, p) -> torch.Tensor:
+    """`t` (same values) in the layout input plan `p` passes it in: a PERMUTED input such that
+    `t.permute(p.perm)` is dense, any other one contiguous."""
+    if p.kind is InputKind.PERMUTED:
+        return t.permute(p.perm).contiguous().permute(inverse(p.perm))
     return t.contiguous()
 
 
-def _exporter(device):
-    from .runtime.handoff import make_exporter
-
-    return make_exporter(platform=device.platform, index=device.index)
+def _plan_of(manifest: dict) -> dict:
+    """The manifest's plan record; format 1 kept the plan's fields beside the inputs."""
+    if "plan" in manifest:
+        return manifest["plan"]
+    variant = manifest["variants"][0]
+    inputs = [{"kind": spec.get("layout", "tensor"), "perm": spec.get("perm"), "resident": spec["kind"] != "user",
+               "passed": True} for spec in manifest["inputs"]]
+    used = [o["index"] + 1 for o in variant["outputs"] if o["kind"] == "tensor"] + [r + 1 for _, r in manifest["mutations"]]
+    return {"inputs": inputs, "results": max(used, default=0), "mutations": manifest["mutations"],
+            "seed": manifest["seed"]}
 
 
 def _compile_portable(blob, device):
-    from .runtime.executor import compile_options
 
     return device.client.compile_and_load(blob, [device.jax_device], compile_options(device.platform))
 
@@ -832,8 +721,6 @@ def _compile_portable(blob, device):
 def _load_device(platform: str):
     """The device to load on: PJRT_DEVICE when set, else the platform the package was built
     for, falling back to the CPU when that platform is absent here."""
-    from .runtime import default_device
-    from .runtime.client import local_device
 
     if os.environ.get("PJRT_DEVICE", "").strip():
         return default_device()

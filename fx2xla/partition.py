@@ -17,8 +17,11 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from .errors import user_source_line
 from .lowering.registry import PYTHON_OPS
 from .lowering.registry import lowering_for
+from .metrics import counters
 
-_warned: set = set()
+# The ops the eager-fallback warning has named in this process (each is named once). Public: a
+# test starts it afresh to see the warning.
+warned_ops: set = set()
 
 
 def _lowerable(node: torch.fx.Node) -> bool:
@@ -58,9 +61,9 @@ class XlaIsland(torch.nn.Module):
 def _warn_fallback(nodes) -> None:
     for n in nodes:
         key = str(n.target)
-        if key in _warned:
+        if key in warned_ops:
             continue
-        _warned.add(key)
+        warned_ops.add(key)
         warnings.warn(
             f"fx2xla: {key} has no lowering rule and runs eagerly between XLA subgraphs "
             f"(first seen at {user_source_line(n)}). options={{'fallback': 'error'}} makes "
@@ -74,8 +77,6 @@ def partitioned_graph(gm: torch.fx.GraphModule, compile_subgraph, resident: set[
     example_inputs, name, resident_inputs)`) with eager islands between them. `resident`: the
     positions of `gm`'s inputs that are parameters/buffers; a subgraph keeps device buffers
     across calls for those of its inputs alone, never for intermediates (new every call)."""
-    from .metrics import counters
-
     eager = unsupported_nodes(gm)
     counters.fallback_ops += len(eager)
     _warn_fallback(eager)

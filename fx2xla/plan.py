@@ -3,48 +3,95 @@ what the executable returns and how each result becomes the call's output.
 
 `build_plan` reads only the FX graph, its example inputs (FakeTensors: shapes, strides, dtypes,
 devices) and the PJRT device chosen for it; nothing here traces. `lower_graph` emits a module FOR
-a plan, and `CompiledGraph` executes one. Every tensor value the plan names carries its torch
-device, and room for a sharding (filled by the SPMD passes).
+a plan, and `plan_executor.PlanExecutor` runs one. Every tensor value the plan names carries its
+torch device, and room for a sharding (filled by the SPMD passes).
 
 Devices: a graph runs on one PJRT device. An input that lives elsewhere (a CPU 0-d scalar beside
 CUDA tensors; CPU tensors under an explicit `PJRT_DEVICE=CUDA`) is moved first, never handed to
-the executable as is: a host pointer given to a GPU executable as a device buffer is the crash
-of issue 12. Results go back to the device their output lives on in eager PyTorch.
+the executable as is: a host pointer given to a GPU executable as a device buffer crashes the
+process. Results go back to the device their output lives on in eager PyTorch.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
 
 from .layouts import dense_permutation, inverse, is_identity, symbolic
 from .lowering.registry import PYTHON_OPS, graph_uses_randomness, lowering_for
-from .runtime.client import Device
+from .passes.sharding import graph_mesh, propagate
+from .runtime.client import Device, get_backend, torch_index
+from .sharding import ShardingError, mesh_by_id
 
-# How a value crosses between its own device and the executable's:
-#  ""      it lives on the executable's device: zero-copy hand-off
-#  "torch" moved in torch first (`t.to(device)`): the executable's device is one torch has
-#  "pjrt"  handed to its own device's PJRT client, then copied by PJRT (torch has no tensors on
-#          the executable's device, e.g. a CPU build of torch beside jax's CUDA plugin)
-MOVES = ("", "torch", "pjrt")
+class _Named(str, Enum):
+    """A kind written as its plain string (in reprs, messages and a package's JSON)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class InputKind(_Named):
+    """How one graph input reaches the executable."""
+
+    TENSOR = "tensor"  # passed as it is (row-major)
+    PERMUTED = "permuted"  # passed as `t.permute(perm)`, a dense view, and permuted back in the graph
+    CONTIGUOUS = "contiguous"  # copied dense first (sliced, expanded or symbolic strides)
+    SYMINT = "symint"  # a size: specialises the executable, not passed
+
+
+class OutputKind(_Named):
+    """Where one graph output comes from."""
+
+    TENSOR = "tensor"  # an executable result
+    CONST = "const"  # a Python value fixed at lowering time
+    INPUT = "input"  # a graph input, or a view of one replayed in torch
+    CONCAT = "concat"  # a torch-side concatenation of inputs (stacked weights), or a view of it
+
+
+class Move(_Named):
+    """How a value crosses between its own device and the executable's."""
+
+    NONE = ""  # it lives on the executable's device: zero-copy hand-off (falsy)
+    TORCH = "torch"  # moved in torch first (`t.to(device)`): the executable's device is one torch has
+    # Handed to its own device's PJRT client, then copied by PJRT (torch has no tensors on the
+    # executable's device, e.g. a CPU build of torch beside jax's CUDA plugin).
+    PJRT = "pjrt"
+    # Handed over through a jax sharding: split into a mesh's shards, or placed in host memory
+    # (offload.py). Only the executor's import steps carry it; a plan's inputs keep their
+    # device move and say their sharding and memory kind.
+    PLACED = "placed"
+
+
+class Mutation(NamedTuple):
+    """A graph input the graph writes: its position, and the result holding its new contents."""
+
+    input: int
+    result: int
+
+
+class Concat(NamedTuple):
+    """Graph inputs concatenated along dim 0 in torch before the call (weights stacked for a
+    scan), passed as one more executable input: the `aten.cat` node, and the input positions."""
+
+    node: Any  # torch.fx.Node (None in a plan read back from a package)
+    inputs: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class InputPlan:
     """How one graph input reaches the executable.
 
-    kind: "tensor" (passed as is), "permuted" (passed as `t.permute(perm)`, a dense view of a
-    non-row-major tensor, and permuted back in the graph), "contiguous" (copied dense first),
-    "symint" (a size: specialises the executable, not passed).
+    `kind` (InputKind) and, for PERMUTED, `perm` say the layout it is passed in.
     """
 
-    kind: str
+    kind: InputKind
     perm: tuple[int, ...] | None = None
     device: torch.device | None = None  # where the tensor lives (None: a size)
-    move: str = ""  # see MOVES
+    move: Move = Move.NONE
     resident: bool = False  # a parameter/buffer: its device buffer is kept across calls
     passed: bool = True  # reaches the executable (False: a size, or read only by a concatenation)
     sharding: Any = None
@@ -55,24 +102,30 @@ class InputPlan:
     # Host offloading (fx2xla/offload.py): the memory kind the executable takes this input in
     # ("pinned_host"), None for the device's own memory.
     memory_kind: str | None = None
+    # How far AOTAutograd moves this input's version just before each call (1: the graph writes
+    # it, an optimizer step's parameter): the shards a sharded graph left it as (its twin) are
+    # still current at that many versions more. Set for plans that take twins (over a mesh, or
+    # with host memory inputs).
+    bump: int = 0
 
 
 @dataclass(frozen=True)
 class OutputPlan:
     """How one graph output is produced.
 
-    kind: "tensor" (executable result `index`, then `.permute(inv_perm)` if set, or restrided
-    to `stride` if set, then `views` replayed), "const" (a Python value fixed at lowering time,
-    e.g. a size or None; `value` may be a SymInt, resolved per specialization), "input" (below),
-    "concat" (the torch-side concatenation `index` of `GraphPlan.concats`, then `views`).
+    kind (OutputKind): TENSOR (executable result `index`, then `.permute(inv_perm)` if set, or
+    restrided to `stride` if set, then `views` replayed), CONST (a Python value fixed at
+    lowering time, e.g. a size or None; `value` may be a SymInt, resolved per specialization),
+    INPUT (below), CONCAT (the torch-side concatenation `index` of `GraphPlan.concats`, then
+    `views`).
     """
 
-    kind: str
+    kind: OutputKind
     index: int = -1
     inv_perm: tuple[int, ...] | None = None
     stride: tuple[int, ...] | None = None
     value: Any = None
-    # kind "input": graph input `index` itself, or a view of it replayed in torch with `views`
+    # INPUT: graph input `index` itself, or a view of it replayed in torch with `views`
     # ((aten view op, args) pairs): no copy through the executable (e.g. saved activations).
     views: tuple = ()
     device: torch.device | None = None  # where eager PyTorch puts this output
@@ -82,12 +135,12 @@ class OutputPlan:
 class ResultPlan:
     """One result of the executable: the value of graph node `node`, transposed by `perm` in
     the graph when set (a non-row-major output leaves as a dense permutation), exported to
-    `device` (moved there by `move`, see MOVES)."""
+    `device` (moved there by `move`)."""
 
-    node: torch.fx.Node
+    node: torch.fx.Node | None  # None in a plan read back from a package
     perm: tuple[int, ...] | None = None
     device: torch.device | None = None
-    move: str = ""
+    move: Move = Move.NONE
     sharding: Any = None
     memory_kind: str | None = None  # host offloading: the memory kind it is left in (None: device)
 
@@ -99,18 +152,17 @@ class GraphPlan:
     device: Device  # the PJRT device the executable runs on
     torch_device: torch.device | None  # the same device as torch names it (None: torch has none)
     inputs: list[InputPlan]
-    # Concatenations of graph inputs along dim 0 (weights stacked for a scan), done in torch
-    # before the call and passed as extra executable inputs after the graph's tensors:
-    # (cat node, graph input positions). The caller keeps each while its inputs are unchanged.
-    concats: list[tuple[torch.fx.Node, tuple[int, ...]]]
+    # Concatenations of graph inputs along dim 0 (weights stacked for a scan), passed as extra
+    # executable inputs after the graph's tensors. The executor keeps each while its inputs are
+    # unchanged.
+    concats: list[Concat]
     seed: bool  # random ops: one more executable input, an int64 seed drawn by torch per call
     seed_device: torch.device | None  # where the seed is drawn (the executable's device if torch has it)
     results: list[ResultPlan]  # the executable's results, in order (before the index-check code)
     outputs: list[OutputPlan]
     # Graph inputs the graph writes (AOTAutograd's `copy_(input, new)` kept in inference
-    # graphs): (graph input position, result index of the new contents). Their results follow
-    # the outputs' own; CompiledGraph installs them in the inputs.
-    mutations: list[tuple[int, int]]
+    # graphs). Their results follow the outputs' own; the executor installs them in the inputs.
+    mutations: list[Mutation]
     constants: dict = field(default_factory=dict)  # input-independent nodes -> values (literals)
     # SPMD: the mesh the executable runs over (None: one device). Then each passed input's and
     # each result's `sharding` is a spec (per torch dim, a tuple of mesh axes), and `shardings`
@@ -176,18 +228,18 @@ def input_mutations(gm: torch.fx.GraphModule) -> dict:
 def plan_input(val) -> InputPlan:
     """The layout half of an input's plan (kind, perm), from its example value alone."""
     if isinstance(val, torch.SymInt) or isinstance(val, (int, float, bool)):
-        return InputPlan("symint", passed=False)
+        return InputPlan(InputKind.SYMINT, passed=False)
     if not isinstance(val, torch.Tensor):
         raise TypeError(f"fx2xla: unsupported graph input {val!r}")
     shape, stride = val.shape, val.stride()
     if any(isinstance(s, torch.SymInt) for s in list(shape) + list(stride)):
-        return InputPlan("contiguous")
+        return InputPlan(InputKind.CONTIGUOUS)
     if val.numel() <= 1 or val.is_contiguous():
-        return InputPlan("tensor")
+        return InputPlan(InputKind.TENSOR)
     perm = dense_permutation(tuple(shape), tuple(stride))
     if perm is not None and not is_identity(perm):
-        return InputPlan("permuted", perm)
-    return InputPlan("contiguous")
+        return InputPlan(InputKind.PERMUTED, perm)
+    return InputPlan(InputKind.CONTIGUOUS)
 
 
 def _input_concats(gm, placeholders, plans) -> list:
@@ -207,9 +259,9 @@ def _input_concats(gm, placeholders, plans) -> list:
         if not all(isinstance(m, torch.Tensor) and m.dim() > 0 and not symbolic(m.shape) for m in metas):
             continue
         if len({(tuple(m.shape), m.dtype, m.device) for m in metas}) != 1 \
-                or any(plans[index[t]].kind != "tensor" for t in tensors):
+                or any(plans[index[t]].kind is not InputKind.TENSOR for t in tensors):
             continue
-        found.append((node, tuple(index[t] for t in tensors)))
+        found.append(Concat(node, tuple(index[t] for t in tensors)))
     return found
 
 
@@ -284,12 +336,13 @@ def _cpu_kwargs(kwargs: dict) -> dict:
 
 def _move(device: torch.device | None, target: Device, torch_target: torch.device | None) -> str:
     if device is None or target.holds(device):
-        return ""
-    return "torch" if torch_target is not None else "pjrt"
+        return Move.NONE
+    return Move.TORCH if torch_target is not None else Move.PJRT
 
 
 def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
-               resident: set[int] | None = None, annotations=None, solution=None, offload=None) -> GraphPlan:
+               resident: set[int] | None = None, annotations=None, solution=None, offload=None,
+               bumps: frozenset[int] = frozenset()) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -297,10 +350,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     auto-sharding's (passes/auto_sharding.py): its layouts become the plan's constraints.
     `offload`: host offloading (offload.py), (input positions, output positions, memory kind):
     those inputs arrive in, and those outputs' results (and the written inputs' new contents)
-    are left in, that memory kind."""
-    from .passes.sharding import graph_mesh, propagate
-    from .sharding import mesh_by_id
-
+    are left in, that memory kind. `bumps`: the inputs whose version AOTAutograd bumps before
+    each call (see InputPlan.bump)."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -320,30 +371,32 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     concats = _input_concats(gm, placeholders, layouts)
     skipped = _read_only_by(placeholders, concats)
     written = input_mutations(gm)
+    takes_twins = mesh_id is not None or bool(host_inputs)
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
-        if layout.kind == "symint":
+        if layout.kind is InputKind.SYMINT:
             inputs.append(layout)
             continue
         node = placeholders[i]
         spec = shardings.spec(node) if shardings is not None else None
         # Replicated ones are not donated: their new contents reach torch as device 0's buffer
         # itself (zero-copy), which must then outlive the next call.
-        donated = (shardings is not None and layout.kind == "tensor" and i not in skipped and node in written
+        donated = (shardings is not None and layout.kind is InputKind.TENSOR and i not in skipped and node in written
                    and _same_value_type(node, written[node]) and shardings.spec(written[node]) == spec
                    and not mesh_by_id(mesh_id).named_sharding(spec).is_fully_replicated)
         # A donated buffer is consumed by each call: never kept resident.
         inputs.append(InputPlan(layout.kind, layout.perm, ex.device, _move(ex.device, device, torch_device),
                                 resident=i in resident and not donated, passed=i not in skipped,
                                 sharding=spec, donated=donated,
-                                memory_kind=host_kind if i in host_inputs and i not in skipped else None))
+                                memory_kind=host_kind if i in host_inputs and i not in skipped else None,
+                                bump=int(takes_twins and i in bumps)))
     seed = graph_uses_randomness(gm)
     seed_device = torch_device if torch_device is not None else torch.device("cpu")
 
     constants = constant_values(gm)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_vals = list(output_node.args[0]) if isinstance(output_node.args[0], (list, tuple)) else [output_node.args[0]]
-    tensor_inputs = {n: i for i, (n, p) in enumerate(zip(placeholders, inputs)) if p.kind != "symint"}
+    tensor_inputs = {n: i for i, (n, p) in enumerate(zip(placeholders, inputs)) if p.kind is not InputKind.SYMINT}
     concat_index = {node: j for j, (node, _) in enumerate(concats)}
     results: list[ResultPlan] = []
     outputs: list[OutputPlan] = []
@@ -357,18 +410,18 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     for j, v in enumerate(out_vals):
         memory = host_kind if j in host_outputs else None
         if not isinstance(v, torch.fx.Node):
-            outputs.append(OutputPlan("const", value=v))
+            outputs.append(OutputPlan(OutputKind.CONST, value=v))
             continue
         meta = v.meta.get("val")
         base, views = _view_chain(v)
         if base in tensor_inputs:  # an input or a view of one: no copy through XLA
-            outputs.append(OutputPlan("input", index=tensor_inputs[base], views=views, device=_device(meta)))
+            outputs.append(OutputPlan(OutputKind.INPUT, index=tensor_inputs[base], views=views, device=_device(meta)))
             continue
         if base in concat_index:  # weights stacked in torch before the call
-            outputs.append(OutputPlan("concat", index=concat_index[base], views=views, device=_device(meta)))
+            outputs.append(OutputPlan(OutputKind.CONCAT, index=concat_index[base], views=views, device=_device(meta)))
             continue
         if not isinstance(meta, torch.Tensor):  # a size, a Python value, or None
-            outputs.append(OutputPlan("const", value=meta))
+            outputs.append(OutputPlan(OutputKind.CONST, value=meta))
             continue
         base_meta = base.meta.get("val")
         if views and isinstance(base_meta, torch.Tensor) and not symbolic(base_meta.shape) \
@@ -377,23 +430,23 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             # leaves the executable once, the views are taken in torch.
             if (base, memory) not in base_result:
                 base_result[(base, memory)] = result(base, home=base_meta.device, memory=memory)
-            outputs.append(OutputPlan("tensor", index=base_result[(base, memory)], views=views, device=meta.device))
+            outputs.append(OutputPlan(OutputKind.TENSOR, index=base_result[(base, memory)], views=views, device=meta.device))
             continue
         if meta.dim() > 1 and not symbolic(meta.shape) and meta.numel() > 1 and not meta.is_contiguous():
             shape, stride = tuple(meta.shape), tuple(meta.stride())
             perm = dense_permutation(shape, stride)
             if perm is not None and not is_identity(perm):
-                outputs.append(OutputPlan("tensor", index=result(v, perm, meta.device, memory), inv_perm=inverse(perm),
+                outputs.append(OutputPlan(OutputKind.TENSOR, index=result(v, perm, meta.device, memory), inv_perm=inverse(perm),
                                           device=meta.device))
             else:
-                outputs.append(OutputPlan("tensor", index=result(v, home=meta.device, memory=memory), stride=stride,
+                outputs.append(OutputPlan(OutputKind.TENSOR, index=result(v, home=meta.device, memory=memory), stride=stride,
                                           device=meta.device))
             continue
-        outputs.append(OutputPlan("tensor", index=result(v, home=meta.device, memory=memory), device=meta.device))
+        outputs.append(OutputPlan(OutputKind.TENSOR, index=result(v, home=meta.device, memory=memory), device=meta.device))
     mutations = []
     for dst, node in written.items():  # the inputs' new contents, after the outputs
         position = placeholders.index(dst)
-        mutations.append((position, result(node, home=inputs[position].device, memory=inputs[position].memory_kind)))
+        mutations.append(Mutation(position, result(node, home=inputs[position].device, memory=inputs[position].memory_kind)))
     return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
                      mesh_id, shardings, constraints, operand_constraints)
 
@@ -407,9 +460,6 @@ def _same_value_type(a: torch.fx.Node, b: torch.fx.Node) -> bool:
 def _mesh_device(mesh_id: int, example_inputs) -> Device:
     """This process's first device of a graph's mesh, as the plan's device; tensors of another platform
     than the mesh's are refused (they would be moved device by device behind the user's back)."""
-    from .runtime.client import get_backend, torch_index
-    from .sharding import ShardingError, mesh_by_id
-
     mesh = mesh_by_id(mesh_id)
     for ex in example_inputs:
         if isinstance(ex, torch.Tensor) and ex.device.type not in ("cpu", "meta") and ex.device.type != mesh.platform:
@@ -425,3 +475,76 @@ def _mesh_device(mesh_id: int, example_inputs) -> Device:
 
 def _device(meta):
     return meta.device if isinstance(meta, torch.Tensor) else None
+
+
+# -- A plan as a package stores it ----------------------------------------------------------
+# A package (package.py) keeps the node-free part of a plan in its manifest: what the executor
+# needs to call the executable again in another process, on the device the package is loaded
+# on. Output constants and view arguments are stored as JSON numbers, lists and dtype names.
+
+def plan_record(plan: GraphPlan) -> dict:
+    """The JSON form of `plan`'s calling convention (a one-device plan without torch-side
+    concatenations; its outputs are stored per specialization, see `outputs_record`)."""
+    if plan.mesh_id is not None or plan.concats:
+        raise TypeError("only a one-device plan without torch-side concatenations can be stored")
+    return {"inputs": [{"kind": p.kind, "perm": None if p.perm is None else list(p.perm), "resident": p.resident,
+                        "passed": p.passed} for p in plan.inputs],
+            "results": len(plan.results), "mutations": [list(m) for m in plan.mutations], "seed": plan.seed}
+
+
+def plan_from_record(record: dict, device: Device, outputs: list[OutputPlan]) -> GraphPlan:
+    """The plan `plan_record` stored, on `device` (every input and result lives there: a
+    loaded model moves its inputs to its device before the call)."""
+    home = device.torch_device
+    inputs = [InputPlan(InputKind(p["kind"]), None if p["perm"] is None else tuple(p["perm"]),
+                        None if p["kind"] == InputKind.SYMINT else home, Move.NONE, p["resident"], p["passed"])
+              for p in record["inputs"]]
+    results = [ResultPlan(None, device=home) for _ in range(record["results"])]
+    return GraphPlan(device, home, inputs, [], record["seed"], home, results, list(outputs),
+                     [Mutation(*m) for m in record["mutations"]])
+
+
+def outputs_record(outputs: list[OutputPlan]) -> list:
+    """The JSON form of one specialization's output plans (sizes resolved); TypeError names a
+    value JSON cannot hold."""
+    return [{"kind": o.kind, "index": o.index, "inv_perm": json_value(o.inv_perm), "stride": json_value(o.stride),
+             "value": json_value(o.value), "views": [[_op_name(op), json_value(args)] for op, args in o.views]}
+            for o in outputs]
+
+
+def outputs_from_record(record: list) -> list[OutputPlan]:
+    return [OutputPlan(OutputKind(o["kind"]), o["index"], _tuple(o["inv_perm"]), _tuple(o["stride"]),
+                       from_json(o["value"]), tuple((_op(name), tuple(from_json(args))) for name, args in o["views"]))
+            for o in record]
+
+
+def json_value(v):
+    """`v` (a number, string, None, dtype, or a list or tuple of them) as JSON holds it."""
+    if isinstance(v, (tuple, list)):
+        return [json_value(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    raise TypeError(f"an output or view argument {v!r} ({type(v).__name__}) cannot be stored")
+
+
+def from_json(v):
+    if isinstance(v, list):
+        return [from_json(x) for x in v]
+    if isinstance(v, dict) and "dtype" in v:
+        return getattr(torch, v["dtype"])
+    return v
+
+
+def _tuple(v):
+    return tuple(v) if v is not None else None
+
+
+def _op_name(op) -> str:
+    return f"{op.namespace}.{op._schema.name.split('::')[1]}.{op._overloadname}"
+
+
+def _op(name: str):
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)

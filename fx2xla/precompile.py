@@ -21,7 +21,9 @@ import pickle
 
 from torch._dynamo.aot_compile_types import SerializableCallable
 
+from .compiled_graph import CompiledGraph
 from .errors import Fx2XlaError
+from .runtime import device_for
 
 _VERSION = 1
 
@@ -104,9 +106,6 @@ class PrecompiledGraph(SerializableCallable):
         from torch._subclasses import FakeTensorMode
         from torch.fx._graph_pickler import GraphPickler
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-        from .compiled_graph import CompiledGraph
-        from .runtime import device_for
 
         state = pickle.loads(data)
         if not isinstance(state, dict) or state.get("version") != _VERSION:

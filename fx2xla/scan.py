@@ -28,7 +28,7 @@ log = logging.getLogger("fx2xla.scan")
 __all__ = ["scan", "scan_layers"]
 
 
-def _torch_scan():
+def torch_scan_op():
     """torch's scan higher-order op (`torch._higher_order_ops.scan.scan`, a private API), or None
     when this torch does not have it. The only place fx2xla touches it."""
     try:
@@ -69,7 +69,7 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, *, rever
     n = _check_inputs(init_leaves, xs_leaves)
     # Eager: the plain loop. torch's op would itself run a Python loop, after compiling fn with
     # Dynamo (and recompiling for every new fn).
-    torch_scan = _torch_scan() if torch.compiler.is_compiling() else None
+    torch_scan = torch_scan_op() if torch.compiler.is_compiling() else None
     if torch_scan is None:
         return _python_scan(fn, init, xs_leaves, xs_spec, n, reverse)
 

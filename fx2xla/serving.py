@@ -17,6 +17,7 @@ import torch
 
 from .errors import Fx2XlaError
 from .lowering.dtypes import dtype_name
+from .metrics import metrics
 
 
 class RecompileError(Fx2XlaError):
@@ -157,8 +158,6 @@ def warmup(compiled, inputs, progress: bool = True, device=None) -> dict:
     compiles, disk-cache loads and seconds. TensorSpec/torch.Size inputs are made on `device`,
     by default where the model's parameters live (a CUDA model warms up on its GPU)."""
     from tqdm.auto import tqdm
-
-    from .metrics import metrics
 
     before, t0 = metrics(), time.perf_counter()
     items = list(inputs)

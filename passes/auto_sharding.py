@@ -18,10 +18,10 @@ integer program over the core-ATen graph (the Alpa formulation, section 4.2 of i
     module paths Dynamo records) share one set of variables, and their edges one set of pair
     variables, priced for every layer: the program's size stops growing with depth.
   - Ops without a rule are replicated.
-  The rules are ours, over the core-ATen set, rather than DTensor's op strategies. Ours share
-  the spec form of the propagation pass (passes/sharding.py), which turns the solution into
-  the plan. They price the all-reduce of a contracted dim directly. And they need no process
-  group or fake mesh at compile time.
+  The rules are ours, over the core-ATen set, rather than DTensor's op strategies. They stand
+  beside the propagation pass's rules in one table (passes/op_rules.py), in its spec form
+  (passes/sharding.py turns the solution into the plan). They price the all-reduce of a
+  contracted dim directly. And they need no process group or fake mesh at compile time.
 - **Costs** are seconds, in an alpha-beta model per mesh axis:
   - every all-gather, all-to-all or all-reduce on an axis costs alpha + bytes * beta;
   - compute costs flops / parallelism * gamma, so a plan that parallelises nothing is not free;
@@ -66,7 +66,9 @@ import torch.fx
 
 from fx2xla.sharding import ShardingError, decode_spec, is_mark
 
-from .spec_rules import ATTENTION_OPS, is_pointwise, node_shape, node_value, normalized_dims, reshape_spec
+from .op_rules import MATMULS, SPLITS, Strategy, flops, permutation, rule_of
+from .spec_rules import (ATTENTION_OPS, candidate_specs, is_pointwise, node_shape, node_value, normalized_dims,
+                         output_shapes, replicated, reshape_spec, shard_count, tensor_operands)
 
 aten = torch.ops.aten
 
@@ -134,29 +136,6 @@ class InfeasibleBudget(ShardingError):
         self.least_compiled = least_compiled
 
 
-def candidate_specs(shape, sizes: dict[str, int]) -> list[tuple]:
-    """Every spec of a `shape` tensor where each mesh axis shards at most one dim it divides."""
-    axes = list(sizes)
-    options = []
-    for a in axes:
-        opts = [None] + [d for d, n in enumerate(shape) if n >= sizes[a] and n % sizes[a] == 0]
-        options.append(opts)
-    specs = []
-    for choice in itertools.product(*options):
-        dims = [[] for _ in shape]
-        for a, d in zip(axes, choice):
-            if d is not None:
-                dims[d].append(a)
-        spec = tuple(tuple(x) for x in dims)
-        if all(n % math.prod(sizes[a] for a in s) == 0 for s, n in zip(spec, shape)):
-            specs.append(spec)
-    return list(dict.fromkeys(specs))
-
-
-def _parts(spec, sizes) -> int:
-    return math.prod(sizes[a] for axes in spec for a in axes)
-
-
 def _axis_dim(spec, axis):
     return next((d for d, axes in enumerate(spec) if axis in axes), None)
 
@@ -167,7 +146,7 @@ def reshard_cost(src, dst, shape, itemsize: int, sizes, model: CostModel) -> tup
     nothing where `dst` only slices what every device already holds."""
     if src == dst:
         return 0.0, 0.0
-    local = math.prod(shape) * itemsize / max(1, _parts(src, sizes))
+    local = math.prod(shape) * itemsize / max(1, shard_count(src, sizes))
     seconds = moved = 0.0
     for a, n in sizes.items():
         ds, dd = _axis_dim(src, a), _axis_dim(dst, a)
@@ -179,18 +158,6 @@ def reshard_cost(src, dst, shape, itemsize: int, sizes, model: CostModel) -> tup
         if dd is None:
             local *= n
     return seconds, moved
-
-
-@dataclass
-class _Strategy:
-    out: tuple  # the output's spec
-    needs: list  # per tensor operand: the spec the op needs it in (None: any, no cost)
-    seconds: float = 0.0  # collectives inside the op (partial sums) and compute
-    moved: float = 0.0  # bytes per device those collectives move
-
-
-def _replicated(node) -> tuple:
-    return tuple(() for _ in range(len(node_shape(node) or ())))
 
 
 def _producer(node):
@@ -206,238 +173,38 @@ def _multi_output(node) -> bool:
     return node.op == "call_function" and isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v)
 
 
-def _operands(node) -> list:
-    return [a for a in node.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
+def _table_strategies(node, sizes, model):
+    rule = rule_of(node.target)
+    return rule.strategies(node, sizes, model) if rule is not None and rule.strategies is not None else None
 
 
-_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
-_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.unbind.int, aten.chunk.default}
+def _multi_output_strategies(node, sizes, model) -> list[Strategy]:
+    """Strategies of an op with several outputs (attention, layer norm, split): its op's rule
+    (passes/op_rules.py), else whole operands into whole outputs. Each strategy's `out` holds a
+    spec per output (None for a non-tensor). Its outputs (getitem nodes) share its variables, so
+    a layout it needs is paid once, however many of its outputs are read."""
+    found = _table_strategies(node, sizes, model)
+    if found is not None:
+        return found
+    whole = tuple(None if sh is None else tuple(() for _ in sh) for sh in output_shapes(node))
+    return [Strategy(whole, [replicated(a) for a in tensor_operands(node)])]
 
 
-def _multi_output_strategies(node, sizes) -> list[_Strategy]:
-    """Strategies of an op with several outputs; each one's `out` holds a spec per output (None
-    for a non-tensor). Attention follows q over batch and heads (sequence and head dims whole:
-    k and v are read whole over them); a layer norm keeps its normalised dims whole, its
-    statistics follow the rest; a split's pieces keep the split dim whole. Any other: whole
-    operands, whole outputs. Its outputs (getitem nodes) share its variables, so a layout it
-    needs is paid once, however many of its outputs are read."""
-    shapes = [tuple(int(d) for d in v.shape) if isinstance(v, torch.Tensor) else None for v in node_value(node)]
-    ops, t = _operands(node), node.target
-    first = shapes[0]
-
-    def whole(shape):
-        return None if shape is None else tuple(() for _ in shape)
-
-    if t in ATTENTION_OPS and first is not None and len(first) == 4 and len(ops) >= 3:
-        return [_Strategy((s,) + tuple(None if sh is None else s[:len(sh)] for sh in shapes[1:]),
-                          [s, (s[0], s[1], (), ()), (s[0], s[1], (), ())] + [None] * (len(ops) - 3))
-                for s in candidate_specs(first, sizes) if not s[2] and not s[3]]
-    if t is aten.native_layer_norm.default and first is not None:
-        k, nd = len(node.args[1]), len(first)
-        return [_Strategy((s,) + tuple(None if sh is None else s[:nd - k] + ((),) * (len(sh) - nd + k)
-                                       for sh in shapes[1:]),
-                          [s] + [whole(node_shape(a)) for a in ops[1:]])
-                for s in candidate_specs(first, sizes) if not any(s[nd - k:])]
-    if t in _SPLITS and ops and first is not None:
-        in_shape = node_shape(ops[0])
-        if t is aten.unbind.int:
-            d = normalized_dims(node.args[1] if len(node.args) > 1 else 0, len(in_shape))[0]
-            return [_Strategy(tuple(s for _ in shapes), [s[:d] + ((),) + s[d:]]) for s in candidate_specs(first, sizes)]
-        d = normalized_dims(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(in_shape))[0]
-        return [_Strategy(tuple(s for _ in shapes), [s]) for s in candidate_specs(first, sizes)
-                if not s[d] and all(sh is None or all(n % _parts((axes,), sizes) == 0 for n, axes in zip(sh, s))
-                                    for sh in shapes)]
-    return [_Strategy(tuple(whole(sh) for sh in shapes), [whole(node_shape(a)) for a in ops])]
-
-
-def _flops(node) -> float:
-    t = node.target
-    if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
-        a = node.args[1] if t is aten.addmm.default else node.args[0]
-        sa, out = node_shape(a), node_shape(node)
-        return 2.0 * math.prod(out) * sa[-1]
-    shape = node_shape(node)
-    return float(math.prod(shape)) if shape else 0.0
-
-
-def _matmul_strategies(node, sizes, model) -> list[_Strategy]:
-    t = node.target
-    a, b = (node.args[1], node.args[2]) if t is aten.addmm.default else (node.args[0], node.args[1])
-    batched = t is aten.bmm.default
-    dims = ("B", "M", "N", "K", None) if batched else ("M", "N", "K", None)
-    out_shape = node_shape(node)
-    k = node_shape(a)[-1]
-    extent = dict(zip(("B", "M", "N") if batched else ("M", "N"), out_shape)) | {"K": k}
-    itemsize = node_value(node).element_size()
-    strategies = []
-    for choice in itertools.product(dims, repeat=len(sizes)):
-        by = {d: [a_ for a_, c in zip(sizes, choice) if c == d] for d in ("B", "M", "N", "K")}
-        if any(extent[d] % math.prod(sizes[x] for x in axes) for d, axes in by.items() if axes and d in extent):
-            continue
-        B, M, N, K = (tuple(by[d]) for d in ("B", "M", "N", "K"))
-        out = (B, M, N) if batched else (M, N)
-        need_a = (B, M, K) if batched else (M, K)
-        need_b = (B, K, N) if batched else (K, N)
-        parts = math.prod(sizes[ax] for ax, c in zip(sizes, choice) if c is not None)
-        seconds = _flops(node) / parts * model.gamma
-        moved = 0.0
-        if K:  # partial sums over the contracted dim: all-reduced (a ring: 2 (n-1)/n of the bytes)
-            local = math.prod(out_shape) * itemsize / max(1, _parts(out, sizes))
-            for x in K:
-                n = sizes[x]
-                moved += 2 * local * (n - 1) / n
-                seconds += model.alpha + 2 * local * (n - 1) / n * model.beta
-        needs = [need_a, need_b]
-        if t is aten.addmm.default:
-            bias = node.args[0]
-            needs = [_aligned(out, node_shape(bias), out_shape)] + needs
-        strategies.append(_Strategy(out, needs, seconds, moved))
-    return strategies
-
-
-def _aligned(out_spec, shape, out_shape) -> tuple:
-    """The spec an operand of `shape` broadcast to `out_shape` takes from the output's."""
-    lead = len(out_shape) - len(shape)
-    return tuple(() if shape[d] == 1 and out_shape[lead + d] != 1 else out_spec[lead + d] for d in range(len(shape)))
-
-
-def strategies_of(node, sizes, model) -> list[_Strategy]:
-    """The strategies of one graph node (placeholders included)."""
+def strategies_of(node, sizes, model) -> list[Strategy]:
+    """The strategies of one graph node (placeholders included): its op's rule
+    (passes/op_rules.py), else whole operands into a whole output."""
     shape = node_shape(node)
     if shape is None:
         return []
     if node.op == "placeholder":
-        return [_Strategy(s, []) for s in candidate_specs(shape, sizes)]
-    t = node.target
-    ops = _operands(node)
-    work = _flops(node) * model.gamma
-    if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
-        return _matmul_strategies(node, sizes, model)
+        return [Strategy(s, []) for s in candidate_specs(shape, sizes)]
     if is_mark(node):  # the user's constraint inside the graph: that layout, whatever it costs
         spec = decode_spec(node.args[2])
-        return [_Strategy(spec, [spec])]
-    if t is aten.copy_.default and len(ops) == 2:  # a written input keeps one layout, old and new
-        return [_Strategy(s, [s, s]) for s in candidate_specs(shape, sizes)]
-    if is_pointwise(t) and t is not aten.copy_.default:
-        out = []
-        for s in candidate_specs(shape, sizes):
-            needs = [_aligned(s, node_shape(a), shape) if len(node_shape(a)) <= len(shape) else None for a in ops]
-            out.append(_Strategy(s, needs, work / max(1, _parts(s, sizes))))
-        return out
-    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) and ops:
-        in_shape = node_shape(ops[0])
-        out = []
-        for s in candidate_specs(shape, sizes):
-            need = reshape_spec(s, shape, in_shape)
-            if reshape_spec(need, in_shape, shape) == s:
-                out.append(_Strategy(s, [need]))
-        return out or [_Strategy(_replicated(node), [_replicated(ops[0])])]
-    if t in (aten.permute.default, aten.t.default, aten.transpose.int) and ops:
-        nd = len(shape)
-        perm = (list(reversed(range(nd))) if t is aten.t.default else
-                normalized_dims(node.args[1], nd) if t is aten.permute.default else None)
-        if perm is None:
-            a_, b_ = normalized_dims([node.args[1], node.args[2]], nd)
-            perm = list(range(nd))
-            perm[a_], perm[b_] = perm[b_], perm[a_]
-        inv = [perm.index(d) for d in range(nd)]
-        return [_Strategy(s, [tuple(s[inv[d]] for d in range(nd))]) for s in candidate_specs(shape, sizes)]
-    if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten._softmax.default,
-             aten._log_softmax.default) and ops:
-        in_shape = node_shape(ops[0])
-        dims = normalized_dims(node.args[1], len(in_shape))
-        keep = t in (aten._softmax.default, aten._log_softmax.default) or (
-            len(node.args) > 2 and node.args[2]) or node.kwargs.get("keepdim", False)
-        out = []
-        for s in candidate_specs(shape, sizes):
-            if keep:
-                need = tuple(() if d in dims else s[d] for d in range(len(in_shape)))
-                if need != s and len(shape) == len(in_shape) and any(s[d] for d in dims):
-                    continue
-            else:
-                it = iter(s)
-                need = tuple(() if d in dims else next(it) for d in range(len(in_shape)))
-            out.append(_Strategy(s, [need], work / max(1, _parts(s, sizes))))
-        return out
-    if t is aten.slice.Tensor and ops:  # the sliced dim whole (unless the slice takes all of it)
-        d = normalized_dims(node.args[1] if len(node.args) > 1 else 0, len(shape))[0]
-        full = node_shape(ops[0])[d] == shape[d]
-        return [_Strategy(s, [s]) for s in candidate_specs(shape, sizes) if full or not s[d]]
-    if t is aten.select.int and ops:  # the selected dim whole
-        d = normalized_dims(node.args[1], len(shape) + 1)[0]
-        return [_Strategy(s, [s[:d] + ((),) + s[d:]]) for s in candidate_specs(shape, sizes)]
-    if t is aten.cat.default and ops:  # the concatenated dim whole, every piece alike
-        d = normalized_dims(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape))[0]
-        return [_Strategy(s, [s if len(node_shape(a)) == len(shape) else None for a in ops])
-                for s in candidate_specs(shape, sizes) if not s[d]]
-    if t is aten.unsqueeze.default and ops:
-        d = normalized_dims(node.args[1], len(shape))[0]
-        return [_Strategy(s, [s[:d] + s[d + 1:]]) for s in candidate_specs(shape, sizes) if not s[d]]
-    if t is aten.expand.default and ops:  # broadcast dims whole in the operand
-        in_shape = node_shape(ops[0])
-        return [_Strategy(s, [_aligned(s, in_shape, shape)]) for s in candidate_specs(shape, sizes)]
-    if t is aten.embedding.default and len(ops) == 2:
-        return _embedding_strategies(node, sizes, model)
-    if t is aten.index.Tensor and ops:
-        return _index_strategies(node, sizes, model)
-    # No rule: the op runs on whole operands and its output is whole everywhere.
-    return [_Strategy(_replicated(node), [_replicated(a) for a in ops])]
-
-
-def _embedding_strategies(node, sizes, model) -> list[_Strategy]:
-    """weight [V, D], ids [...] -> [..., D]. The ids are laid out like the output's leading
-    dims, the weight's D like the output's last. V is whole, or split over mesh axes the output
-    does not use (Megatron's vocab-parallel embedding): each device looks up the rows it holds
-    (zeros for the others) and the partial results are all-reduced over those axes, as for a
-    matmul's contracted dim; XLA's partitioner does exactly that for a gather whose operand is
-    split on the gathered dim. Without it, a weight split by vocab had to be gathered (or
-    moved to split D) before the lookup: a copy XLA holds twice during an all-to-all."""
-    weight = node.args[0]
-    vocab = node_shape(weight)[0]
-    shape = node_shape(node)
-    itemsize = node_value(node).element_size()
-    out = []
-    for s in candidate_specs(shape, sizes):
-        used = {a for axes in s for a in axes}
-        free = [a for a in sizes if a not in used]
-        for r in range(len(free) + 1):
-            for split in itertools.combinations(free, r):
-                if vocab % math.prod(sizes[a] for a in split):
-                    continue
-                seconds = moved = 0.0
-                local = math.prod(shape) * itemsize / max(1, _parts(s, sizes))
-                for a in split:  # the partial lookups' all-reduce (a ring: 2 (n-1)/n of the bytes)
-                    n = sizes[a]
-                    moved += 2 * local * (n - 1) / n
-                    seconds += model.alpha + 2 * local * (n - 1) / n * model.beta
-                out.append(_Strategy(s, [(tuple(split), s[-1]), s[:-1]], seconds, moved))
-    return out
-
-
-def _index_strategies(node, sizes, model) -> list[_Strategy]:
-    """`x[i, j]` (aten.index): the indexed dims of x whole, its other dims laid out like the
-    output's; the index tensors (broadcast together) laid out like the output's dims they make.
-    Those dims stand where the indexed dims were when these are adjacent, else first."""
-    x, indices = node.args[0], list(node.args[1])
-    x_shape, shape = node_shape(x), node_shape(node)
-    at = [d for d, i in enumerate(indices) if i is not None]
-    if not at or not all(isinstance(indices[d], torch.fx.Node) and node_shape(indices[d]) is not None for d in at):
-        return [_Strategy(_replicated(node), [_replicated(a) for a in _operands(node)])]
-    k = len(shape) - (len(x_shape) - len(at))  # the dims the broadcast index makes
-    lead = at[0] if at == list(range(at[0], at[-1] + 1)) else 0
-    rest = [d for d in range(len(x_shape)) if d not in at]
-    work = _flops(node) * model.gamma
-    out = []
-    for s in candidate_specs(shape, sizes):
-        made, kept = s[lead:lead + k], s[:lead] + s[lead + k:]
-        need_x = [()] * len(x_shape)
-        for d, spec in zip(rest, kept):
-            need_x[d] = spec
-        needs = {x: tuple(need_x)}
-        for d in at:
-            needs.setdefault(indices[d], _aligned(made, node_shape(indices[d]), tuple(shape[lead:lead + k])))
-        out.append(_Strategy(s, [needs.get(a) for a in _operands(node)], work / max(1, _parts(s, sizes))))
-    return out
+        return [Strategy(spec, [spec])]
+    found = _table_strategies(node, sizes, model)
+    if found is not None:
+        return found
+    return [Strategy(replicated(node), [replicated(a) for a in tensor_operands(node)])]
 
 
 def _follows(node, strategies, sizes):
@@ -448,7 +215,7 @@ def _follows(node, strategies, sizes):
     lose a layout (a sharded dim merged behind another) keeps its own variables."""
     if node.op != "call_function" or node.target is aten.copy_.default:
         return None
-    ops = _operands(node)
+    ops = tensor_operands(node)
     if len(ops) != 1 or ops[0] not in strategies or _multi_output(ops[0]):
         return None
     lead, t = ops[0], node.target
@@ -457,23 +224,15 @@ def _follows(node, strategies, sizes):
     if is_pointwise(t):
         return (lead, specs) if in_shape == shape else None
     if t in (aten.permute.default, aten.t.default, aten.transpose.int):
-        nd = len(shape)
-        if t is aten.t.default:
-            perm = list(reversed(range(nd)))
-        elif t is aten.permute.default:
-            perm = normalized_dims(node.args[1], nd)
-        else:
-            a_, b_ = normalized_dims([node.args[1], node.args[2]], nd)
-            perm = list(range(nd))
-            perm[a_], perm[b_] = perm[b_], perm[a_]
-        return lead, [tuple(s[perm[d]] for d in range(nd)) for s in specs]
+        perm = permutation(node, len(shape))
+        return lead, [tuple(s[perm[d]] for d in range(len(shape))) for s in specs]
     if t is aten.unsqueeze.default:
         d = normalized_dims(node.args[1], len(shape))[0]
         return lead, [s[:d] + ((),) + s[d:] for s in specs]
     if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         out = [reshape_spec(s, in_shape, shape) for s in specs]
-        if all(reshape_spec(o, shape, in_shape) == s and all(n % _parts((axes,), sizes) == 0 for n, axes in zip(shape, o))
-               for o, s in zip(out, specs)):
+        if all(reshape_spec(o, shape, in_shape) == s
+               and all(n % shard_count((axes,), sizes) == 0 for n, axes in zip(shape, o)) for o, s in zip(out, specs)):
             return lead, out
     return None
 
@@ -556,7 +315,7 @@ def _base(node) -> torch.fx.Node:
         src = _producer(node)
         if node.target in _VIEWS and node.args and isinstance(node.args[0], torch.fx.Node):
             node = node.args[0]
-        elif src is not None and src.target in _SPLITS and isinstance(src.args[0], torch.fx.Node):
+        elif src is not None and src.target in SPLITS and isinstance(src.args[0], torch.fx.Node):
             node = src.args[0]
         else:
             break
@@ -583,7 +342,7 @@ def live_values(gm: torch.fx.GraphModule, values) -> list[tuple[torch.fx.Node, i
 
     def fused(n) -> bool:
         users = list(n.users)
-        return (elementwise(n) or n.target in _MATMULS) and bool(users) and all(elementwise(u) for u in users)
+        return (elementwise(n) or n.target in MATMULS) and bool(users) and all(elementwise(u) for u in users)
 
     # A fused chain's first op is where its memory starts: its last link is counted from there.
     start = {n: order[n] for n in gm.graph.nodes}
@@ -652,24 +411,24 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
     tied: set = set()  # nodes with their own strategies on another node's variables (ties)
     for n in nodes:
         if _multi_output(n):
-            strategies[n], root[n] = _multi_output_strategies(n, sizes), n
+            strategies[n], root[n] = _multi_output_strategies(n, sizes, model), n
             continue
         producer = _producer(n)
         if producer is not None:  # one output of a multi-output op: the op's variables
             root[n] = producer
-            strategies[n] = [_Strategy(st.out[n.args[1]] or _replicated(n), []) for st in strategies[producer]]
+            strategies[n] = [Strategy(st.out[n.args[1]] or replicated(n), []) for st in strategies[producer]]
             continue
         follow = _follows(n, strategies, sizes)
         if follow is not None:
             leader, specs = follow
             root[n] = root[leader]
-            strategies[n] = [_Strategy(out, [st.out]) for out, st in zip(specs, strategies[leader])]
+            strategies[n] = [Strategy(out, [st.out]) for out, st in zip(specs, strategies[leader])]
             continue
         st = strategies_of(n, sizes, model)
         if n.op == "placeholder":
             want = fixed[placeholders.index(n)]
             if want is not None:
-                st = [x for x in st if x.out == want] or [_Strategy(want, [])]
+                st = [x for x in st if x.out == want] or [Strategy(want, [])]
         rep = ties.get(n) if ties else None
         if rep is not None and rep in strategies and root[rep] is rep \
                 and [x.out for x in strategies[rep]] == [x.out for x in st]:
@@ -685,18 +444,18 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         whole = math.prod(node_shape(n)) * node_value(n).element_size() if n.op == "placeholder" else 0
         for k, st in enumerate(strategies[n]):
             index[(n, k)] = len(cost)
-            cost.append(st.seconds + (whole / max(1, _parts(st.out, sizes)) * model.delta if whole else 0.0))
+            cost.append(st.seconds + (whole / max(1, shard_count(st.out, sizes)) * model.delta if whole else 0.0))
     for n in (n for n in nodes if n in tied):  # (graph order: every process sums alike)
         # A tied node's own cost (collectives inside, compute, inputs held) is its root's too.
         whole = math.prod(node_shape(n)) * node_value(n).element_size() if n.op == "placeholder" else 0
         for k, st in enumerate(strategies[n]):
-            cost[index[(root[n], k)]] += st.seconds + (whole / max(1, _parts(st.out, sizes)) * model.delta
+            cost[index[(root[n], k)]] += st.seconds + (whole / max(1, shard_count(st.out, sizes)) * model.delta
                                                        if whole else 0.0)
     for n in nodes:  # an elementwise follower's own compute lands on its leader's variables
         if root[n] is not n and n not in tied and is_pointwise(n.target):
-            work = _flops(n) * model.gamma
+            work = flops(n) * model.gamma
             for k, st in enumerate(strategies[n]):
-                cost[index[(root[n], k)]] += work / max(1, _parts(st.out, sizes))
+                cost[index[(root[n], k)]] += work / max(1, shard_count(st.out, sizes))
     integer = [1] * len(cost)
     r_idx: list[int] = []
     c_idx: list[int] = []
@@ -730,7 +489,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         if (root[v] is not v and v not in tied) or v.op == "placeholder":
             continue
         rv = root[v]
-        for slot, u in enumerate(_operands(v)):
+        for slot, u in enumerate(tensor_operands(v)):
             if u not in strategies:
                 continue
             ru, itemsize = root[u], node_value(u).element_size()
@@ -743,7 +502,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
                 for b_ in cv:
                     prices[(a_, b_)] = (0.0, 0.0) if b_ is None else reshard_cost(a_, b_, node_shape(u), itemsize, sizes, model)
                     if prices[(a_, b_)][1] > 0:  # the operand's copy in the layout v reads
-                        copies[(a_, b_)] = whole / max(1, _parts(b_, sizes))
+                        copies[(a_, b_)] = whole / max(1, shard_count(b_, sizes))
             if all(p[0] <= 0 for p in prices.values()):
                 continue  # free whatever both choose: no edge variables needed
             key = (ru, rv, have, needs)
@@ -787,15 +546,15 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         whole = math.prod(node_shape(p)) * node_value(p).element_size() * factor
         for k, st in enumerate(strategies[p]):
             j = index[(root[p], k)]
-            held[j] = held.get(j, 0.0) + whole / max(1, _parts(st.out, sizes))
+            held[j] = held.get(j, 0.0) + whole / max(1, shard_count(st.out, sizes))
     for v in nodes:  # attention's scores, [batch, heads, queries, keys], while it runs
         if _multi_output(v) and v.target in ATTENTION_OPS and (root[v] is v or v in tied) \
-                and len(node_shape(_operands(v)[0])) == 4 and len(_operands(v)) >= 3:
-            (b, h, sq, _), sk = node_shape(_operands(v)[0]), node_shape(_operands(v)[1])[2]
+                and len(node_shape(tensor_operands(v)[0])) == 4 and len(tensor_operands(v)) >= 3:
+            (b, h, sq, _), sk = node_shape(tensor_operands(v)[0]), node_shape(tensor_operands(v)[1])[2]
             scores = {}
             for k, st in enumerate(strategies[v]):
                 j = index[(root[v], k)]
-                scores[j] = scores.get(j, 0.0) + b * h * sq * sk * 4 / max(1, _parts(st.out[0][:2], sizes))
+                scores[j] = scores.get(j, 0.0) + b * h * sq * sk * 4 / max(1, shard_count(st.out[0][:2], sizes))
             scratch.append((order[v], order[v], scores))
     intervals = []  # (first step, last step, {variable: bytes per device})
     for v, first, last in live_values(gm, strategies):
@@ -803,7 +562,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
         coeffs: dict = {}
         for k, st in enumerate(strategies[v]):
             j = index[(root[v], k)]
-            coeffs[j] = coeffs.get(j, 0.0) + whole / max(1, _parts(st.out, sizes))
+            coeffs[j] = coeffs.get(j, 0.0) + whole / max(1, shard_count(st.out, sizes))
         intervals.append((first, last, coeffs))
     intervals += scratch
     steps = [[c for first, last, c in intervals if first <= step <= last] for step in _peak_steps(intervals)]
@@ -881,7 +640,7 @@ def solve(gm: torch.fx.GraphModule, sizes: dict[str, int], *, memory_budget: flo
             continue
         st = strategies[v][pick[root[v]]]
         reads = {}
-        for slot, u in enumerate(_operands(v)):
+        for slot, u in enumerate(tensor_operands(v)):
             need = st.needs[slot] if slot < len(st.needs) else None
             if need is not None and u in sol.specs and sol.specs[u] != need:
                 reads[u] = need
@@ -929,6 +688,12 @@ def _least_peak(a, lo, hi, integer, upper, budget_rows, time_limit) -> tuple:
 # new process (a restart, another rank) takes the same plan without solving again.
 _solutions: dict = {}
 _FORMAT = "fx2xla-auto-sharding-3"  # bumped when the formulation changes what a key's solution is
+
+
+def clear_solutions() -> None:
+    """Forgets the solutions kept in this process, as a new process starts (the disk cache
+    stays): the next `solve_cached` of a graph takes it from `store` or solves it."""
+    _solutions.clear()
 
 
 def graph_key(gm: torch.fx.GraphModule) -> str:

@@ -7,7 +7,8 @@ Two parts:
   autograd rule, onto the gradient in the backward graph. A constraint whose result the user
   discarded inside compiled code is given to the value's later uses.
 - `propagate`, run when a graph's plan is built (on AOTAutograd's core-ATen graphs): from the
-  constraints and the inputs' annotations, forward through each op's rule, then backward into
+  constraints and the inputs' annotations, forward through each op's rule (the table in
+  passes/op_rules.py, which the auto-sharding solver reads too), then backward into
   inputs nobody annotated (an optimizer state takes its parameter's sharding), to a fixed point.
   Each value ends with a spec (one tuple of mesh axes per dim) and where it came from: "user",
   "auto", "forward", "propagated", or "default" (replicated: no rule or annotation reached it).
@@ -26,7 +27,8 @@ import torch.fx
 from fx2xla.sharding import MARK_SHARDING, ShardingError, annotation_of, decode_spec, encode_spec, is_mark, mesh_by_id
 
 from .manager import PassResult, register_pass
-from .spec_rules import ATTENTION_OPS, fit_spec, is_pointwise, node_shape, node_value, normalized_dims, reshape_spec
+from .op_rules import rule_of
+from .spec_rules import fit_spec, is_pointwise, is_sharded, is_spec, node_ndim, node_shape, node_value
 
 aten = torch.ops.aten
 
@@ -180,21 +182,12 @@ class Shardings:
     def spec(self, node) -> tuple:
         """The node's spec, replicated where nothing reached it."""
         s = self.specs.get(node)
-        if isinstance(s, tuple) and _is_spec(s):
+        if isinstance(s, tuple) and is_spec(s):
             return s
-        return tuple(() for _ in range(_ndim(node)))
+        return tuple(() for _ in range(node_ndim(node)))
 
     def source(self, node) -> str:
         return self.sources.get(node, "default")
-
-
-def _is_spec(s) -> bool:
-    return all(isinstance(a, tuple) and all(isinstance(x, str) for x in a) for a in s)
-
-
-def _ndim(node) -> int:
-    v = node_value(node)
-    return v.dim() if isinstance(v, torch.Tensor) else 0
 
 
 def graph_mesh(gm: torch.fx.GraphModule, annotations) -> int | None:
@@ -215,7 +208,7 @@ def propagate(gm: torch.fx.GraphModule, annotations, mesh_id: int, sizes: dict[s
     specs, sources = result.specs, result.sources
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, ann in zip(placeholders, annotations):
-        if ann is not None and _ndim(node) == len(ann.spec):
+        if ann is not None and node_ndim(node) == len(ann.spec):
             specs[node], sources[node] = fit_spec(ann.spec, node_shape(node), sizes), ann.source
     for node in placeholders:  # a constraint straight on an input is the input's sharding
         for u in node.users:
@@ -256,7 +249,7 @@ def _backward_fill(gm, specs, sources, sizes) -> None:
     gradient, a mask next to its activation."""
     for node in reversed(list(gm.graph.nodes)):
         spec = specs.get(node)
-        if node.op != "call_function" or not _sharded(spec) or not _is_spec(spec):
+        if node.op != "call_function" or not is_sharded(spec) or not is_spec(spec):
             continue
         if not (is_pointwise(node.target) or node.target is aten.copy_.default):
             continue
@@ -265,117 +258,8 @@ def _backward_fill(gm, specs, sources, sizes) -> None:
                 specs[a], sources[a] = fit_spec(spec, node_shape(a), sizes), "propagated"
 
 
-def _sharded(spec) -> bool:
-    return isinstance(spec, tuple) and _is_spec(spec) and any(spec)
-
-
-def _merge(out_shape, operand_specs) -> tuple:
-    """Pointwise: operands aligned from the right (broadcast); per output dim the first
-    operand's axes that are not already taken."""
-    n = len(out_shape)
-    out, used = [], set()
-    for d in range(n):
-        chosen = ()
-        for spec, shape in operand_specs:
-            k = d - (n - len(spec))
-            if k < 0 or shape[k] == 1 or not spec[k] or used & set(spec[k]):
-                continue
-            chosen = spec[k]
-            break
-        used |= set(chosen)
-        out.append(chosen)
-    return tuple(out)
-
-
-def _operand_specs(node, specs):
-    out = []
-    for a in list(node.args) + list(node.kwargs.values()):
-        if isinstance(a, torch.fx.Node) and isinstance(node_value(a), torch.Tensor) and _sharded(specs.get(a)):
-            out.append((specs[a], node_shape(a)))
-    return out
-
-
 def _rule(node, specs):
-    """The spec of `node` from its operands' (None: this op has no rule, or nothing known)."""
-    t, args = node.target, node.args
-    if t is operator.getitem:
-        src = specs.get(args[0])
-        return src[args[1]] if isinstance(src, (tuple, list)) and not _is_spec(src) else None
-    x = args[0] if args else None
-    xs = specs.get(x) if isinstance(x, torch.fx.Node) else None
-    if t is aten.copy_.default:  # a written input keeps its own sharding
-        return specs.get(args[0]) or specs.get(args[1])
-    if is_pointwise(t):
-        ops = _operand_specs(node, specs)
-        return _merge(node_shape(node), ops) if ops else None
-    if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
-        a, b = (args[1], args[2]) if t is aten.addmm.default else (args[0], args[1])
-        sa, sb = specs.get(a), specs.get(b)
-        if not (_sharded(sa) or _sharded(sb)):
-            return None
-        sa = sa or tuple(() for _ in range(_ndim(a)))
-        sb = sb or tuple(() for _ in range(_ndim(b)))
-        if t is aten.bmm.default:
-            batch = sa[0] or sb[0]
-            rows, cols = sa[1], sb[2]
-            return (batch, rows if not set(rows) & set(batch) else (), cols if not set(cols) & set(batch) | set(rows) else ())
-        return (sa[0], sb[1] if not set(sb[1]) & set(sa[0]) else ())
-    if t is aten.embedding.default:  # weight [V, D], ids [...] -> [..., D]
-        ids = specs.get(args[1]) or tuple(() for _ in range(_ndim(args[1])))
-        weight = xs or ((), ())
-        return tuple(ids) + (weight[1],) if _sharded(tuple(ids) + (weight[1],)) else None
-    if xs is None or not _is_spec(xs):
-        return None
-    nd = len(xs)
-    if t is aten.permute.default:
-        return tuple(xs[d] for d in normalized_dims(args[1], nd))
-    if t in (aten.t.default,):
-        return tuple(reversed(xs))
-    if t is aten.transpose.int:
-        a, b = normalized_dims([args[1], args[2]], nd)
-        s = list(xs)
-        s[a], s[b] = s[b], s[a]
-        return tuple(s)
-    if t is aten.unsqueeze.default:
-        d = args[1] + nd + 1 if args[1] < 0 else args[1]
-        return xs[:d] + ((),) + xs[d:]
-    if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
-        shape = node_shape(x)
-        dims = normalized_dims(args[1], nd) if len(args) > 1 else [d for d, n in enumerate(shape) if n == 1]
-        return tuple(s for d, s in enumerate(xs) if not (d in dims and shape[d] == 1))
-    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-        return reshape_spec(xs, node_shape(x), node_shape(node))
-    if t is aten.expand.default:
-        out_shape, in_shape = node_shape(node), node_shape(x)
-        lead = len(out_shape) - nd
-        return tuple(() for _ in range(lead)) + tuple(
-            s if in_shape[d] == out_shape[lead + d] else () for d, s in enumerate(xs))
-    if t is aten.slice.Tensor:
-        d = normalized_dims(args[1] if len(args) > 1 else 0, nd)[0]
-        return tuple(() if i == d and node_shape(node)[d] != node_shape(x)[d] else s for i, s in enumerate(xs))
-    if t is aten.select.int:
-        d = normalized_dims(args[1], nd)[0]
-        return xs[:d] + xs[d + 1:]
-    if t in (aten._softmax.default, aten._log_softmax.default, aten.cumsum.default):
-        d = normalized_dims(args[1], nd)[0]
-        return tuple(() if i == d else s for i, s in enumerate(xs))
-    if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.prod.dim_int,
-             aten.var.correction, aten.any.dim, aten.argmax.default, aten.argmin.default):
-        dims = normalized_dims(args[1] if len(args) > 1 else node.kwargs.get("dim"), nd)
-        keep = node.kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
-        return tuple(() if d in dims else s for d, s in enumerate(xs)) if keep else \
-            tuple(s for d, s in enumerate(xs) if d not in dims)
-    if t in ATTENTION_OPS:  # (out [b, h, s, d], logsumexp [b, h, s], ...): sharded like q
-        return (xs, xs[:3]) if nd == 4 else None
-    if t is aten.native_layer_norm.default:
-        k = len(args[1])
-        out = xs[:nd - k] + tuple(() for _ in range(k))
-        stats = xs[:nd - k] + tuple(() for _ in range(k))
-        return (out, stats, stats)
-    if t is aten.cat.default:
-        tensors = [a for a in args[0] if isinstance(a, torch.fx.Node)]
-        d = normalized_dims(args[1] if len(args) > 1 else 0, _ndim(node))[0]
-        ops = [(specs[a], node_shape(a)) for a in tensors if _sharded(specs.get(a))]
-        merged = _merge(node_shape(node), ops) if ops else None
-        return tuple(() if i == d else s for i, s in enumerate(merged)) if merged else None
-    return None
+    """The spec of `node` from its operands' by its op's rule (passes/op_rules.py); None where
+    the op has none, or it knows nothing."""
+    rule = rule_of(node.target)
+    return rule.propagate(node, specs) if rule is not None and rule.propagate is not None else None

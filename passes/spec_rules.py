@@ -1,8 +1,10 @@
-"""What the two sharding passes (propagation in sharding.py, the solver in auto_sharding.py)
-share: a node's value and static shape, which ops are pointwise or attention, and how a
-per-dim spec maps through a reshape."""
+"""What the two sharding passes (propagation in sharding.py, the solver in auto_sharding.py) and
+their table of per-op rules (op_rules.py) share: a node's value, static shape and tensor
+operands, which ops are pointwise or attention, what a spec is, the candidate specs of a shape,
+and how a per-dim spec maps through a reshape."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -16,6 +18,58 @@ def node_value(node):
 def node_shape(node):
     v = node_value(node)
     return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def node_ndim(node) -> int:
+    v = node_value(node)
+    return v.dim() if isinstance(v, torch.Tensor) else 0
+
+
+def output_shapes(node) -> list:
+    """Per output of an op with several, its shape (None for a non-tensor)."""
+    return [tuple(int(d) for d in v.shape) if isinstance(v, torch.Tensor) else None for v in node_value(node)]
+
+
+def tensor_operands(node) -> list:
+    return [a for a in node.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
+
+
+def replicated(node) -> tuple:
+    """The spec that keeps every dim of `node` whole."""
+    return tuple(() for _ in range(len(node_shape(node) or ())))
+
+
+def is_spec(s) -> bool:
+    """Whether `s` is one spec (a tuple of mesh axes per dim), not a spec per output of an op."""
+    return all(isinstance(a, tuple) and all(isinstance(x, str) for x in a) for a in s)
+
+
+def is_sharded(spec) -> bool:
+    return isinstance(spec, tuple) and is_spec(spec) and any(spec)
+
+
+def shard_count(spec, sizes) -> int:
+    """How many pieces `spec` cuts a tensor into over a mesh of `sizes`."""
+    return math.prod(sizes[a] for axes in spec for a in axes)
+
+
+def candidate_specs(shape, sizes: dict[str, int]) -> list[tuple]:
+    """Every spec of a `shape` tensor where each mesh axis shards at most one dim it divides."""
+    axes = list(sizes)
+    options = []
+    for a in axes:
+        opts = [None] + [d for d, n in enumerate(shape) if n >= sizes[a] and n % sizes[a] == 0]
+        options.append(opts)
+    specs = []
+    for choice in itertools.product(*options):
+        dims = [[] for _ in shape]
+        for a, d in zip(axes, choice):
+            if d is not None:
+                dims[d].append(a)
+        spec = tuple(tuple(x) for x in dims)
+        if all(n % math.prod(sizes[a] for a in s) == 0 for s, n in zip(spec, shape)):
+            specs.append(spec)
+    return list(dict.fromkeys(specs))
 
 
 _POINTWISE_EXTRA = {aten._to_copy.default, aten.alias.default, aten.copy.default, aten.copy_.default,

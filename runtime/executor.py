@@ -14,10 +14,11 @@ import os
 import threading
 import time
 
+from . import client
 from .cache import ExecutableCache, executable_cache, fingerprint
 from .client import Device
 from .disk_cache import DiskCache, default_cache_dir
-from .handoff import use_public, export_array
+from .handoff import export_array, gather_array, use_public
 
 
 # XLA:CPU debug options fx2xla sets per compile (users never need XLA_FLAGS for them): applied
@@ -147,15 +148,13 @@ def disk_cache() -> DiskCache | None:
 
 
 @functools.cache
-def _environment_key(platform: str) -> tuple:
-    import os
-
+def environment_key(platform: str) -> tuple:
+    """What a disk-cache entry depends on besides the module and its compile options: jaxlib's
+    version, the platform and its runtime's version, and XLA_FLAGS (read once per process, as
+    XLA reads them)."""
     import jaxlib
 
-    from .client import get_backend
-
-    # XLA_FLAGS change what XLA compiles; they are read once per process, like this key.
-    return (jaxlib.version.__version__, platform, get_backend(platform).platform_version,
+    return (jaxlib.version.__version__, platform, client.get_backend(platform).platform_version,
             os.environ.get("XLA_FLAGS", ""))
 
 
@@ -169,9 +168,7 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
     process compiled it before, else from the disk cache, else compiled (and stored in both).
     `mesh_devices`: the jax devices of an SPMD module's mesh, in mesh order (`device` is the
     first); the executable is partitioned over them."""
-    from .client import used_devices
-
-    used_devices.add(device)
+    client.used_devices.add(device)
     cache = executable_cache if cache is None else cache
     fp = fingerprint(module_text)
     options = compile_options(device.platform)
@@ -186,7 +183,7 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
     disk = disk_cache() if use_disk else None
     disk_key = None
     if disk is not None:
-        disk_key = (fp, options.SerializeAsString().hex(), device.kind, *_environment_key(device.platform))
+        disk_key = (fp, options.SerializeAsString().hex(), device.kind, *environment_key(device.platform))
         blob = disk.get(disk_key)
         if blob is not None:
             t0 = time.perf_counter()
@@ -211,7 +208,7 @@ def compile_module(module_text: str, device: Device, cache: ExecutableCache | No
         if mesh_devices:
             options = _spmd_options(options, ids)
         if disk_key is not None:
-            disk_key = (fp, options.SerializeAsString().hex(), device.kind, *_environment_key(device.platform))
+            disk_key = (fp, options.SerializeAsString().hex(), device.kind, *environment_key(device.platform))
         with _recording():
             exe = device.client.compile_and_load(module_text, targets, options)
     cache.stats.compiles += 1
@@ -414,8 +411,6 @@ def make_sharded_launcher(exe, shardings, shapes, export, keep=(), lazy=None):
     Array and of a function assembling it whole (the frontend's ShardedTensor)."""
     import jax
     import torch
-
-    from .handoff import gather_array
 
     devices = exe.local_devices()  # the order of every result's shards (this process's)
     plans = []

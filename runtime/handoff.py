@@ -5,7 +5,7 @@ The fast paths are private jaxlib calls; each sits behind one small function her
 as the fallback. `FX2XLA_PUBLIC_DLPACK=1` forces the public paths.
 
 At exit, the memory of every live tensor is pinned so that no XLA thread releases torch memory
-while the interpreter finalizes (`_pin_torch_memory_at_exit`: see there why).
+while the interpreter finalizes (`pin_torch_memory_at_exit`: see there why).
 
 On CUDA the hand-off is stream-ordered and never blocks the host, as DLPack's stream protocol
 prescribes (jax's own `from_dlpack` / `torch.from_dlpack` do the same):
@@ -43,7 +43,9 @@ _handed = False  # set when an importer is made: processes that never handed a t
 _GIL_HANDOVER_S = 0.02  # lets an XLA thread already releasing a tensor (waiting for the GIL) finish
 
 
-def _pin_torch_memory_at_exit() -> None:
+def pin_torch_memory_at_exit() -> None:
+    """The exit hook (registered with atexit): gives every live tensor a C++ reference that is
+    never dropped, once this process handed a tensor to PJRT; nothing before (see above why)."""
     if not _handed:
         return
     import ctypes
@@ -66,7 +68,7 @@ def _pin_torch_memory_at_exit() -> None:
 
 import jax  # noqa: E402  (before the exit hook: atexit runs the last registered first)
 
-atexit.register(_pin_torch_memory_at_exit)
+atexit.register(pin_torch_memory_at_exit)
 
 
 def _private_importer():
@@ -232,6 +234,16 @@ def _order_after_torch(jax_device, index: int) -> None:
         event = events[key] = torch.cuda.Event()
     event.record(torch.cuda.current_stream(index))
     ext.wait_event(event)
+
+
+def reset_stream_order() -> None:
+    """Forgets the CUDA stream state kept per device for the hand-off (jax's external-ready
+    stream handles, torch's ExternalStream on each, every thread's events), made again at next
+    use: for devices that are gone (the tables are keyed by id) or were faked."""
+    global _order_events
+    _ready_streams.clear()
+    _external_streams.clear()
+    _order_events = _ThreadEvents()
 
 
 def make_stream_order(public: bool | None = None, platform: str = "cpu"):

@@ -6,11 +6,17 @@ them into ONE int32 result of the executable: 0 when every check passed, else th
 the first check that failed (a record says which op, which inputs and which source line).
 Loop bodies carry their code out of the loop (`RuntimeChecks.nested`), so checks inside a
 scanned layer are reported like the others. `options={"check_indices": False}` lowers no check.
+
+The traced computation returns its verdict as data: a `CheckVerdict`, a jax pytree whose one
+child is the code and whose static aux data are the records, so `lower_graph` reads the records
+from the traced output's tree (nothing outside the trace is written while jax traces it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -24,9 +30,24 @@ class CheckRecord:
     message: str
 
 
+@dataclass(frozen=True)
+class CheckVerdict:
+    """The checks' result of a traced computation, returned by it as a jax pytree: `code` (its
+    one child) is the int32 code, or None where nothing is checked (then no result at all);
+    `records` (static aux data, kept in the traced output's tree) are what codes 1, 2, ... name."""
+
+    code: Any = None
+    records: tuple[CheckRecord, ...] = ()
+
+
+jax.tree_util.register_dataclass(CheckVerdict, data_fields=["code"], meta_fields=["records"])
+
+
 class RuntimeChecks:
     """The checks of one traced computation. `records` is shared by a graph and its nested
-    bodies (a code numbers a record graph-wide); `codes` are this trace level's int32 values."""
+    bodies (a code numbers a record graph-wide); `codes` are this trace level's int32 values.
+    Each trace of a graph makes its own (a body's trace, a nested one): nothing outlives the
+    trace but the `verdict()` the traced function returns."""
 
     def __init__(self, records: list | None = None):
         self.records: list[CheckRecord] = [] if records is None else records
@@ -50,6 +71,13 @@ class RuntimeChecks:
         if not self.codes:
             return None
         return first_failure(self.codes)
+
+    def verdict(self) -> CheckVerdict:
+        """The graph's result for the traced function to return: its code and its records,
+        or an empty verdict (no result) where no check was recorded."""
+        if not self.records:
+            return CheckVerdict()
+        return CheckVerdict(self.code(), tuple(self.records))
 
 
 def no_failure():

@@ -16,7 +16,7 @@ from jax import lax
 from .checks import first_failure, no_failure
 from .dtypes import to_jax_dtype
 from .graph import run_nodes
-from .registry import base_key, register_lowering
+from .registry import PYTHON_OPS, base_key, lowering_for, register_lowering
 
 higher_order = torch.ops.higher_order
 
@@ -59,8 +59,6 @@ def _hoist_invariants(ctx, body: torch.fx.GraphModule, invariant_inputs: dict, k
     inputs (attention masks and what is derived from them): XLA's loop-invariant code motion
     leaves size-inflating ops (broadcasts, iota masks) in the loop, unrolled layers share them.
     Returns their values (plus `invariant_inputs`) for `_run_subgraph(known=...)`."""
-    from .registry import PYTHON_OPS, lowering_for
-
     invariant = set(invariant_inputs)
     hoisted = []
     for n in body.graph.nodes:

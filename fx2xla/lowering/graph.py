@@ -14,10 +14,11 @@ import torch.fx
 
 from ..errors import InvalidInputError, LoweringError, UnsupportedOpError
 from .dtypes import to_jax_dtype
-from .checks import RuntimeChecks
+from .checks import CheckVerdict, RuntimeChecks
 from . import memory
 from ..layouts import inverse
 from ..plan import GraphPlan, OutputPlan
+from ..sharding import mesh_by_id
 from .registry import (PYTHON_OPS, LoweringContext, RejectedInput, complex_to_real, concrete_shape, current_platform,
                        is_array, lowering_for, lowering_platform, prepare_args)
 
@@ -145,11 +146,8 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         avals.append(jax.ShapeDtypeStruct(tuple(meta.shape), to_jax_dtype(meta.dtype)))
     if plan.seed:
         avals.append(jax.ShapeDtypeStruct((), np.int64))
-    check_records: list = []
     pinned = reads = None
     if plan.constraints:
-        from ..sharding import mesh_by_id
-
         mesh = mesh_by_id(plan.mesh_id)
         pinned = {node: mesh.named_sharding(spec) for node, spec in plan.constraints.items()}
         reads = {node: {u: mesh.named_sharding(spec) for u, spec in specs.items()}
@@ -179,11 +177,8 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
             if r.memory_kind is None and memory.placed_on_host(r.node):  # torch's tensors: device memory
                 value = memory.to_device(value)
             results.append(jnp.transpose(value, r.perm) if r.perm is not None else value)
-        check_records.clear()
-        code = checks.code() if checks is not None and checks.records else None
-        if code is not None:  # last: the index checks' verdict
-            check_records.extend(checks.records)
-        return results, [] if code is None else [code]
+        # Last: the index checks' verdict, its records in the output tree (no result if none).
+        return results, checks.verdict() if checks is not None else CheckVerdict()
 
     with jax.enable_x64(True), warnings.catch_warnings(), lowering_platform(plan.platform):
         # A complex value silently cast to real is a wrong answer, never a warning for users.
@@ -192,10 +187,12 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         donated = tuple(k for k, p in enumerate(passed) if p.donated)
         traced = jax.jit(trace, keep_unused=True, donate_argnums=donated, **spmd_shardings(plan)).trace(*avals)
         text = traced.lower(lowering_platforms=(plan.platform,)).as_text()
-        result_shapes = [tuple(o.shape) for o in jax.tree.leaves(traced.out_info)]
+        out_info = traced.out_info  # (results, CheckVerdict): the records are the tree's aux data
+        result_shapes = [tuple(o.shape) for o in jax.tree.leaves(out_info)]
+    verdict = out_info[1]
     outputs = [dataclasses.replace(p, value=_resolve(p.value, bindings)) if p.kind == "const" else p
                for p in plan.outputs]
-    return LoweredGraph(text, plan, outputs, arg_shapes, tuple(check_records), result_shapes)
+    return LoweredGraph(text, plan, outputs, arg_shapes, verdict.records, result_shapes)
 
 
 def passed_spec(spec, perm):
@@ -210,8 +207,6 @@ def spmd_shardings(plan: GraphPlan) -> dict:
     the plan offloads (memory.single_device_shardings)."""
     if plan.mesh_id is None:
         return memory.single_device_shardings(plan)  # {} unless host offloading
-    from ..sharding import mesh_by_id
-
     mesh = mesh_by_id(plan.mesh_id)
     replicated = mesh.named_sharding(())
     ins = [memory.with_kind(mesh.named_sharding(passed_spec(p.sharding, p.perm if p.kind == "permuted" else None)),

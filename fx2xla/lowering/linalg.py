@@ -27,7 +27,7 @@ from jax import lax
 from torch.ops import aten
 
 from .dtypes import dtype_name
-from .registry import RejectedInput, concrete_shape, register_lowering
+from .registry import RejectedInput, concrete_shape, current_platform, register_lowering
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -41,8 +41,6 @@ def dot_result_dtype(dtype):
     """The dtype a matmul/conv of `dtype` operands returns on the platform being lowered for:
     the operand dtype on GPUs, whose GEMMs accumulate bf16/f16 in float32 and round once as
     they write; the accumulation dtype on the CPU (see the module doc)."""
-    from .registry import current_platform
-
     if jnp.dtype(dtype) in _HALF and current_platform() != "cpu":
         return jnp.dtype(dtype)
     return accumulation_dtype(dtype)
@@ -57,8 +55,6 @@ def matmul_precision(dtype):
     lowered: a later change of torch's setting applies to graphs compiled after it."""
     if not jnp.issubdtype(dtype, jnp.floating):
         return None
-    from .registry import current_platform
-
     if current_platform() == "cpu":
         return lax.Precision.HIGHEST
     if jnp.dtype(dtype) in _HALF:

@@ -24,7 +24,7 @@ from torch.ops import aten
 
 from .linalg import accumulation_dtype, dot, dot_result_dtype, matmul_precision
 from .dtypes import to_jax_dtype
-from .registry import concrete_shape, register_lowering
+from .registry import base_key, concrete_shape, register_lowering
 from .shape import canonical_dim
 
 
@@ -692,27 +692,25 @@ def _sdpa_flash_cpu_backward(ctx, grad, q, k, v, out, logsumexp, dropout_p, is_c
 
 def _dropout_keep(seed, dropout_p, q, k):
     """The dropout mask of attention weights [B, H, Lq, Lk], a function of the int64 `seed`."""
-    import jax
-
-    from .registry import base_key
-
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return jax.random.bernoulli(base_key(seed), 1.0 - dropout_p, shape)
 
 
 def _new_seed(ctx):
     """A fresh int64 seed from this node's per-call key (what the forward hands its backward)."""
-    import jax
-
     return lax.bitcast_convert_type(jax.random.bits(ctx.rng_key(), (), jnp.uint64), jnp.int64)
 
 
-def _attention(q, k, v, bias, is_causal, scale, dropout_p, seed):
+def math_attention(q, k, v, bias, is_causal, scale, dropout_p, seed):
+    """The math rules' attention forward: (out, logsumexp [B, H, Lq]) of q, k, v [B, H, L, D]
+    with an optional `bias` (bool mask or additive), dropping out with the mask `seed` draws."""
     keep = _dropout_keep(seed, dropout_p, q, k) if dropout_p else None
     return _sdpa(q, k, v, bias, is_causal, scale, keep, dropout_p)
 
 
-def _attention_grads(grad, q, k, v, bias, is_causal, scale, dropout_p, seed, bias_grad: bool):
+def math_attention_grads(grad, q, k, v, bias, is_causal, scale, dropout_p, seed, bias_grad: bool):
+    """The math rules' attention backward, recomputed from q, k, v: (dq, dk, dv, dbias), dbias
+    None unless `bias_grad` and a bias is given."""
     if bias is not None and bias.ndim < 2:  # the backward's required bias argument, left empty
         bias = None
     keep = _dropout_keep(seed, dropout_p, q, k) if dropout_p else None
@@ -744,7 +742,7 @@ def _drops(node) -> bool:
 @register_lowering(aten._scaled_dot_product_flash_attention.default, random=_drops)
 def _sdpa_flash(ctx, q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     seed, _ = _philox(ctx, dropout_p)
-    out, lse = _attention(q, k, v, None, is_causal, scale, dropout_p, seed)
+    out, lse = math_attention(q, k, v, None, is_causal, scale, dropout_p, seed)
     rng_state = jnp.stack([lax.bitcast_convert_type(seed, jnp.uint64), jnp.zeros((), jnp.uint64)])
     debug = jnp.zeros(ctx.out[8].shape, out.dtype)
     return out, lse, None, None, q.shape[2], k.shape[2], rng_state, jnp.zeros((), jnp.uint64), debug
@@ -754,20 +752,20 @@ def _sdpa_flash(ctx, q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=
 def _sdpa_flash_backward(ctx, grad, q, k, v, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                          dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
     seed = lax.bitcast_convert_type(jnp.reshape(philox_seed, (-1,))[0], jnp.int64)
-    return _attention_grads(grad, q, k, v, None, is_causal, scale, dropout_p, seed, False)[:3]
+    return math_attention_grads(grad, q, k, v, None, is_causal, scale, dropout_p, seed, False)[:3]
 
 
 @register_lowering(aten._scaled_dot_product_efficient_attention.default, random=_drops)
 def _sdpa_efficient(ctx, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
     seed, offset = _philox(ctx, dropout_p)
-    out, lse = _attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
+    out, lse = math_attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
     return out, _fit(lse, ctx.out[1].shape[-1]), seed, offset  # lse padded to 32-row blocks
 
 
 @register_lowering(aten._scaled_dot_product_efficient_attention_backward.default)
 def _sdpa_efficient_backward(ctx, grad, q, k, v, attn_bias, out, logsumexp, philox_seed, philox_offset,
                              dropout_p, grad_input_mask, is_causal=False, *, scale=None):
-    grads = _attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed,
+    grads = math_attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed,
                              bool(grad_input_mask[3]))
     return _masked(grads, grad_input_mask)
 
@@ -776,28 +774,28 @@ def _sdpa_efficient_backward(ctx, grad, q, k, v, attn_bias, out, logsumexp, phil
 def _sdpa_cudnn(ctx, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
                 return_debug_mask=False, *, scale=None):
     seed, offset = _philox(ctx, dropout_p)
-    out, lse = _attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
+    out, lse = math_attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
     return out, lse[..., None], None, None, q.shape[2], k.shape[2], seed, offset, None
 
 
 @register_lowering(aten._scaled_dot_product_cudnn_attention_backward.default)
 def _sdpa_cudnn_backward(ctx, grad, q, k, v, out, logsumexp, philox_seed, philox_offset, attn_bias,
                          cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
-    return _attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed, False)[:3]
+    return math_attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed, False)[:3]
 
 
 @register_lowering(aten.scaled_dot_product_attention.default, random=_drops)
 def _sdpa_composite(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     # The composite op itself: torch.export keeps it (AOTAutograd decomposes it to a fused one).
     seed = _new_seed(ctx) if dropout_p else None
-    return _attention(q, k, v, attn_mask, is_causal, scale, dropout_p, seed)[0]
+    return math_attention(q, k, v, attn_mask, is_causal, scale, dropout_p, seed)[0]
 
 
 @register_lowering(aten._scaled_dot_product_fused_attention_overrideable.default, random=_drops)
 def _sdpa_overrideable(ctx, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                        *, scale=None):
     seed, offset = _philox(ctx, dropout_p)
-    out, lse = _attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
+    out, lse = math_attention(q, k, v, attn_bias, is_causal, scale, dropout_p, seed)
     return out, lse, None, None, q.shape[2], k.shape[2], seed, offset, None
 
 
@@ -805,7 +803,7 @@ def _sdpa_overrideable(ctx, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=Fa
 def _sdpa_overrideable_backward(ctx, grad, q, k, v, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
                                 cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset,
                                 *, scale=None):
-    grads = _attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed,
+    grads = math_attention_grads(grad, q, k, v, attn_bias, is_causal, scale, dropout_p, philox_seed,
                              bool(grad_input_mask[3]))
     return _masked(grads, grad_input_mask)
 
@@ -836,8 +834,10 @@ def cudnn_attention_disabled():
     return _thread_flag("off")
 
 
-def _fused_attention_module():
-    from jax._src.cudnn import fused_attention_stablehlo
+def fused_attention_module():
+    """jax's private module of cuDNN fused attention, where `should_export_dbias` lives (read
+    at each trace; raises ImportError where jax moved it)."""
+    from jax._src.cudnn import fused_attention_stablehlo  # jax's private module, imported only when needed
 
     return fused_attention_stablehlo
 
@@ -851,7 +851,7 @@ def _private_dbias_switch():
     gradient goes to the math rules): jax's private `should_export_dbias`, wrapped once to
     answer False inside it, as it did for broadcast biases before. None where it moved."""
     try:
-        module = _fused_attention_module()
+        module = fused_attention_module()
         current = module.should_export_dbias
     except (ImportError, AttributeError):
         return None

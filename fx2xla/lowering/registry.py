@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from jax import lax
 
+from ..errors import describe_node_inputs, op_name, user_source_line
+from .checks import CheckRecord, out_of_range
 from .dtypes import to_jax_dtype
 
 # Python-level callables that appear in graphs on sizes (SymInt arithmetic) or tuples; they
@@ -210,8 +212,6 @@ class LoweringContext:
         fx2xla.IndexOutOfRangeError when the graph runs, as eager raises for that input."""
         if self.checks is None:
             return
-        from .checks import out_of_range
-
         low = -int(size) if negative else 0
         failed = out_of_range(index, low, int(size))
         if failed is not None:
@@ -223,9 +223,6 @@ class LoweringContext:
         fx2xla.IndexOutOfRangeError with `message`, the op, its inputs and the source line."""
         if self.checks is None:
             return
-        from ..errors import describe_node_inputs, op_name, user_source_line
-        from .checks import CheckRecord
-
         text = (f"fx2xla: {op_name(self.node)}: {message}\n  inputs: {describe_node_inputs(self.node)}\n"
                 f"  at {user_source_line(self.node)}\n"
                 "  (eager PyTorch rejects this input too; options={'check_indices': False} skips the check)")

@@ -3,11 +3,16 @@ compiled object each graph belongs to (`graphs_of`), and `explain_sharding`."""
 from __future__ import annotations
 
 import math
+import re
+import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..metrics import is_compiled_graph, live_graphs
+from ..runtime.executor import optimized_hlo_text
 from .specs import Mesh, describe_spec, is_mark
 
 # -- explain ---------------------------------------------------------------------------------
@@ -45,8 +50,6 @@ class Collective:
 def collectives(hlo_text: str) -> list[Collective]:
     """The collectives XLA's partitioner put in an optimized (per-device) HLO module, with the
     bytes of each result (async pairs are counted once, at their start)."""
-    import re
-
     pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
     found = []
     for line in hlo_text.splitlines():
@@ -67,8 +70,6 @@ def _group_size(line: str) -> int:
     """The devices in each replica group of an HLO collective, in any of the forms XLA prints:
     `mesh['x'=2,'y'=4] {'y'}` (the named axes' sizes), `[2,4]<=[8]` (groups x size, an iota),
     `{{0,1},{2,3}}` (explicit). 0 if there is none to read."""
-    import re
-
     m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
     if m is not None:
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
@@ -124,11 +125,6 @@ def note_compile_origin(prefix: str) -> None:
     """Called by the backend as Dynamo hands it a graph (the graph names start with `prefix`):
     records which `torch.compile(...)` result is running, found as the innermost of Dynamo's
     compile wrappers on the Python stack (each result has its own context object)."""
-    import sys
-    import weakref
-
-    from ..metrics import live_graphs
-
     ctx_type = _dynamo_context_type()
     if ctx_type is None:
         return
@@ -221,8 +217,6 @@ def _role(g) -> str:
 
 def _graph_order(g):
     """Compile order: the numbers in the graph's name, forward before backward."""
-    import re
-
     kinds = {"forward": 0, "backward": 1, "inference": 2}
     kind = next((v for k, v in kinds.items() if f"_{k}" in g.name), 3)
     return [int(n) for n in re.findall(r"\d+", g.name.split("_forward")[0].split("_backward")[0]
@@ -234,8 +228,6 @@ def graphs_of(compiled) -> list:
     returned: a compiled module's forward and backward graphs, a compiled function's or
     optimizer step's graphs, in compile order. Raises TypeError for anything that is not a
     compiled module or function."""
-    from ..metrics import live_graphs
-
     ctx = _dynamo_context_of(compiled)
     if ctx is None:
         raise TypeError(f"fx2xla.explain_sharding: expected what torch.compile(..., backend=\"fx2xla\") returned "
@@ -258,9 +250,6 @@ def explain_sharding(graph=None, file=None) -> str:
     has run; a CompiledGraph; a list of any of these; or None for every live sharded graph.
     Each graph is named, with what it is (forward, backward, optimizer step) and of what.
     Printed to `file` when given; returned."""
-    from ..metrics import is_compiled_graph, live_graphs
-    from ..runtime.executor import optimized_hlo_text
-
     if graph is None:
         graphs = sorted((g for g in list(live_graphs) if g.mesh is not None), key=_graph_order)
     else:
@@ -290,7 +279,7 @@ def explain_sharding(graph=None, file=None) -> str:
             continue
         mesh, sh = g.mesh, plan.shardings
         lines.append(f"graph {g.name} ({role}) over {mesh}")
-        solution = getattr(g, "auto_sharding", None)
+        solution = g.auto_sharding
         if solution is not None:
             origin = f" (reused from the {solution.cached} cache)" if getattr(solution, "cached", None) else ""
             lines.append(f"  auto-sharding{origin}: {solution.status} in {solution.seconds:.2f} s ({solution.variables} "
@@ -300,7 +289,7 @@ def explain_sharding(graph=None, file=None) -> str:
                          + (f"; compiled peak {fmt_bytes(solution.xla_peak_bytes)} per device (XLA's memory analysis)"
                             if getattr(solution, "xla_peak_bytes", None) is not None else ""))
         placeholders = [n for n in g.gm.graph.nodes if n.op == "placeholder"]
-        names = getattr(g, "input_names", None) or [n.name for n in placeholders]
+        names = g.input_names or [n.name for n in placeholders]
         rows = [("input", n, p.sharding, name) for n, p, name in zip(placeholders, plan.inputs, names) if p.passed]
         rows += [("result", r.node, r.sharding, r.node.name) for r in plan.results]
         rows += [("constraint", n, sh.spec(n), n.name) for n in g.gm.graph.nodes if is_mark(n)]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import Fx2XlaError
+from ..runtime import client
 
 # Meshes by id: the op carries an int, so a traced graph names its mesh without holding jax
 # objects (ids are never reused within a process).
@@ -34,15 +35,13 @@ class Mesh:
     def __init__(self, shape_or_devices, axis_names, *, platform: str | None = None):
         import numpy as np
 
-        from ..runtime.client import Device, get_backend, platform_from_env
-
         axis_names = tuple(axis_names)
         if len(set(axis_names)) != len(axis_names) or not all(isinstance(a, str) and a for a in axis_names):
             raise ShardingError(f"fx2xla.Mesh: axis names must be distinct non-empty strings, got {axis_names}")
         if all(isinstance(s, int) for s in shape_or_devices):
             shape = tuple(shape_or_devices)
-            platform = platform or platform_from_env()
-            devices = list(get_backend(platform).devices())
+            platform = platform or client.platform_from_env()
+            devices = list(client.get_backend(platform).devices())
             if math.prod(shape) > len(devices) or any(s < 1 for s in shape):
                 raise ShardingError(
                     f"fx2xla.Mesh{shape} needs {math.prod(shape)} {platform} devices; this process has "
@@ -51,7 +50,7 @@ class Mesh:
             grid = np.array(devices[: math.prod(shape)], dtype=object).reshape(shape)
         else:
             arr = np.array(shape_or_devices, dtype=object)
-            grid = np.vectorize(lambda d: d.jax_device if isinstance(d, Device) else d, otypes=[object])(arr)
+            grid = np.vectorize(lambda d: d.jax_device if isinstance(d, client.Device) else d, otypes=[object])(arr)
             shape = grid.shape
         if len(shape) != len(axis_names):
             raise ShardingError(f"fx2xla.Mesh: {len(shape)} mesh dims {tuple(shape)} but {len(axis_names)} "

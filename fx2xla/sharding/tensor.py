@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from typing import Any, NamedTuple
 
 import torch
 
@@ -12,10 +13,18 @@ from ..runtime.executor import make_recording
 from ..runtime.handoff import gather_array
 from .specs import Annotation, Mesh, ShardingError, Spec, describe_spec, normalize_spec
 
-# A tensor written by a sharded graph -> (its _version and data_ptr after the write, the new
-# value as the graph left it, a global jax Array of per-device shards): a later sharded graph
-# reading the unchanged tensor with that sharding takes the shards instead of splitting the
-# tensor again (a parameter updated by a compiled FSDP optimizer step stays on its devices).
+class TwinRecord(NamedTuple):
+    """The shards a sharded graph left a tensor's new contents as."""
+
+    version: int  # the tensor's _version after the write
+    data_ptr: int  # and its data pointer
+    array: Any  # the new value as the graph left it: a global jax Array of per-device shards
+
+
+# id(tensor written by a sharded graph) -> its TwinRecord: a later sharded graph reading the
+# unchanged tensor with that sharding takes the shards instead of splitting the tensor again (a
+# parameter updated by a compiled FSDP optimizer step stays on its devices). One table for the
+# process, since the graph that writes a tensor and the graph that reads it are different graphs.
 _sharded_twins: dict = {}
 
 
@@ -26,21 +35,20 @@ def keep_sharded_twin(t: torch.Tensor, array) -> None:
             weakref.finalize(t, _sharded_twins.pop, id(t), None)
         except TypeError:  # not weak-referenceable: nothing can be kept
             return
-    _sharded_twins[id(t)] = (t._version, t.data_ptr(), array)
+    _sharded_twins[id(t)] = TwinRecord(t._version, t.data_ptr(), array)
 
 
 def sharded_twin(t: torch.Tensor, bump: int = 0):
     """The shards recorded for `t`, if its contents are still those (its version moved by
     `bump` since, its storage the same), else None."""
     twin = _sharded_twins.get(id(t))
-    if twin is None or twin[0] + bump != t._version or twin[1] != t.data_ptr():
+    if twin is None or twin.version + bump != t._version or twin.data_ptr != t.data_ptr():
         return None
-    return twin[2]
+    return twin.array
 
 
 def sharded_twins() -> dict:
-    """A snapshot of every twin recorded: id(tensor) -> (its _version and data_ptr when
-    recorded, the jax Array of its shards)."""
+    """A snapshot of every twin recorded: id(tensor) -> its TwinRecord."""
     return dict(_sharded_twins)
 
 

@@ -25,6 +25,7 @@ from fx2xla.compiled_graph import CompiledGraph
 from fx2xla.lowering import nn
 from fx2xla.lowering.graph import lower_graph
 from fx2xla.plan import build_plan
+from fx2xla.plan_executor import wrap_outputs
 from fx2xla.runtime import Device, compile_module, default_device
 from fx2xla.runtime.executor import make_launcher
 from fx2xla.runtime.handoff import import_tensor
@@ -96,7 +97,7 @@ def real_cudnn(monkeypatch):
 def math_calls(monkeypatch):
     """Counts of the generic (math) attention rules' runs: forward, backward."""
     calls = {"forward": 0, "backward": 0}
-    real_forward, real_backward = nn._attention, nn._attention_grads
+    real_forward, real_backward = nn.math_attention, nn.math_attention_grads
 
     def forward(*args, **kwargs):
         calls["forward"] += 1
@@ -106,8 +107,8 @@ def math_calls(monkeypatch):
         calls["backward"] += 1
         return real_backward(*args, **kwargs)
 
-    monkeypatch.setattr(nn, "_attention", forward)
-    monkeypatch.setattr(nn, "_attention_grads", backward)
+    monkeypatch.setattr(nn, "math_attention", forward)
+    monkeypatch.setattr(nn, "math_attention_grads", backward)
     return calls
 
 
@@ -143,7 +144,7 @@ def _run(lowered, *tensors):
     launch = make_launcher(compile_module(lowered.module_text, default_device()))
     dev = default_device().jax_device
     outs = launch([import_tensor(t.contiguous(), dev) for t in tensors])
-    return CompiledGraph.wrap_outputs(SimpleNamespace(out_plans=lowered.outputs), outs, {})
+    return wrap_outputs(lowered.outputs, outs, {})
 
 
 def _qkv(heads=H, seq=L, seed=0):
@@ -295,10 +296,10 @@ def test_compile_refusal_lowers_again_with_math_rules(monkeypatch, xla_cudnn, ma
     torch.testing.assert_close(out.float(), _reference(q, k, v)[0], **tolerance(BF16, 2))
 
 
-def test_package_compile_refusal_lowers_again_with_math_rules(monkeypatch, tmp_path, xla_cudnn):
+def test_package_compile_refusal_lowers_again_with_math_rules(monkeypatch, tmp_path, xla_cudnn, math_calls):
     """The same for a loaded dynamic package compiling a new shape (LoadedModel._new_variant)."""
     import fx2xla
-    import fx2xla.runtime
+    import fx2xla.package as package
     from fx2xla.lowering.registry import PLATFORM_LOWERINGS
 
     op = aten.scaled_dot_product_attention.default  # what torch.export keeps
@@ -313,7 +314,7 @@ def test_package_compile_refusal_lowers_again_with_math_rules(monkeypatch, tmp_p
     path = fx2xla.export(Attention(), (q, k, v), str(tmp_path / "pkg"),
                          dynamic_shapes={"q": {2: seq}, "k": {2: seq}, "v": {2: seq}})
     run = fx2xla.load(path)
-    texts, real_compile = [], fx2xla.runtime.compile_module
+    texts, real_compile = [], package.compile_module
 
     def compile_refusing_cudnn(text, device, **kwargs):
         texts.append(text)
@@ -321,11 +322,12 @@ def test_package_compile_refusal_lowers_again_with_math_rules(monkeypatch, tmp_p
             raise RuntimeError("UNIMPLEMENTED: no cuDNN fused MHA plan for these inputs")
         return real_compile(text, device, **kwargs)
 
-    monkeypatch.setattr(fx2xla.runtime, "compile_module", compile_refusing_cudnn)
+    monkeypatch.setattr(package, "compile_module", compile_refusing_cudnn)  # where the package reads it
     q, k, v = _qkv(seq=8, seed=1)
     with pytest.warns(UserWarning, match="cuDNN fused attention did not compile"):
         out = run(q, k, v)
-    assert len(texts) == 2 and nn.CUDNN_MARKER not in texts[1]
+    assert len(texts) == 2 and nn.CUDNN_MARKER in texts[0] and nn.CUDNN_MARKER not in texts[1]
+    assert math_calls["forward"] == 1  # the second lowering: the math rule
     torch.testing.assert_close(out.float(), _reference(q, k, v)[0], **tolerance(BF16, 2))
 
 
@@ -410,7 +412,7 @@ def test_cudnn_backward_exports_no_unread_dbias(monkeypatch, torch_has_cuda, rea
     False inside fx2xla's traces (dq, dk, dv and the workspace: 4 results), and stays jax's
     elsewhere; public fallback, where that function moved: dbias exported (5 results)."""
     if path == "public":
-        monkeypatch.setattr(nn, "_fused_attention_module", lambda: SimpleNamespace())
+        monkeypatch.setattr(nn, "fused_attention_module", lambda: SimpleNamespace())
     bias = torch.zeros(1, 1, L, L, dtype=BF16)
     text = _lowered(_efficient_backward, *_backward_inputs(bias)[1]).module_text
     assert math_calls["backward"] == 0

@@ -68,7 +68,7 @@ def test_model_with_custom_ops_matches_eager():
 def test_one_warning_per_op_kind(monkeypatch):
     import fx2xla.partition
 
-    monkeypatch.setattr(fx2xla.partition, "_warned", set())
+    monkeypatch.setattr(fx2xla.partition, "warned_ops", set())
 
     def f(x):
         return soft_clip(soft_clip(x, 1.0) * 2, 3.0) + 1

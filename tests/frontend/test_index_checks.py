@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fx2xla
-from fx2xla.compiled_graph import _assert_async_private, _raise_failed_now, make_check_raiser
+from fx2xla.plan_executor import make_check_raiser
 from fx2xla.lowering.checks import CheckRecord
 
 X = torch.arange(15, dtype=torch.float32).reshape(5, 3)
@@ -152,24 +152,21 @@ def test_check_raisers_private_and_public():
     """Both ways of reading a verdict raise on a failed check and pass an all-clear one. The
     private one (torch._assert_async, the accelerator path) raises synchronously on CPU."""
     records = (CheckRecord("fx2xla: aten.gather.default: index out of range"),)
-    assert make_check_raiser("cpu") is _raise_failed_now
-    assert make_check_raiser("cuda", public=True) is _raise_failed_now
-    assert make_check_raiser("cuda", public=False) is _assert_async_private
-    for raiser in (_raise_failed_now, _assert_async_private):
+    public, private = make_check_raiser("cuda", public=True), make_check_raiser("cuda", public=False)
+    assert make_check_raiser("cpu") is public and private is not public
+    for raiser in (public, private):
         raiser(torch.tensor(0, dtype=torch.int32), records)  # all clear
         with pytest.raises(RuntimeError, match="index out of range"):
             raiser(torch.tensor(1, dtype=torch.int32), records)
     with pytest.raises(IndexError, match="aten.gather"):
-        _raise_failed_now(torch.tensor(1, dtype=torch.int32), records)
+        public(torch.tensor(1, dtype=torch.int32), records)
 
 
 def test_async_check_message_fits_torchs_limit():
     """The accelerator path (torch._assert_async, whose message torch caps at 254 characters)
     takes any number of long check records: it passes a clean verdict, and a failed one
     raises naming the ops (run here on CPU tensors; CUDA enqueues the same call)."""
-    from fx2xla.compiled_graph import _assert_async_private
-    from fx2xla.lowering.checks import CheckRecord
-
+    _assert_async_private = make_check_raiser("cuda", public=False)
     records = tuple(CheckRecord(f"fx2xla: aten.embedding.default: embedding index out of range: {'x' * 300}")
                     for _ in range(3)) + (CheckRecord("fx2xla: aten.gather.default: index out of range: y"),)
     _assert_async_private(torch.tensor(0, dtype=torch.int32), records)

@@ -239,7 +239,7 @@ def test_activations_and_optimizer_state_live_in_host_memory(monkeypatch):
 def _entry_layout(graph) -> str:
     from fx2xla.runtime.executor import optimized_hlo_text
 
-    return offload._entry_layout(optimized_hlo_text(graph.static.exe))
+    return offload.entry_layout(optimized_hlo_text(graph.static.exe))
 
 
 def test_explain_memory_reports_bytes_per_memory_kind():

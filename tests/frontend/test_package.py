@@ -463,3 +463,43 @@ def test_outputs_a_package_cannot_carry_are_clear_errors(tmp_path):
 
     with pytest.raises(PackageError, match=r"output, a .*Local, .*cannot be imported by name"):
         fx2xla.export(Named(), (torch.ones(3),), str(tmp_path / "named"))
+
+
+def test_manifest_holds_the_plan_and_format_1_still_loads(tmp_path):
+    """The manifest stores the graph's plan record (plan.plan_record: per input its layout and
+    residency, the results, the written inputs, the seed); a package of format 1, which kept
+    those fields beside the inputs, loads and runs the same (float32: rtol 1e-4, atol 1e-5)."""
+    path, model, x = _package(tmp_path)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["format_version"] == 2
+    plan = manifest["plan"]
+    assert [(p["kind"], p["resident"]) for p in plan["inputs"]] == \
+        [("tensor", True), ("tensor", True), ("tensor", False)]  # weight, bias, x
+    assert plan["mutations"] == [] and plan["seed"] is False and plan["results"] == 1
+    inputs = [{**spec, "layout": p["kind"], "perm": p["perm"]} for spec, p in zip(manifest["inputs"], plan["inputs"])]
+    del manifest["plan"]
+    manifest.update(format_version=1, inputs=inputs, mutations=[], seed=False)
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    run = fx2xla.load(path)
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_channels_last_input_in_any_layout(tmp_path):
+    """A model exported at a channels_last input passes it to the executable as a permuted dense
+    view; the loaded model takes the input in that layout, contiguous, or as a non-contiguous
+    slice, and matches eager each time (float32 conv: rtol 1e-4, atol 1e-4)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).eval()
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    path = fx2xla.export(model, (x,), str(tmp_path / "pkg"))
+    with open(os.path.join(path, "manifest.json")) as f:
+        kinds = [p["kind"] for p in json.load(f)["plan"]["inputs"]]
+    assert kinds[-1] == "permuted", kinds
+    run = fx2xla.load(path)
+    wide = torch.randn(2, 3, 8, 16)
+    for arg in (x, x.contiguous(), wide[..., ::2]):
+        with torch.no_grad():
+            torch.testing.assert_close(run(arg), model(arg), rtol=1e-4, atol=1e-4)

@@ -115,20 +115,18 @@ EFFICIENT = aten._scaled_dot_product_efficient_attention.default
 def test_attention_draws_random_bits_only_with_dropout(op, args, kwargs, drops):
     """The attention rules' `random` predicate reads dropout_p wherever the node has it
     (positional, keyword, or the schema's default): a graph takes a seed only when it drops."""
-    from fx2xla.lowering.nn import _drops
     from fx2xla.lowering.registry import lowering_for
 
     node = _attention_node(op, *args, **kwargs)
-    assert _drops(node) is drops
-    assert lowering_for(op).random is _drops
+    assert lowering_for(op).draws(node) is drops
 
 
 def test_symbolic_dropout_is_assumed_to_draw():
-    from fx2xla.lowering.nn import _drops
+    from fx2xla.lowering.registry import lowering_for
 
     graph = torch.fx.Graph()
     p = graph.placeholder("p")
-    assert _drops(_attention_node(EFFICIENT, None, False, p))
+    assert lowering_for(EFFICIENT).draws(_attention_node(EFFICIENT, None, False, p))
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])

@@ -205,19 +205,19 @@ def test_scan_private_op_and_public_fallback_agree(monkeypatch, dump_dir):
         return final, ys[0], ys[1]
 
     calls = []
-    real = scan_module._torch_scan
+    real = scan_module.torch_scan_op
 
     def counting():
         calls.append(1)
         return real()
 
-    monkeypatch.setattr(scan_module, "_torch_scan", counting)
+    monkeypatch.setattr(scan_module, "torch_scan_op", counting)
     with_op = run(_compile(lambda s, h, x: fx2xla.scan(s, h, x)))
     assert calls, "the compiled path did not use torch's scan op"
     assert _stablehlo(dump_dir, "")[-1].count("stablehlo.while") == 1
 
     torch._dynamo.reset()
-    monkeypatch.setattr(scan_module, "_torch_scan", lambda: None)  # a torch without the op
+    monkeypatch.setattr(scan_module, "torch_scan_op", lambda: None)  # a torch without the op
     fallback = run(_compile(lambda s, h, x: fx2xla.scan(s, h, x)))
     assert _stablehlo(dump_dir, "")[-1].count("stablehlo.while") == 0  # unrolled Python loop
     eager = run(lambda s, h, x: fx2xla.scan(s, h, x))

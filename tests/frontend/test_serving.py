@@ -142,17 +142,33 @@ def test_batch_buckets_pad_and_share_executables():
         assert fx2xla.metrics()["specializations"] - before == 1
 
 
+class _Spy(torch.nn.Module):
+    """Records the arguments of each call; its one parameter says where the model lives."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1, device=device))
+        self.calls = []
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+
+
 def test_warmup_zeros_are_made_where_the_model_lives():
     """TensorSpec / torch.Size warm-up inputs are made on the model's parameters' device (a
-    CUDA model warms up on its GPU); a TensorSpec's own device wins. ("meta" stands in for a
-    GPU here: only where the zeros are made is under test.)"""
-    from fx2xla.serving import _as_call, _model_device
-
+    CUDA model warms up on its GPU), a compiled module's too; a TensorSpec's own device wins.
+    ("meta" stands in for a GPU here: only where the zeros are made is under test.)"""
     meta = torch.device("meta")
-    (a, b), _ = _as_call((fx2xla.TensorSpec((2, 3), torch.int64), torch.Size([4])), meta)
+    spy = _Spy(meta)
+    fx2xla.warmup(spy, [(fx2xla.TensorSpec((2, 3), torch.int64), torch.Size([4])),
+                        {"x": fx2xla.TensorSpec((2,), device="cpu")}], progress=False)
+    ((a, b), _), ((), kwargs) = spy.calls
     assert (a.device, a.dtype, tuple(a.shape)) == (meta, torch.int64, (2, 3)) and b.device == meta
-    (c,), _ = _as_call(fx2xla.TensorSpec((2,), device="cpu"), meta)
+    c = kwargs["x"]
     assert c.device == torch.device("cpu") and torch.equal(c, torch.zeros(2))
-    assert _model_device(torch.nn.Linear(2, 2, device="meta")) == meta
-    assert _model_device(torch.compile(torch.nn.Linear(2, 2), backend="fx2xla")) == torch.device("cpu")
-    assert _model_device(lambda x: x) is None
+    inner = _Spy(meta)  # compiled: the module inside torch.compile's wrapper says where
+    fx2xla.warmup(torch.compile(inner, backend="eager"), [torch.Size([2])], progress=False)
+    assert [args[0].device for args, _ in inner.calls] == [meta]
+    calls = []  # no parameters to go by: torch's default device
+    fx2xla.warmup(lambda x: calls.append(x), [torch.Size([2])], progress=False)
+    assert [x.device for x in calls] == [torch.device("cpu")]

@@ -193,7 +193,7 @@ def test_bad_environment_raises_before_anything_starts(monkeypatch, env, message
         monkeypatch.setenv(name, value)
     with pytest.raises(distributed.DistributedError, match=re.escape(message)):
         distributed.initialize()
-    assert not jax.distributed.is_initialized() and distributed._state.request is None
+    assert not jax.distributed.is_initialized() and distributed.group_settings() is None
 
 
 def test_initialize_after_the_backend_started_says_to_call_it_first():
@@ -267,7 +267,7 @@ def test_processes_agree_on_the_coordinator_port(agent_store):
 
     def join(pid):
         try:
-            got[pid] = distributed._agree_port("127.0.0.1", store_port, pid, 2, 30, agent_store=agent_store)
+            got[pid] = distributed.agree_port("127.0.0.1", store_port, pid, 2, 30, agent_store=agent_store)
         except Exception as e:  # reported by the assertion below
             errors.append(e)
 

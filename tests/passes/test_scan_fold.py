@@ -311,15 +311,17 @@ def test_folded_graph_keeps_weights_resident_and_stacks_them_once():
     with torch.no_grad():
         compiled(ids)
         graph, = [g for g in live_graphs if g not in older and g.static is not None and g.static.lowered.input_concats]
-        stacks = {k: v[1] for k, v in graph._concat_cache.items()}
-        assert graph._resident_args and graph._check_steps  # parameters resident; layer weights only checked
-        passed = {i for i, *_ in graph._import_steps}
+        executor = graph.executor
+        stacks = executor.cached_stacks()
+        # Parameters resident; the layers' weights only checked for changes, never passed.
+        assert any(step.slot >= 0 for step in executor.import_steps) and executor.check_steps
+        passed = {step.position for step in executor.import_steps}
         assert all(i not in passed for group in stacks for i in group)
         compiled(ids)
-        assert all(graph._concat_cache[k][1] is v for k, v in stacks.items())  # not rebuilt
+        assert all(executor.cached_stacks()[k] is v for k, v in stacks.items())  # not rebuilt
         w = model.model.transformer.h[1].mlp.c_fc.weight
         w.mul_(0.5)  # a weight update renews the stacks
         got = compiled(ids)
-    assert any(graph._concat_cache[k][1] is not v for k, v in stacks.items())
+    assert any(executor.cached_stacks()[k] is not v for k, v in stacks.items())
     with torch.no_grad():
         torch.testing.assert_close(got, model(ids), rtol=1e-4, atol=1e-4)

@@ -187,7 +187,7 @@ def test_an_xla_without_the_autotune_option_still_compiles(monkeypatch, tmp_path
     assert _overrides(options) == []  # unknown to this jaxlib's options: never set
     folder = str(tmp_path / "xla-autotune")
     monkeypatch.setattr(executor, "gpu_autotune_cache_dir", lambda options=None: folder)
-    monkeypatch.setattr(executor, "_environment_key", lambda platform: ("jaxlib", platform))  # no CUDA here
+    monkeypatch.setattr(executor, "environment_key", lambda platform: ("jaxlib", platform))  # no CUDA here
     monkeypatch.setattr(runtime_client, "used_devices", set())
     disk = DiskCache(str(tmp_path))
     monkeypatch.setattr(executor, "disk_cache", lambda: disk)

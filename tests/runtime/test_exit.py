@@ -124,10 +124,10 @@ import sys, torch
 from fx2xla.runtime import handoff
 held_only_by_python = torch.randn(16)
 before = sys.getrefcount(held_only_by_python)
-handoff._pin_torch_memory_at_exit()  # what the exit runs: no effect before any hand-off
+handoff.pin_torch_memory_at_exit()  # what the exit runs: no effect before any hand-off
 assert sys.getrefcount(held_only_by_python) == before
 handoff.import_tensor(torch.randn(4), __import__("fx2xla").runtime.default_device().jax_device)
-handoff._pin_torch_memory_at_exit()
+handoff.pin_torch_memory_at_exit()
 # One more C++ reference (an unconsumed DLPack capsule, never released) keeps the Python object.
 assert sys.getrefcount(held_only_by_python) == before + 1, (sys.getrefcount(held_only_by_python), before)
 print("pinned")

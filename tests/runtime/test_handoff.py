@@ -68,7 +68,7 @@ def test_cuda_importer_takes_parameters_and_uses_jax_stream(monkeypatch):
     assert importer(param, device) == "buf" and importer(torch.randn(2), device) == "buf"
     assert [stream for _, stream in calls] == [0xABC, 0xABC]
     assert torch.utils.dlpack.from_dlpack(calls[0][0]).data_ptr() == param.data_ptr()  # zero-copy
-    handoff._ready_streams.clear()
+    handoff.reset_stream_order()  # forget the fake device (the tables are keyed by id)
 
 
 def test_public_cuda_importer_detaches_parameters(monkeypatch):
@@ -95,14 +95,15 @@ def test_misaligned_tensors_are_copied_for_accelerators():
 
 def _watch(graph, events):
     """Record `graph`'s stream orders and imports (in the order they happen) into `events`."""
-    real_import = graph._import_tensor
+    executor = graph.executor
+    real_import = executor.import_tensor
 
     def watched_import(t, device):
         events.append("import")
         return real_import(t, device)
 
-    graph._import_tensor = watched_import
-    graph._order_in = lambda dev, index: events.append("order")
+    executor.import_tensor = watched_import
+    executor.stream_order = lambda dev, index: events.append("order")
 
 
 def _new_graph(older):
@@ -150,7 +151,7 @@ def test_one_stream_order_per_call(monkeypatch):
     with torch.no_grad():
         dropped(a)
     graph = _new_graph(older)
-    assert graph.static.needs_seed
+    assert graph.plan.seed
     events.clear()
     _watch(graph, events)
     with torch.no_grad():
@@ -169,16 +170,16 @@ def test_one_stream_order_per_call(monkeypatch):
     with torch.no_grad():
         folded(ids)
     graph = _new_graph(older)
-    groups = graph.static.concats
+    groups = graph.plan.concats
     assert len(groups) >= 2
     events.clear()
     _watch(graph, events)
     with torch.no_grad():
         model.model.transformer.h[1].mlp.c_fc.weight.mul_(0.5)  # renews the stacks
-        stacks = {k: v[1] for k, v in graph._concat_cache.items()}
+        stacks = graph.executor.cached_stacks()
         got = folded(ids)
         expected = model(ids)
-    assert any(graph._concat_cache[k][1] is not v for k, v in stacks.items())  # rebuilt this call
+    assert any(graph.executor.cached_stacks()[k] is not v for k, v in stacks.items())  # rebuilt this call
     assert events[0] == "order" and events.count("order") == 1, events
     assert events.count("import") >= 1 + len(groups), events  # ids and every stack
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -217,24 +218,26 @@ def test_order_after_torch_records_one_event_per_call(monkeypatch):
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda *a, **k: ExternalStream(log, *a, **k))
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: Event(log, *a, **k))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: f"torch stream of cuda:{index}")
-    monkeypatch.setattr(handoff, "_external_streams", {})
-    monkeypatch.setattr(handoff, "_ready_streams", {})
-    monkeypatch.setattr(handoff, "_order_events", handoff._ThreadEvents())
-    assert handoff.make_stream_order(False, "cuda") is handoff._order_after_torch
+    handoff.reset_stream_order()  # no stream or event made yet, in any thread
+    order = handoff.make_stream_order(False, "cuda")  # the private CUDA importer's ordering
+    assert order is not None and handoff.make_stream_order(True, "cuda") is None
     device = _FakeCudaDevice()
-    for _ in range(3):
-        handoff._order_after_torch(device, 1)
-    made = [e for e in log if e[0] in ("ExternalStream", "Event")]
-    assert made == [("ExternalStream", (0xABC,), {"device": torch.device("cuda", 1)}), ("Event", (), {})], made
-    calls = [e for e in log if e[0] in ("record", "wait")]
-    event = calls[0][1]
-    assert calls == [("record", event, "torch stream of cuda:1"), ("wait", 0xABC, event)] * 3, calls
-    # Another thread records its own event (its current stream is its own), on the same stream.
-    log.clear()
-    worker = threading.Thread(target=handoff._order_after_torch, args=(device, 1))
-    worker.start()
-    worker.join()
-    assert [e[0] for e in log] == ["Event", "record", "wait"] and log[1][1] != event, log
+    try:
+        for _ in range(3):
+            order(device, 1)
+        made = [e for e in log if e[0] in ("ExternalStream", "Event")]
+        assert made == [("ExternalStream", (0xABC,), {"device": torch.device("cuda", 1)}), ("Event", (), {})], made
+        calls = [e for e in log if e[0] in ("record", "wait")]
+        event = calls[0][1]
+        assert calls == [("record", event, "torch stream of cuda:1"), ("wait", 0xABC, event)] * 3, calls
+        # Another thread records its own event (its current stream is its own), on the same stream.
+        log.clear()
+        worker = threading.Thread(target=order, args=(device, 1))
+        worker.start()
+        worker.join()
+        assert [e[0] for e in log] == ["Event", "record", "wait"] and log[1][1] != event, log
+    finally:
+        handoff.reset_stream_order()  # forget the fake device, its fake stream and events
 
 
 def test_public_cuda_importer_runs_under_the_tensors_device(monkeypatch):
@@ -275,16 +278,17 @@ def test_inputs_are_aligned_before_the_import_where_the_device_needs_it():
     assert x.data_ptr() % 16 and y.data_ptr() % 16
     torch.testing.assert_close(compiled(x, y), x * 2 + y)
     graph = _new_graph(older)
-    real_import, pointers = graph._import_tensor, []
+    executor = graph.executor
+    real_import, pointers = executor.import_tensor, []
 
     def watched_import(t, device):
         pointers.append(t.data_ptr())
         return real_import(t, device)
 
-    graph._import_tensor = watched_import
+    executor.import_tensor = watched_import
     for align in (False, True):
         pointers.clear()
-        graph._align = align
+        executor.align = align
         torch.testing.assert_close(compiled(x, y), x * 2 + y, rtol=0, atol=0)
         assert len(pointers) == 2
         assert all(p % 16 == 0 for p in pointers) == align, pointers
@@ -293,7 +297,7 @@ def test_inputs_are_aligned_before_the_import_where_the_device_needs_it():
 def test_restride_keeps_the_device_and_the_strides():
     """Outputs given eager's strides stay on their device (meta here: no memory, no copy to the
     CPU), with the strides asked for: a permuted layout, gaps, a broadcast dim."""
-    from fx2xla.compiled_graph import _restride
+    from fx2xla.plan_executor import restride as _restride
 
     t = torch.empty(2, 3, 4, device="meta")
     for stride in [(1, 8, 2), (24, 8, 2)]:

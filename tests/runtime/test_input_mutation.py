@@ -11,7 +11,7 @@ import torch
 import torch._dynamo
 
 import fx2xla
-from fx2xla import compiled_graph
+from fx2xla import plan_executor
 from fx2xla.metrics import live_graphs
 from tests.conftest import tolerance
 
@@ -146,9 +146,9 @@ def test_parameter_with_outside_alias_is_copied_into():
 
 def test_public_use_count_copies(monkeypatch):
     """Without torch's private storage counter every write-back is a copy, still correct."""
-    assert compiled_graph.make_storage_use_count(public=True) is compiled_graph._storage_use_count_public
-    assert compiled_graph.make_storage_use_count(public=False) is compiled_graph._storage_use_count_private
-    monkeypatch.setattr(compiled_graph, "_storage_use_count", compiled_graph.make_storage_use_count(public=True))
+    public = plan_executor.make_storage_use_count(public=True)
+    assert public(torch.randn(2)) == 2  # "shared": always copy
+    monkeypatch.setattr(plan_executor, "storage_use_count", public)
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     rx = x.clone()
     exp = _bump(rx, y)
@@ -160,12 +160,14 @@ def test_public_use_count_copies(monkeypatch):
 
 
 def test_private_use_count_counts_holders():
+    count = plan_executor.make_storage_use_count(public=False)
+    assert count is not plan_executor.make_storage_use_count(public=True)
     t = torch.randn(4)
-    assert compiled_graph._storage_use_count_private(t) == 1
+    assert count(t) == 1
     alias = t.view(2, 2)
-    assert compiled_graph._storage_use_count_private(t) == 2
+    assert count(t) == 2
     del alias
-    assert compiled_graph._storage_use_count_private(t) == 1
+    assert count(t) == 1
 
 
 def test_batch_buckets_never_pad_a_writing_graph():

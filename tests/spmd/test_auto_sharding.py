@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fx2xla
 from fx2xla.metrics import live_graphs
+from fx2xla.passes import auto_sharding as auto
 from fx2xla.passes.auto_sharding import InfeasibleBudget, candidate_specs, reshard_cost, solve, CostModel
 from fx2xla.runtime.executor import optimized_hlo_text
 from fx2xla.sharding import collectives
@@ -33,6 +34,14 @@ def mlp_graph():
 
     with FakeTensorMode() as mode:
         return make_fx(f)(*[mode.from_tensor(torch.empty(s)) for s in SHAPES])
+
+
+@pytest.fixture
+def no_solutions():
+    """No auto-sharding solution in this process's table, before the test and after it."""
+    auto.clear_solutions()
+    yield
+    auto.clear_solutions()
 
 
 @pytest.fixture(autouse=True)
@@ -199,15 +208,12 @@ def test_constraints_inside_the_graph_are_kept():
     assert marks and all(g.auto_sharding.specs[m] == ((), ("d",)) for m in marks)
 
 
-def test_the_solution_is_cached_with_the_executable(monkeypatch, tmp_path):
+def test_the_solution_is_cached_with_the_executable(monkeypatch, tmp_path, no_solutions):
     """A graph solved once is not solved again: a recompile in this process takes the solution
     from memory, a new process (the in-memory table cleared) from the disk cache beside the
     executables, with the same layouts and results equal to eager; another budget is solved
     anew; explain_sharding says where the plan came from."""
-    import fx2xla.passes.auto_sharding as auto
-
     monkeypatch.setenv("FX2XLA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(auto, "_solutions", {})
     solves = []
     real = auto.solve
     monkeypatch.setattr(auto, "solve", lambda *a, **k: solves.append(1) or real(*a, **k))
@@ -233,7 +239,7 @@ def test_the_solution_is_cached_with_the_executable(monkeypatch, tmp_path):
     assert len(solves) == 1 and first.auto_sharding.cached is None
     again = compile_once(600_000)
     assert len(solves) == 1 and again.auto_sharding.cached == "memory"
-    auto._solutions.clear()  # as a new process starts
+    auto.clear_solutions()  # as a new process starts
     reloaded = compile_once(600_000)
     assert len(solves) == 1 and reloaded.auto_sharding.cached == "disk"
     assert [p.sharding for p in reloaded.plan.inputs] == [p.sharding for p in first.plan.inputs]
@@ -263,15 +269,13 @@ def test_a_deep_stack_stays_within_the_budget():
     assert g.auto_sharding.xla_peak_bytes == peak_of(g) <= budget
 
 
-def test_repeated_layers_share_one_set_of_variables(monkeypatch):
+def test_repeated_layers_share_one_set_of_variables(monkeypatch, no_solutions):
     """A GPT-2's blocks are one run of identical layers: every value (and weight) of blocks 1
     and 2 shares block 0's variables, so they get the same layouts; the program is smaller than
     without the ties, and the compiled model equals eager (float32 tolerances)."""
-    import fx2xla.passes.auto_sharding as auto
     from fx2xla.testing import LogitsOnly, gpt2, token_ids
 
     monkeypatch.setenv("FX2XLA_CACHE_DIR", "")
-    monkeypatch.setattr(auto, "_solutions", {})
     seen = {}
     real = auto.solve
     monkeypatch.setattr(auto, "solve", lambda gm, sizes, **k: seen.update(gm=gm, sizes=sizes, kw=k) or real(gm, sizes, **k))
@@ -347,14 +351,12 @@ def test_live_values_count_towards_the_budget():
     assert err.value.proven and err.value.least_estimate == least and err.value.least_bound <= least
 
 
-def test_the_compiled_peak_is_checked_against_the_budget():
+def test_the_compiled_peak_is_checked_against_the_budget(no_solutions):
     """The executable's peak (XLA's memory analysis) is held to the budget, not the solver's
     estimate: at 450,000 bytes the first plan (estimated 427,520) compiles to 460,288, so it is
     solved again under the budget less XLA's excess, and the plan taken compiles within it,
     with results equal to eager (float32 tolerances). At 400,000 no plan's compiled peak fits:
     InfeasibleBudget names the budget and XLA's figures."""
-    import fx2xla.passes.auto_sharding as auto
-
     budgets = []
     real = auto.solve
 
@@ -369,7 +371,6 @@ def test_the_compiled_peak_is_checked_against_the_budget():
     before = {id(g) for g in live_graphs}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(auto, "solve", counted)
-        mp.setattr(auto, "_solutions", {})
         with torch.no_grad():
             out = torch.compile(mlp(), backend="fx2xla",
                                 options={"sharding": "auto", "mesh": mesh, "memory_budget": 450_000})(x)

@@ -100,7 +100,7 @@ def test_the_least_figure_of_an_infeasible_budget_is_a_real_plans_compiled_peak(
     measured. At that figure the graph compiles (that plan), within it, equal to eager."""
     import fx2xla.backend as backend
 
-    monkeypatch.setattr(backend, "_measured", {})  # only this test's measurements
+    monkeypatch.setattr(backend, "measured_plans", {})  # only this test's measurements
     mesh = fx2xla.Mesh((8,), ("model",))
     base, x = build("llama"), ids()
     with torch.no_grad():

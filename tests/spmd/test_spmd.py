@@ -399,7 +399,7 @@ def test_sharded_buffer_and_its_update():
 def test_backward_takes_the_forwards_shards(monkeypatch):
     """Saved activations the forward left sharded reach the backward as those shards (no new
     split of the whole tensor), and the gradients still match eager."""
-    from fx2xla.compiled_graph import CompiledGraph
+    from fx2xla.sharded_call import PlacedHandOff
     from fx2xla.sharding import sharded_twins
 
     mesh = fx2xla.Mesh((2, 4), ("data", "model"))
@@ -412,15 +412,15 @@ def test_backward_takes_the_forwards_shards(monkeypatch):
     out = torch.compile(model, backend="fx2xla")(x)
     (fw,) = graphs_since(before)
     taken, split = [], []
-    real_moved = CompiledGraph._moved
+    real_hand_off = PlacedHandOff.__call__
 
-    def moved(self, t, move, *rest):
-        buf = real_moved(self, t, move, *rest)
+    def hand_off(self, t, sharding, *rest):
+        buf = real_hand_off(self, t, sharding, *rest)
         twin = sharded_twins().get(id(t))
-        (taken if twin is not None and twin[2] is buf else split).append(tuple(t.shape))
+        (taken if twin is not None and twin.array is buf else split).append(tuple(t.shape))
         return buf
 
-    monkeypatch.setattr(CompiledGraph, "_moved", moved)
+    monkeypatch.setattr(PlacedHandOff, "__call__", hand_off)
     F.mse_loss(out, torch.zeros(8, 16)).backward()
     assert taken, "the backward split every saved activation again"
     assert (8, 64) in taken  # the hidden activation, sharded (data, model) by the forward
@@ -495,7 +495,7 @@ def test_outputs_stay_sharded_on_request(dtype, monkeypatch):
     replicated output is a plain tensor; a second compiled graph
     reading it takes its shards (not a new split) and equals eager. Tolerances per dtype as
     tests/conftest.py states."""
-    from fx2xla.compiled_graph import CompiledGraph
+    from fx2xla.sharded_call import PlacedHandOff
 
     mesh = fx2xla.Mesh((2, 4), ("data", "model"))
     torch.manual_seed(0)
@@ -531,9 +531,9 @@ def test_outputs_stay_sharded_on_request(dtype, monkeypatch):
         consumer(compiled(x)[0])  # compiled once
         fresh, _ = compiled(x)
         handed = []
-        real = CompiledGraph._moved
-        monkeypatch.setattr(CompiledGraph, "_moved",
-                            lambda self, t, move, *rest: handed.append(real(self, t, move, *rest)) or handed[-1])
+        real = PlacedHandOff.__call__
+        monkeypatch.setattr(PlacedHandOff, "__call__",
+                            lambda self, t, sharding, *rest: handed.append(real(self, t, sharding, *rest)) or handed[-1])
         result = consumer(fresh)
     # Dynamo hands the graph the whole value (assembled in torch: its guards and AOTAutograd
     # read it), but the graph takes the shards behind it, not a new split of it.

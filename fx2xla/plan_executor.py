@@ -1,0 +1,506 @@
+"""The per-call path of a plan: hand every input off, launch, assemble every output.
+
+`CompiledGraph` (a graph torch.compile gave us) and `LoadedModel` (a package) both run their
+plans through one `PlanExecutor`. Everything that can be decided once per plan is decided in its
+constructor (the import steps, resident slots, moves, twins); everything per executable (its
+launcher, output assembly, index checks) in a `Specialization`. A call then reads: for each
+import step, hand the tensor off (or reuse its resident buffer); launch; read the index checks;
+install written inputs; for each output plan, assemble.
+
+Inputs handed over through a jax sharding (a mesh's shards, host memory) go through
+`sharded_call.PlacedHandOff`, and sharded results through `sharded_call.placed_launch`: the
+one-device path below never branches on a mesh.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+
+from . import sharded_call
+from .errors import IndexOutOfRangeError
+from .plan import GraphPlan, InputKind, Move, OutputKind, OutputPlan
+from .runtime.client import device_of
+from .runtime.executor import make_launcher, make_recording, make_traceback_pause
+from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_order
+
+_pause_tracebacks, _resume_tracebacks = make_traceback_pause()
+_recording = make_recording()
+# The kinds the call path tests, as module globals: reading an enum member through its class
+# costs ~60 ns on Python 3.11, a global ~8 ns, and a call tests several per input.
+_TENSOR, _PERMUTED = InputKind.TENSOR, InputKind.PERMUTED
+_NO_MOVE, _TORCH_MOVE, _PLACED = Move.NONE, Move.TORCH, Move.PLACED
+_CONST, _INPUT, _CONCAT = OutputKind.CONST, OutputKind.INPUT, OutputKind.CONCAT
+
+
+class TwinUse(NamedTuple):
+    """How an input handed over through a jax sharding may take the shards another graph left
+    it as (sharded_call.PlacedHandOff)."""
+
+    donated: bool  # the executable writes into the shards: they must be XLA's own
+    bump: int  # how far AOTAutograd moves the input's version before each call
+
+
+class ImportStep(NamedTuple):
+    """How one graph input reaches the executable on every call. A tuple, unpacked once per
+    input per call."""
+
+    position: int  # the input's position in the call's arguments
+    slot: int  # its resident slot (a parameter/buffer whose device buffer is kept), or -1
+    kind: InputKind
+    perm: tuple[int, ...] | None  # InputKind.PERMUTED: passed as `t.permute(perm)`
+    move: Move
+    placement: Any  # Move.PLACED: the jax sharding it is handed over with, else None
+    twin: TwinUse | None  # Move.PLACED: see TwinUse
+
+
+class ResidentInput(NamedTuple):
+    """A resident input as last imported: reused while the same tensor object keeps its version
+    and data pointer (`p.data = ...` keeps the version)."""
+
+    tensor: torch.Tensor
+    version: int
+    data_ptr: int
+    buffer: Any  # its device buffer; None for an input only checked for changes (stacked weights)
+
+
+class Twin(NamedTuple):
+    """A result whose jax Array is kept beside the torch tensor it became (sharded_call)."""
+
+    result: int
+    written_input: int  # the input position the result is written to, or -1 for an output
+
+
+class Specialization:
+    """One executable and how to call it (one per concrete input signature). Read by reports,
+    benches and tests: `exe` (the loaded executable), `lowered` (its LoweredGraph: module text,
+    outputs, input shapes; None for a package's), `checks` (index-check records), `direct` (the
+    call returns the executable's results as they are)."""
+
+    __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
+                 "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "keeps_arrays")
+
+    def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
+                 lowered=None, sharded_outputs: bool = False):
+        self.exe = exe
+        self.lowered = lowered
+        exports = result_exports(plan, bool(checks))
+        self.twins: tuple[Twin, ...] = ()
+        self.keeps_arrays = False  # jax Arrays of this call's results outlive it (twins, ShardedTensors)
+        placed = sharded_call.placed_launch(exe, plan, result_shapes, exports, sharded_outputs)
+        if placed is None:
+            self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
+        else:
+            self.launch, twins, self.keeps_arrays = placed
+            self.twins = tuple(Twin(r, i) for r, i in twins)
+        self.out_plans = outputs
+        self.plain_outputs = all(p.kind is OutputKind.TENSOR and p.inv_perm is None and p.stride is None
+                                 and not p.views for p in outputs)
+        # Outputs that are (views of) weights concatenated in torch: returned without a copy.
+        self.concat_outputs = sorted({p.index for p in outputs if p.kind is OutputKind.CONCAT})
+        # Graph inputs returned as outputs (or views of them), and inputs the graph writes:
+        # kept past the boxed convention's args.clear().
+        self.mutations = tuple(plan.mutations)
+        self.input_outputs = sorted({p.index for p in outputs if p.kind is OutputKind.INPUT}
+                                    | {m.input for m in self.mutations})
+        self.num_outputs = plan.num_outputs  # the written inputs' results follow these
+        # Index checks: the last result is their int32 verdict (see lowering/checks.py).
+        self.checks = checks
+        self.raise_failed = make_check_raiser(plan.platform) if checks else None
+        self.direct = self.plain_outputs and not self.mutations and not checks and not self.twins
+
+
+class PlanExecutor:
+    """Runs one plan's executables."""
+
+    def __init__(self, plan: GraphPlan):
+        self.plan = plan
+        device = plan.device
+        self.jax_device = device.jax_device
+        self._torch_device = plan.torch_device
+        # The hand-off's functions (public: tests watch them): DLPack import, the stream order,
+        # and whether inputs are made 16-byte aligned first.
+        self.import_tensor = make_importer(platform=device.platform)
+        self._host_import = make_importer()  # Move.PJRT starts from CPU tensors: decided once
+        # CUDA: jax's import stream waits once per call for the torch kernels that made the
+        # inputs (see handoff.make_stream_order); inputs are made aligned before that.
+        gpu_torch = plan.torch_device is not None and plan.torch_device.type == "cuda"
+        self.stream_order = make_stream_order(platform=device.platform) if gpu_torch else None
+        self._torch_index = plan.torch_device.index if gpu_torch else None
+        self.align = gpu_torch
+        self._placed = sharded_call.PlacedHandOff(plan, lambda t, d: self.import_tensor(t, d), self._order, gpu_torch)
+        tensors = [i for i, p in enumerate(plan.inputs) if p.kind is not InputKind.SYMINT]
+        # Per resident slot, (tensor, version, data_ptr, device buffer) as a plain tuple (see
+        # _steps); resident_buffers() gives them as ResidentInput records.
+        self._resident: list[tuple | None] = [None] * len(tensors)
+        twins = self._placed.takes_twins  # inputs that may arrive as another graph's buffers
+        steps = []
+        for slot, i in enumerate(tensors):
+            p = plan.inputs[i]
+            if not p.passed:
+                continue
+            placement = self._placed.placement(p)
+            steps.append(ImportStep(i, slot if p.resident else -1, p.kind, p.perm,
+                                    p.move if placement is None else Move.PLACED, placement,
+                                    TwinUse(p.donated, p.bump) if twins else None))
+        self.import_steps: tuple[ImportStep, ...] = tuple(steps)
+        # What _import unpacks per input, as exact tuples: CPython unpacks a tuple subclass (a
+        # NamedTuple) through its generic iterator path, ~40 ns slower per input.
+        self._steps = tuple((s.position, s.slot, s.kind, s.perm, s.move, s) for s in steps)
+        # Inputs only stacked in torch (per-layer weights of a folded scan) never reach the
+        # executable: resident ones are only checked for changes, which renew their stack.
+        self.check_steps = tuple((i, slot) for slot, i in enumerate(tensors)
+                                  if not plan.inputs[i].passed and plan.inputs[i].resident)
+        # Stacks and the seed: moved as their inputs (the seed is drawn on the executable's
+        # device when torch has it); over a mesh, replicated.
+        replicated = self._placed.replicated
+        self._stack_steps = tuple((c.inputs, _extra_step(plan.inputs[c.inputs[0]].move, replicated)) for c in plan.concats)
+        self._seeded = plan.seed
+        self._seed_step = _extra_step(Move.NONE if plan.torch_device is not None else Move.PJRT, replicated)
+        self._concat_cache: dict = {}  # input positions -> (resident epoch, tensor, buffer)
+        # Bumped whenever a resident buffer is refreshed: concatenations of resident inputs stay
+        # valid while it is unchanged (no per-member check on the call path).
+        self._resident_epoch = 0
+        self._resident_args = {i for i in tensors if plan.inputs[i].resident}
+        self._weakself = weakref.ref(self)
+        self.executions = 0
+        self.execute_seconds = 0.0
+        self._timed = os.environ.get("FX2XLA_TIME_EXECUTE", "") not in ("", "0")  # opt-in: ~0.2 µs
+
+    # -- a call -----------------------------------------------------------------------------
+    def run(self, spec: Specialization, args):
+        """One call of `spec`'s executable on `args` (a list is cleared once its inputs are
+        handed off: AOTAutograd's boxed convention)."""
+        # The hand-off's arrays need no recorded Python stack. Arrays kept past the call (twins,
+        # ShardedTensors) may be read by jax later, which demands the context recording gives.
+        if spec.keeps_arrays:
+            with _recording():
+                return self._run(spec, args)
+        paused = _pause_tracebacks()
+        try:
+            return self._run(spec, args)
+        finally:
+            if paused:
+                _resume_tracebacks(paused)
+
+    def _run(self, spec: Specialization, args):
+        self.executions += 1
+        bufs = self._import(args)
+        held = {i: args[i] for i in spec.input_outputs} if spec.input_outputs else None
+        if spec.concat_outputs:
+            held = {**(held or {}), **{("concat", j): self._concat_cache[self.plan.concats[j].inputs][1]
+                                       for j in spec.concat_outputs}}
+        if type(args) is list:
+            args.clear()  # boxed convention: drop our references to the inputs early
+        if self._timed:
+            t0 = time.perf_counter()
+            results = self._finish(spec, spec.launch(bufs), held)
+            self.execute_seconds += time.perf_counter() - t0  # export waits for the results
+            return results
+        if spec.direct:
+            return spec.launch(bufs)
+        return self._finish(spec, spec.launch(bufs), held)
+
+    def _import(self, args) -> list:
+        """The executable's arguments for one call: every passed input's device buffer
+        (resident ones kept while unchanged), then the plan's stacks, then a fresh seed. The
+        torch side of them all (dense copies, moves, stacks, the seed: kernels queued on
+        torch's stream) comes first, then one stream order (CUDA), then the imports."""
+        resident = self._resident
+        bufs = []
+        fresh = []  # (position in bufs, tensor to import, its import step, the input)
+        renewed = False  # a resident buffer is replaced: stacks of resident inputs are rebuilt
+        for i, slot, kind, perm, move, step in self._steps:
+            t = args[i]
+            if slot >= 0:
+                r = resident[slot]
+                if r is not None:
+                    held, version, ptr, buf = r
+                    if held is t and version == t._version and ptr == t.data_ptr():
+                        bufs.append(buf)
+                        continue
+                renewed = True
+            dense = t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED else t.contiguous()
+            if move is _TORCH_MOVE:  # a CPU scalar beside CUDA tensors, moved before the order below.
+                # Not pinned: a copy of pageable memory returns once the bytes are staged, with
+                # no device sync (CUDA's documented behaviour); pinning would allocate per call.
+                dense = dense.to(self._torch_device, non_blocking=True)
+            if self.align and (move is _NO_MOVE or move is _TORCH_MOVE):
+                dense = aligned(dense)
+            fresh.append((len(bufs), dense, step, t))
+            bufs.append(None)
+        for i, slot in self.check_steps:
+            t, r = args[i], resident[slot]
+            if r is None or r[0] is not t or r[1] != t._version or r[2] != t.data_ptr():
+                resident[slot] = (t, t._version, t.data_ptr(), None)
+                renewed = True
+        if renewed:
+            self._resident_epoch = next(_epochs)
+        stacks = self._stacks(args, bufs, fresh) if self._stack_steps else None
+        if self._seeded:
+            t = draw_seed(self.plan.seed_device)
+            fresh.append((len(bufs), t, self._seed_step, t))
+            bufs.append(None)
+        if fresh:
+            if self.stream_order is not None:  # once per call, after every torch kernel queued above
+                self.stream_order(self.jax_device, self._torch_index)
+            import_tensor, device = self.import_tensor, self.jax_device
+            for pos, dense, step, t in fresh:
+                move = step.move
+                if move is _NO_MOVE or move is _TORCH_MOVE:
+                    buf = import_tensor(dense, device)
+                else:
+                    buf = self._hand_off(dense, step)
+                bufs[pos] = buf
+                if step.slot >= 0:
+                    resident[step.slot] = (t, t._version, t.data_ptr(), buf)
+                    self._hold(t, step.slot)
+        if stacks:
+            for pos, group, valid, stacked in stacks:
+                self._concat_cache[group] = (valid, stacked, bufs[pos])
+        return bufs
+
+    def _hand_off(self, dense: torch.Tensor, step: ImportStep):
+        """The device buffer of `dense` handed over through a jax sharding, or through its own
+        device's PJRT client (_import imports the others itself, after one stream order)."""
+        if step.move is _PLACED:
+            return self._placed(dense, step.placement, step.twin)
+        import jax
+
+        buf = jax.device_put(self._host_import(dense, device_of(dense.device).jax_device), self.jax_device)
+        # The copy reads the tensor's memory asynchronously: done before torch may write it again.
+        return buf.block_until_ready()
+
+    def _order(self) -> None:
+        """jax's import stream waits for torch's current stream (CUDA; see _import)."""
+        if self.stream_order is not None:
+            self.stream_order(self.jax_device, self._torch_index)
+
+    def _stacks(self, args, bufs: list, fresh: list) -> list:
+        """`torch.cat` of graph inputs (weights stacked for a folded scan), after _import's
+        resident checks: a concatenation of resident inputs is rebuilt only when one of them
+        changed (inference: once; training: per update); one with a non-resident member, every
+        call. Cached buffers go to `bufs`; rebuilt stacks to `fresh`, imported by _import.
+        Returns (position in bufs, group, epoch it stays valid for, stack) of those rebuilt."""
+        cache = self._concat_cache
+        epoch = self._resident_epoch
+        rebuilt = []
+        for group, step in self._stack_steps:
+            hit = cache.get(group)
+            if hit is not None and hit[0] == epoch:
+                bufs.append(hit[2])
+                continue
+            with torch.no_grad():
+                stacked = torch.cat([args[i] for i in group])
+            dense = stacked  # a fresh allocation: aligned
+            if step.move is _TORCH_MOVE:
+                dense = stacked.to(self._torch_device, non_blocking=True)
+            fresh.append((len(bufs), dense, step, stacked))
+            rebuilt.append((len(bufs), group, epoch if self._resident_args.issuperset(group) else -1, stacked))
+            bufs.append(None)
+        return rebuilt
+
+    def _finish(self, spec: Specialization, outs, held):
+        """The call's results from the executable's: index checks read (a failure raises before
+        any input is written), written inputs installed, outputs assembled."""
+        arrays = None
+        if spec.twins:
+            arrays = outs[-len(spec.twins):]
+            del outs[-len(spec.twins):]
+        if spec.checks:
+            spec.raise_failed(outs.pop(), spec.checks)
+        if spec.mutations:
+            with torch.no_grad():  # a parameter's update is no autograd op
+                for i, r in spec.mutations:
+                    install_input(held[i], outs[r])
+        if arrays is not None:
+            sharded_call.keep_twins(spec.twins, arrays, outs, held)
+        if spec.mutations:
+            del outs[spec.num_outputs:]
+        return outs if spec.plain_outputs else wrap_outputs(spec.out_plans, outs, held)
+
+    # -- resident buffers -------------------------------------------------------------------
+    def drop_resident(self, slot: int, t: torch.Tensor) -> None:
+        """Forget resident slot `slot` if it still imports `t` (whose storage was swapped out):
+        releases the old memory now rather than at the next call."""
+        r = self._resident[slot]
+        if r is not None and r[0] is t:
+            self._resident[slot] = None
+            self._resident_epoch = next(_epochs)
+
+    def _hold(self, t: torch.Tensor, slot: int) -> None:
+        """Record that resident slot `slot` imports `t`'s memory (see install_input)."""
+        holders = _resident_holders.get(id(t))
+        if holders is None:
+            try:
+                weakref.finalize(t, _resident_holders.pop, id(t), None)
+            except TypeError:  # not weak-referenceable: nothing to drop later
+                return
+            holders = _resident_holders[id(t)] = []
+        entry = (self._weakself, slot)
+        if entry not in holders:
+            holders.append(entry)
+
+    def cached_stacks(self) -> dict:
+        """The stacks kept for the next call: input positions -> the stacked tensor."""
+        return {group: hit[1] for group, hit in self._concat_cache.items()}
+
+    def resident_buffers(self) -> list[ResidentInput | None]:
+        """Per resident input slot, its ResidentInput as last imported, or None."""
+        return [None if r is None else ResidentInput(*r) for r in self._resident]
+
+
+def _extra_step(move: Move, replicated) -> ImportStep:
+    """The import step of a stack or the seed (no input position, never resident)."""
+    if replicated is not None:
+        return ImportStep(-1, -1, InputKind.TENSOR, None, Move.PLACED, replicated, None)
+    return ImportStep(-1, -1, InputKind.TENSOR, None, move, None, None)
+
+
+def wrap_outputs(out_plans: list[OutputPlan], outs, held) -> list:
+    """The graph's outputs from the executable's results `outs` and the inputs it returns
+    (`held`), as the output plans say (constants, views, eager's strides)."""
+    results = []
+    for p in out_plans:
+        kind = p.kind
+        if kind is _CONST:
+            results.append(p.value)
+            continue
+        if kind is _INPUT:
+            t = held[p.index]
+        elif kind is _CONCAT:
+            t = held[("concat", p.index)]
+        else:
+            t = outs[p.index]
+            if p.inv_perm is not None:
+                t = t.permute(p.inv_perm)
+            elif p.stride is not None:
+                t = restride(t, p.stride)
+        for op, op_args in p.views:  # views of an input or of one computed value
+            t = op(t, *op_args)
+        results.append(t)
+    return results
+
+
+def result_exports(plan: GraphPlan, checks: bool):
+    """Per executable result, the function that hands it to torch on the device its output
+    lives on (see plan.Move); the index-check code, when `checks`, stays on the device. One
+    function for every result where none moves: the launcher's fastest form."""
+    platform, index = plan.device.platform, plan.device.index
+    export = make_exporter(platform=platform, index=index)
+
+    def moved(r):
+        if not r.move:
+            return export
+        if r.move is Move.TORCH:
+            home = r.device
+            return lambda a: export(a).to(home)
+        import jax
+
+        own = device_of(r.device)
+        own_export = make_exporter(platform=own.platform, index=own.index)
+        return lambda a: own_export(jax.device_put(a, own.jax_device))
+
+    if not any(r.move for r in plan.results):
+        return export
+    exports = [moved(r) for r in plan.results]
+    return exports + [export] if checks else exports
+
+
+def restride(t: torch.Tensor, stride) -> torch.Tensor:
+    """`t` with eager's strides: broadcast (stride-0) dims become an expand of one slice, as in
+    eager; gaps are laid out with empty_strided. Values are what matter; layouts torch cannot
+    write into (other overlaps) keep XLA's dense layout."""
+    zero = [d for d, s in enumerate(stride) if s == 0 and t.shape[d] > 1]
+    if zero:
+        index = tuple(slice(0, 1) if d in zero else slice(None) for d in range(t.dim()))
+        return t[index].contiguous().expand(t.shape)
+    try:
+        return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+    except RuntimeError:
+        return t
+
+
+def draw_seed(device) -> torch.Tensor:
+    """A graph's per-call int64 seed, from torch's generator of `device` (so torch.manual_seed
+    makes runs repeatable, and a CUDA graph draws on its GPU without a host round trip)."""
+    return torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=device)
+
+
+# -- index checks -----------------------------------------------------------------------------
+def _raise_failed_now(code: torch.Tensor, records) -> None:
+    failed = int(code)
+    if failed:
+        raise IndexOutOfRangeError(records[failed - 1].message)
+
+
+def _assert_async_private(code: torch.Tensor, records) -> None:
+    # Enqueued on the tensor's stream: the call stays asynchronous, and a failure surfaces at
+    # the next synchronisation, like the device-side asserts of eager CUDA's index kernels.
+    # torch caps the message at 254 characters: the op names; the full text is the records'.
+    ops = ", ".join(dict.fromkeys(r.message.split(":")[1].strip() for r in records if r.message.count(":") > 1))
+    torch._assert_async(code == 0, f"fx2xla: index out of range in {ops}"[:254])
+
+
+def make_check_raiser(platform: str, public: bool | None = None):
+    """`raise_failed(code, records)` for one call's index-check verdict. CPU: read it now (the
+    results are ready: their export waited for them) and raise IndexOutOfRangeError naming the
+    op. Accelerators: torch's private `_assert_async`, so no host sync per call; public
+    fallback (`FX2XLA_PUBLIC_CHECKS=1`, or no such function): read it now, a host sync."""
+    if public is None:
+        public = os.environ.get("FX2XLA_PUBLIC_CHECKS", "") not in ("", "0")
+    if platform == "cpu" or public or not hasattr(torch, "_assert_async"):
+        return _raise_failed_now
+    return _assert_async_private
+
+
+# -- written inputs ---------------------------------------------------------------------------
+def _storage_use_count_private(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # minus our storage object
+
+
+def _storage_use_count_public(t: torch.Tensor) -> int:
+    return 2  # unknown: assume shared, so the write-back copies (always correct)
+
+
+def make_storage_use_count(public: bool | None = None):
+    """`use_count(t)`: how many tensors hold `t`'s storage (torch's private counter; the public
+    fallback answers "shared"). 1 means a write-back may swap in a new storage."""
+    if public is None:
+        public = os.environ.get("FX2XLA_PUBLIC_STORAGE_COUNT", "") not in ("", "0")
+    if not public and hasattr(torch._C, "_storage_Use_Count"):
+        return _storage_use_count_private
+    return _storage_use_count_public
+
+
+storage_use_count = make_storage_use_count()
+# Resident-buffer epochs: each refresh takes a new value (next() on a count is atomic, so two
+# threads refreshing at once never lose an update that must invalidate cached concatenations).
+_epochs = itertools.count(1)
+_SWAPPABLE_TYPES = (torch.Tensor, torch.nn.Parameter)
+# Resident device buffers import a tensor's memory: id(tensor) -> [(executor, resident slot)],
+# so an input whose storage is swapped out drops the buffers that would keep the old memory
+# (entries leave with their tensor; each use re-checks the slot still holds that tensor).
+_resident_holders: dict = {}
+
+
+def install_input(dst: torch.Tensor, new: torch.Tensor) -> None:
+    """Write `new` (a fresh executable result) into graph input `dst`, as AOTAutograd's
+    write-back would. Where `dst` alone owns a dense storage of exactly its size, `new`'s
+    storage is swapped in (zero copy; `dst` stays the same tensor object, its version bumps);
+    otherwise (views, shared or strided storage, subclasses) its data is copied in."""
+    if (type(dst) in _SWAPPABLE_TYPES and dst.is_contiguous() and dst.storage_offset() == 0
+            and dst.dtype == new.dtype and dst.shape == new.shape and dst.device == new.device
+            and dst.untyped_storage().nbytes() == new.untyped_storage().nbytes()
+            and storage_use_count(dst) == 1):
+        dst.set_(new)
+        for ref, slot in _resident_holders.get(id(dst), ()):
+            executor = ref()
+            if executor is not None:
+                executor.drop_resident(slot, dst)
+    else:
+        dst.copy_(new)
