@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench clean
+.PHONY: setup kernels demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-setup: $(VENV)/.installed
+# torch's CPU kernels for XLA:CPU executables, compiled against the torch and jaxlib just
+# installed (a no-op once built; without a C++ compiler fx2xla uses XLA's kernels and says why).
+kernels: $(VENV)/.installed
+	$(PY) -m fx2xla kernels build --optional
+
+setup: $(VENV)/.installed kernels
 
 $(VENV)/.bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test,bench]'
@@ -30,4 +35,4 @@ bench: $(VENV)/.bench
 	$(PY) bench/inference.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info fx2xla/csrc/build

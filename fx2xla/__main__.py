@@ -1,10 +1,12 @@
-"""`python -m fx2xla ops` (lowering coverage) and `python -m fx2xla cache info|clear`."""
+"""`python -m fx2xla ops` (lowering coverage), `python -m fx2xla cache info|clear` and
+`python -m fx2xla kernels build|status` (torch's CPU kernels inside XLA:CPU executables)."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
+from . import torch_kernels
 from .coverage import coverage
 from .runtime.executor import disk_cache
 
@@ -36,6 +38,18 @@ def _cache(args) -> int:
     return 0
 
 
+def _kernels(args) -> int:
+    if args.action == "status":
+        print(torch_kernels.status())
+        return 0
+    try:
+        print(f"built {torch_kernels.build(force=args.force)}")
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 0 if args.optional else 1
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fx2xla")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -45,6 +59,12 @@ def main(argv=None) -> int:
     cache = sub.add_parser("cache", help="inspect or clear the executable cache on disk (FX2XLA_CACHE_DIR)")
     cache.add_argument("action", choices=["info", "clear"])
     cache.set_defaults(fn=_cache)
+    kernels = sub.add_parser("kernels", help="build torch's CPU kernels for XLA:CPU executables, or say whether they run")
+    kernels.add_argument("action", choices=["build", "status"])
+    kernels.add_argument("--force", action="store_true", help="build again even if a build exists")
+    kernels.add_argument("--optional", action="store_true",
+                         help="a missing compiler or a failed build is reported, not an error (exit 0)")
+    kernels.set_defaults(fn=_kernels)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -57,6 +57,9 @@ OPTIONS = {
     "offload": (None, '"activations": a training step\'s saved activations wait for the backward in host memory; '
                 '"optimizer": the optimizer state a compiled step writes (AdamW\'s moments) stays in host memory; '
                 'a list of both; None: nothing offloaded (see fx2xla/offload.py)'),
+    "torch_kernels": (True, "on the CPU, convolutions run torch's own kernels (oneDNN) inside the executable, where "
+                      "they are built (python -m fx2xla kernels status; FX2XLA_TORCH_KERNELS=0 turns them off "
+                      "everywhere); False: XLA's own convolutions"),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -153,6 +156,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
             lambda sub, examples, sub_name, resident: CompiledGraph(
                 sub, examples, device, f"{name}_{sub_name}", resident_inputs=resident,
                 no_recompile=bool(options["no_recompile"]), check_indices=bool(options["check_indices"]),
+                torch_kernels=bool(options["torch_kernels"]),
             ),
             static_input_indices(len(example_inputs)),
         )
@@ -163,7 +167,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              solution=solution,
                              # Training graphs' outputs feed autograd and the backward: kept whole.
                              sharded_outputs=kind == "inference" and options["outputs"] == "sharded",
-                             offload=offload, input_names=names)
+                             offload=offload, input_names=names, torch_kernels=bool(options["torch_kernels"]))
     if kind == "forward" and offload is not None:
         note_forward(gm, compiled.plan, _compile_key())
     if made is not None:

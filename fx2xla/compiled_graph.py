@@ -89,11 +89,11 @@ class CompiledGraph:
                  resident_inputs: set[int] | None = None, no_recompile: bool = False,
                  batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True,
                  annotations=None, solution=None, sharded_outputs: bool = False, offload=None,
-                 input_names: list[str] | None = None):
+                 input_names: list[str] | None = None, torch_kernels: bool = True):
         """`offload`: host offloading (offload.py): (input positions, output positions) whose
         values live in host memory, or None. `solution`: auto-sharding's, kept as
         `auto_sharding` for reports. `input_names`: the user's names of the inputs (`L['x']`),
-        for explain_sharding."""
+        for explain_sharding. `torch_kernels`: the option of that name (lower_graph)."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -105,6 +105,7 @@ class CompiledGraph:
         self.name = name
         self.no_recompile = no_recompile
         self.check_indices = check_indices
+        self.torch_kernels = torch_kernels
         self.sharded_outputs = sharded_outputs  # sharded outputs stay on their devices (ShardedTensor)
         self.auto_sharding = solution
         self.input_names = input_names
@@ -160,7 +161,8 @@ class CompiledGraph:
 
         def lower():
             t0 = time.perf_counter()
-            lowered = lower_graph(self.gm, self.plan, self.example_inputs, args, check_indices=self.check_indices)
+            lowered = lower_graph(self.gm, self.plan, self.example_inputs, args, check_indices=self.check_indices,
+                                  torch_kernels=self.torch_kernels)
             lower_seconds.append(time.perf_counter() - t0)
             return lowered
 

@@ -468,7 +468,8 @@ def _lower(gm, fakes, device, inputs, concrete, check_indices):
     plan = build_plan(gm, fakes, device, resident)
     if plan.concats:
         raise PackageError("fx2xla.export: graphs that concatenate their inputs in torch are not supported")
-    lowered = lower_graph(gm, plan, fakes, concrete, check_indices=check_indices)
+    # XLA's kernels only: a package compiles anywhere, with or without a build of torch's.
+    lowered = lower_graph(gm, plan, fakes, concrete, check_indices=check_indices, torch_kernels=False)
     return plan, (lowered if concrete is None else _at_shapes(lowered, fakes, concrete))
 
 

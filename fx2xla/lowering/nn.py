@@ -22,6 +22,7 @@ from jax import lax
 import torch
 from torch.ops import aten
 
+from .. import torch_kernels
 from .linalg import accumulation_dtype, dot, dot_result_dtype, matmul_precision
 from .dtypes import to_jax_dtype
 from .registry import base_key, concrete_shape, register_lowering
@@ -361,6 +362,69 @@ def _convolution_backward(ctx, grad, x, w, bias_sizes, stride, padding, dilation
         return _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
 
     dx, dw = _vjp(fwd, (x, w), grad, opmath=not _half_gemm(x.dtype))  # GPUs: bf16/f16 convs, as forward
+    db = jnp.sum(_opmath(grad), axis=(0,) + tuple(range(2, grad.ndim)))
+    return _masked((dx[0] if unbatched else dx, dw, db), output_mask)
+
+
+# torch's convolutions on the CPU (oneDNN) as XLA FFI custom calls (fx2xla/torch_kernels.py):
+# XLA:CPU's own are several times slower. Not in programs XLA partitions over a mesh (its
+# partitioner cannot split a custom call), nor for empty tensors or dtypes the handlers lack.
+_TORCH_CONV_DTYPES = frozenset(to_jax_dtype(d) for d in torch_kernels.DTYPES)
+
+
+def _torch_conv_fits(ctx, *arrays) -> bool:
+    arrays = [a for a in arrays if a is not None]
+    return (not ctx.spmd and all(a.dtype == arrays[0].dtype for a in arrays)
+            and arrays[0].dtype in _TORCH_CONV_DTYPES and all(a.size for a in arrays)
+            and torch_kernels.available())
+
+
+def _conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups) -> dict:
+    nd = w.ndim - 2
+    ints = [np.asarray(_per_dim(v, nd), np.int64) for v in (stride, padding, dilation, output_padding)]
+    return dict(stride=ints[0], padding=ints[1], dilation=ints[2], transposed=np.int64(bool(transposed)),
+                output_padding=ints[3], groups=np.int64(groups))
+
+
+@register_lowering(aten.convolution.default, platform="cpu")
+def _convolution_cpu(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if not _torch_conv_fits(ctx, x, w, bias):
+        return _convolution(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
+    unbatched = x.ndim == w.ndim - 1
+    shape = ((1,) if unbatched else ()) + tuple(ctx.out_shape)
+    x = x[None] if unbatched else x
+    # 2-D convolutions run channels-last, where oneDNN is fastest (Inductor converts them too):
+    # XLA transposes in and out, and fuses those transposes with the ops around.
+    last = w.ndim == 4
+    to_last, to_first = (0, 2, 3, 1), (0, 3, 1, 2)
+    # The bias is added inside torch's kernel, before its one rounding, as eager adds it.
+    has_bias = bias is not None
+    out = jax.ffi.ffi_call("fx2xla_torch_convolution",
+                           jax.ShapeDtypeStruct(tuple(shape[d] for d in to_last) if last else shape, x.dtype),
+                           vmap_method="sequential")(
+        jnp.transpose(x, to_last) if last else x, jnp.transpose(w, to_last) if last else w,
+        bias.astype(x.dtype) if has_bias else jnp.zeros((1,), x.dtype),
+        channels_last=np.int64(last), has_bias=np.int64(has_bias),
+        **_conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups))
+    out = jnp.transpose(out, to_first) if last else out
+    return out[0] if unbatched else out
+
+
+@register_lowering(aten.convolution_backward.default, platform="cpu")
+def _convolution_backward_cpu(ctx, grad, x, w, bias_sizes, stride, padding, dilation, transposed,
+                              output_padding, groups, output_mask):
+    if not (output_mask[0] or output_mask[1]) or not _torch_conv_fits(ctx, grad, x, w):
+        return _convolution_backward(ctx, grad, x, w, bias_sizes, stride, padding, dilation, transposed,
+                                     output_padding, groups, output_mask)
+    unbatched = x.ndim == w.ndim - 1
+    if unbatched:
+        grad, x = grad[None], x[None]
+    # A gradient the mask leaves out is not computed; its buffer is dropped by _masked.
+    dx, dw = jax.ffi.ffi_call("fx2xla_torch_convolution_backward",
+                              (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype)),
+                              vmap_method="sequential")(
+        grad, x, w, input_mask=np.int64(bool(output_mask[0])), weight_mask=np.int64(bool(output_mask[1])),
+        **_conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups))
     db = jnp.sum(_opmath(grad), axis=(0,) + tuple(range(2, grad.ndim)))
     return _masked((dx[0] if unbatched else dx, dw, db), output_mask)
 

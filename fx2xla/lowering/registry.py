@@ -112,6 +112,7 @@ def register_lowering(*ops, promote: str | None = None, broadcast: bool = False,
 
 
 _platform: contextvars.ContextVar = contextvars.ContextVar("fx2xla_lowering_platform", default="cpu")
+_spmd: contextvars.ContextVar = contextvars.ContextVar("fx2xla_lowering_spmd", default=False)
 
 
 def current_platform() -> str:
@@ -119,14 +120,21 @@ def current_platform() -> str:
     return _platform.get()
 
 
+def lowering_spmd() -> bool:
+    """Whether the module being traced is partitioned over a mesh (set by lower_graph)."""
+    return _spmd.get()
+
+
 @contextlib.contextmanager
-def lowering_platform(platform: str):
-    """Lower for `platform` inside this block (per thread: each trace has its own)."""
-    token = _platform.set(platform)
+def lowering_platform(platform: str, spmd: bool = False):
+    """Lower for `platform` inside this block (per thread: each trace has its own); `spmd`: for
+    a program XLA partitions over a mesh."""
+    token, spmd_token = _platform.set(platform), _spmd.set(spmd)
     try:
         yield
     finally:
         _platform.reset(token)
+        _spmd.reset(spmd_token)
 
 
 def lowering_for(op, platform: str | None = None) -> LoweringRule | None:
@@ -173,6 +181,12 @@ class LoweringContext:
     def platform(self) -> str:
         """The platform the module is lowered for ("cpu", "cuda", ...)."""
         return current_platform()
+
+    @property
+    def spmd(self) -> bool:
+        """Whether the module is partitioned over a mesh (XLA's partitioner then has to see
+        every op it splits: no custom calls it cannot shard)."""
+        return lowering_spmd()
 
     @property
     def out_dtype(self) -> np.dtype:

@@ -1,0 +1,164 @@
+"""torch's own CPU kernels inside XLA:CPU executables, as XLA FFI custom calls.
+
+XLA:CPU's convolutions are several times slower than the oneDNN kernels torch (and Inductor,
+which calls them as extern kernels) runs on the same CPU (docs/benchmarks.md). The handlers in
+`csrc/torch_kernels.cc` run torch's convolution (forward and backward) on the buffers XLA hands
+them, inside the executable: the call stays one asynchronous PJRT execution, XLA still fuses
+everything around the convolution, and the result is torch's own, bit for bit.
+
+The library is compiled against the torch and jaxlib in use, by the project's install step
+(`make setup` runs `python -m fx2xla kernels build`), into the package's `csrc/build/`
+folder, or, where that is not writable, into `$FX2XLA_CACHE_DIR/torch_kernels/`. Its file name
+holds a key of the source and both versions, so a changed torch or jaxlib is never run against
+a stale build. Without a build (no compiler, or never built) convolutions are XLA's own, and
+`status()` says why.
+
+FX2XLA_TORCH_KERNELS=0 turns the custom calls off; lowering reads it per graph, so graphs
+compiled before a change keep what they were lowered with. Packages (fx2xla.export) never hold
+them: a package must load where no build exists.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jaxlib
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_kernels.cc"
+# The FFI handlers the library exports, each registered for XLA:CPU under its own name.
+TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward")
+# torch dtypes the handlers take (the FFI element types they map to torch's).
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+_off: contextvars.ContextVar = contextvars.ContextVar("fx2xla_torch_kernels_off", default=False)
+_lock = threading.Lock()
+_state: tuple[bool, str] | None = None  # (registered, why not) once load() ran
+
+
+def build_key() -> str:
+    """What a build depends on: the source, torch's and jaxlib's versions and torch's C++ ABI."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(f"{torch.__version__}|{jaxlib.version.__version__}|{torch.compiled_with_cxx11_abi()}".encode())
+    return h.hexdigest()[:16]
+
+
+def _cache_folder() -> Path | None:
+    root = os.environ.get("FX2XLA_CACHE_DIR", os.path.expanduser("~/.cache/fx2xla"))
+    return Path(root) / "torch_kernels" if root else None
+
+
+def candidate_paths() -> list[Path]:
+    """Where a build for this environment is looked for, in order."""
+    name = f"torch_kernels-{build_key()}.so"
+    paths = [SOURCE.parent / "build" / name]
+    cache = _cache_folder()
+    if cache is not None:
+        paths.append(cache / name)
+    return paths
+
+
+def library_path() -> Path | None:
+    """The built library for this environment, or None."""
+    return next((p for p in candidate_paths() if p.is_file()), None)
+
+
+def _compile_command(out: Path) -> list[str]:
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    includes = [Path(torch.__file__).resolve().parent / "include", Path(jax.ffi.include_dir())]
+    abi = int(torch.compiled_with_cxx11_abi())
+    return ([os.environ.get("CXX", "c++"), "-O2", "-std=c++20", "-w", "-fPIC", "-shared",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+            + [f"-I{d}" for d in includes]
+            + [str(SOURCE), f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}", "-o", str(out)])
+
+
+def build(force: bool = False) -> Path:
+    """Compile the library for this environment (about 10 s) and return its path. Written under
+    a temporary name and renamed, so processes building at once never load a partial file."""
+    if not force and (found := library_path()) is not None:
+        return found
+    errors = []
+    for target in candidate_paths():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+        except OSError as e:
+            errors.append(f"{target.parent}: {e}")
+            continue
+        cmd = _compile_command(Path(tmp))
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError:
+            os.unlink(tmp)
+            raise RuntimeError(f"fx2xla.torch_kernels: no C++ compiler ({cmd[0]}); set CXX to one") from None
+        if done.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"fx2xla.torch_kernels: compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n"
+                               f"{done.stderr[-4000:]}")
+        os.replace(tmp, target)
+        return target
+    raise RuntimeError("fx2xla.torch_kernels: no writable folder for the library: " + "; ".join(errors))
+
+
+def disabled() -> bool:
+    """FX2XLA_TORCH_KERNELS=0 (or off/false), or inside `off()`: lowering uses XLA's own kernels."""
+    return _off.get() or os.environ.get("FX2XLA_TORCH_KERNELS", "").strip().lower() in ("0", "off", "false", "no")
+
+
+@contextlib.contextmanager
+def off():
+    """Lower with XLA's own kernels inside this block (this thread only): for modules that must
+    compile where no build of the library exists, as a package's portable module."""
+    token = _off.set(True)
+    try:
+        yield
+    finally:
+        _off.reset(token)
+
+
+def load() -> tuple[bool, str]:
+    """Register the handlers with XLA:CPU once per process: (registered, why not)."""
+    global _state
+    if _state is not None:
+        return _state
+    with _lock:
+        if _state is None:
+            _state = _load()
+    return _state
+
+
+def _load() -> tuple[bool, str]:
+    path = library_path()
+    if path is None:
+        return False, ("not built for this torch and jaxlib: run `python -m fx2xla kernels build` "
+                       "(make setup does)")
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name in TARGETS:
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    except (OSError, AttributeError) as e:
+        return False, f"{path} did not load: {e}"
+    return True, ""
+
+
+def available() -> bool:
+    """Whether lowering for the CPU may call torch's kernels now (built, loaded, not disabled)."""
+    return not disabled() and load()[0]
+
+
+def status() -> str:
+    """One line: whether torch's kernels run inside fx2xla's CPU executables, and if not, why."""
+    if disabled():
+        return "torch kernels: off (FX2XLA_TORCH_KERNELS=0)"
+    ok, why = load()
+    return f"torch kernels: on ({library_path()})" if ok else f"torch kernels: off ({why})"

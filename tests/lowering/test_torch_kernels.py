@@ -1,0 +1,241 @@
+"""torch's CPU convolutions inside XLA:CPU executables (fx2xla/torch_kernels.py): every
+convolution form torch has (1-3 spatial dims, stride, padding, dilation, groups, transposed,
+unbatched, with and without bias) in float32, float64, bfloat16 and float16 runs as the custom
+call and matches eager bit for bit, bias included (it is torch's kernel; 2-D convolutions run
+channels-last, bit for bit as eager does on channels-last tensors, and within float32
+rtol/atol 1e-5, float64 1e-12, bfloat16 and float16 8e-3 of eager on contiguous ones, whose
+kernel sums in another order). Gradients of a training step (input, weight, bias) match eager's
+at the float32 tolerance of tests/conftest.py (bfloat16 at its own), loosened 4x.
+options={"torch_kernels": False} and FX2XLA_TORCH_KERNELS=0 lower XLA's own convolution; empty tensors and programs partitioned over a mesh keep XLA's too; four threads
+calling one compiled CNN get eager's results; a fresh process reads the executable from the disk
+cache and runs it."""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fx2xla
+from fx2xla import torch_kernels
+from fx2xla.metrics import live_graphs
+from fx2xla.testing import SmallCNN
+
+from tests.conftest import tolerance
+
+TARGET = "fx2xla_torch_convolution"
+HAVE_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+needs_kernels = pytest.mark.skipif(not torch_kernels.available(), reason=torch_kernels.status())
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled_modules(fn, *args, **options) -> tuple[object, list[str]]:
+    """fn compiled with fx2xla (and `options`), called on args: (result, the StableHLO of each
+    new graph)."""
+    before = {id(g) for g in live_graphs}
+    out = torch.compile(fn, backend="fx2xla", fullgraph=True, options=options or None)(*args)
+    texts = [g.static.lowered.module_text for g in sorted(live_graphs, key=lambda g: g.name) if id(g) not in before]
+    return out, texts
+
+
+def test_built_where_a_compiler_exists():
+    """`make setup` builds the library; with a C++ compiler on the machine it must be there and
+    load, and status() says where it is. Without one, status() says why not."""
+    status = torch_kernels.status()
+    if HAVE_COMPILER and not torch_kernels.disabled():
+        assert torch_kernels.available(), status
+        assert str(torch_kernels.library_path()) in status
+    else:
+        assert "off" in status
+
+
+CASES = {
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), (4, 6, 9, 11), (8, 6, 3, 3)),
+    "conv2d_dilated_groups": (lambda x, w, b: F.conv2d(x, w, b, padding=2, dilation=2, groups=3),
+                              (2, 6, 10, 10), (9, 2, 3, 3)),
+    "conv1d": (lambda x, w, b: F.conv1d(x, w, b, stride=3), (3, 4, 17), (5, 4, 4)),
+    "conv3d": (lambda x, w, b: F.conv3d(x, w, b, padding=1), (2, 3, 5, 6, 7), (4, 3, 3, 3, 3)),
+    "conv2d_unbatched": (lambda x, w, b: F.conv2d(x, w, b, padding=1), (3, 8, 8), (5, 3, 3, 3)),
+    "conv_transpose2d": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1,
+                                                            groups=2),
+                         (2, 4, 5, 6), (4, 3, 3, 3)),
+    "conv_transpose1d": (lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2, dilation=2), (2, 3, 9), (3, 4, 3)),
+}
+HALF_TOL = dict(rtol=8e-3, atol=8e-3)
+TOLS = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12),
+        torch.bfloat16: HALF_TOL, torch.float16: HALF_TOL}
+
+
+@needs_kernels
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_convolution_forward(case, dtype, bias):
+    """Each form runs as the custom call and matches eager bit for bit (2-D convolutions: eager
+    on channels-last tensors, the kernel they run; eager on contiguous ones within TOLS)."""
+    fn, xs, ws = CASES[case]
+    torch.manual_seed(0)
+    x, w = torch.randn(xs, dtype=dtype), torch.randn(ws, dtype=dtype)
+    is_transposed = "transpose" in case
+    groups = 2 if case == "conv_transpose2d" else 1
+    b = torch.randn((ws[1] * groups) if is_transposed else ws[0], dtype=dtype) if bias else None
+    out, texts = compiled_modules(fn, x, w, b)
+    assert len(texts) == 1 and TARGET in texts[0]
+    ref = fn(x, w, b)
+    if w.ndim == 4:  # 2-D convolutions run channels-last: eager's channels-last kernel, exactly
+        last = torch.channels_last
+        assert torch.equal(out, fn(x.to(memory_format=last) if x.ndim == 4 else x, w.to(memory_format=last), b))
+        torch.testing.assert_close(out, ref, **TOLS[dtype])
+    else:
+        assert torch.equal(out, ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_training_gradients(dtype):
+    """A training step of a CNN: forward and backward both call torch's kernels, and the loss and
+    every gradient match eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 4, 3, stride=2, groups=2), torch.nn.Flatten(),
+                                torch.nn.LazyLinear(5)).to(dtype)
+    x = torch.randn(4, 3, 12, 12, dtype=dtype, requires_grad=True)
+    model(x)  # materialise the lazy layer
+    twin = copy.deepcopy(model)
+
+    def step(m, x):
+        return m(x).float().square().mean()
+
+    before = {id(g) for g in live_graphs}
+    loss = torch.compile(step, backend="fx2xla")(model, x)
+    loss.backward()
+    texts = [g.static.lowered.module_text for g in live_graphs if id(g) not in before]
+    assert sum(f"@{TARGET}(" in t for t in texts) == 1  # the forward
+    assert sum(f"@{TARGET}_backward(" in t for t in texts) == 1
+    x_ref = x.detach().clone().requires_grad_()
+    ref = step(twin, x_ref)
+    ref.backward()
+    tol = tolerance(dtype, 4)
+    torch.testing.assert_close(loss, ref, **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
+
+
+@needs_kernels
+def test_weight_gradient_only():
+    """An input that needs no gradient: the backward asks torch for the weight's alone."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3)
+    twin = copy.deepcopy(conv)
+    x = torch.randn(2, 3, 8, 8)
+    torch.compile(conv, backend="fx2xla")(x).sum().backward()
+    twin(x).sum().backward()
+    torch.testing.assert_close(conv.weight.grad, twin.weight.grad, **tolerance(torch.float32))
+    torch.testing.assert_close(conv.bias.grad, twin.bias.grad, **tolerance(torch.float32))
+
+
+@needs_kernels
+def test_switched_off_and_left_alone(monkeypatch):
+    """options={"torch_kernels": False}, FX2XLA_TORCH_KERNELS=0 and an empty batch keep XLA's
+    convolution, and still match eager."""
+    fn, xs, ws = CASES["conv2d"]
+    torch.manual_seed(0)
+    x, w, b = torch.randn(xs), torch.randn(ws), torch.randn(ws[0])
+    out, texts = compiled_modules(fn, x, w, b, torch_kernels=False)
+    assert TARGET not in texts[0] and "stablehlo.convolution" in texts[0]
+    torch.testing.assert_close(out, fn(x, w, b), **tolerance(torch.float32))
+    torch._dynamo.reset()
+    monkeypatch.setenv("FX2XLA_TORCH_KERNELS", "0")
+    out, texts = compiled_modules(fn, x, w, b)
+    assert TARGET not in texts[0] and "stablehlo.convolution" in texts[0]
+    torch.testing.assert_close(out, fn(x, w, b), **tolerance(torch.float32))
+    assert "off" in torch_kernels.status()
+    monkeypatch.delenv("FX2XLA_TORCH_KERNELS")
+    torch._dynamo.reset()
+    empty = torch.randn((0,) + xs[1:])
+    out, texts = compiled_modules(fn, empty, w, b)
+    assert TARGET not in texts[0]
+    assert out.shape == fn(empty, w, b).shape
+
+
+@needs_kernels
+def test_many_threads():
+    """Four threads calling one compiled CNN at once (XLA runs the handlers on its own threads)
+    each get eager's result."""
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    compiled = torch.compile(model, backend="fx2xla")
+    inputs = [torch.randn(4, 3, 32, 32) for _ in range(4)]
+    with torch.no_grad():
+        refs = [model(x) for x in inputs]
+        compiled(inputs[0])
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            with torch.no_grad():
+                for _ in range(10):
+                    results[i] = compiled(inputs[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(4):
+        torch.testing.assert_close(results[i], refs[i], **tolerance(torch.float32))
+
+
+@needs_kernels
+def test_not_in_programs_over_a_mesh():
+    """A convolution sharded over a mesh stays XLA's (its partitioner cannot split a custom
+    call) and matches eager."""
+    mesh = fx2xla.Mesh((4,), ("dp",))
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 3, 8, 8), torch.randn(4, 3, 3, 3)
+
+    def fn(x, w):
+        return F.conv2d(fx2xla.mark_sharding(x, mesh, ("dp", None, None, None)), w).relu()
+
+    out, texts = compiled_modules(fn, x, w)
+    assert TARGET not in texts[0]
+    torch.testing.assert_close(out, fn(x, w), **tolerance(torch.float32))
+
+
+@needs_kernels
+def test_fresh_process_runs_the_cached_executable(tmp_path):
+    """A second process finds the executable in the disk cache and runs it: lowering registers
+    the handlers before the cache is read."""
+    script = textwrap.dedent("""
+        import torch, fx2xla
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 4, 3)
+        x = torch.randn(2, 3, 8, 8)
+        out = torch.compile(conv, backend="fx2xla")(x)
+        torch.testing.assert_close(out, conv(x), rtol=1e-6, atol=1e-6)
+        print("disk_hits", fx2xla.metrics()["disk_hits"])
+    """)
+    env = {**os.environ, "FX2XLA_CACHE_DIR": str(tmp_path)}
+    hits = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        hits.append(int(done.stdout.split("disk_hits")[-1]))
+    assert hits[0] == 0 and hits[1] >= 1
