@@ -3,7 +3,7 @@
 // PJRT call, and only the op XLA:CPU is slow at leaves its code generator.
 //
 // Each handler wraps XLA's dense row-major buffers as torch tensors without copying, calls the
-// ATen op with the dispatcher's thread-local state reset (XLA may run the handler on a thread
+// ATen op with the dispatcher's extra layers excluded (XLA may run the handler on a thread
 // where a Python dispatch mode or autograd is active; neither may see this call), and writes
 // the result into XLA's output buffer.
 #include <ATen/core/Tensor.h>
@@ -22,26 +22,17 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// A clean dispatcher state for the length of one handler call: nothing included (no Python
-// modes, no functorch layers, no autocast) and autograd excluded, so the op goes straight to its CPU kernel.
-class PlainDispatch {
- public:
-  PlainDispatch() : saved_(c10::impl::tls_local_dispatch_key_set()) {
-    c10::impl::PODLocalDispatchKeySet plain;
-    plain.set_included(c10::default_included_set);
-    plain.set_excluded(c10::default_excluded_set | c10::autograd_dispatch_keyset_with_ADInplaceOrView);
-    c10::impl::_force_tls_local_dispatch_key_set(c10::impl::LocalDispatchKeySet(plain));
-  }
-  ~PlainDispatch() {
-    c10::impl::PODLocalDispatchKeySet pod;
-    pod.set_included(saved_.included_);
-    pod.set_excluded(saved_.excluded_);
-    c10::impl::_force_tls_local_dispatch_key_set(c10::impl::LocalDispatchKeySet(pod));
-  }
-
- private:
-  c10::impl::LocalDispatchKeySet saved_;
-};
+// For the length of one handler call, the dispatcher skips every layer the calling thread may
+// have switched on (a Python dispatch mode, functorch transforms, vmap, autocast, tracing,
+// functionalization) and autograd, so the op goes straight to its CPU kernel.
+c10::DispatchKeySet skipped_layers() {
+  using K = c10::DispatchKey;
+  return c10::autograd_dispatch_keyset_with_ADInplaceOrView | c10::autocast_dispatch_keyset |
+         c10::DispatchKeySet({K::Python, K::PythonTLSSnapshot, K::PreDispatch, K::Functionalize,
+                              K::FuncTorchDynamicLayerFrontMode, K::FuncTorchDynamicLayerBackMode,
+                              K::FuncTorchBatched, K::FuncTorchVmapMode, K::Batched, K::VmapMode,
+                              K::Tracer});
+}
 
 std::optional<c10::ScalarType> torch_dtype(ffi::DataType t) {
   switch (t) {
@@ -68,7 +59,7 @@ std::vector<int64_t> ints(Attr span) {
 template <typename F>
 ffi::Error guarded(const char* what, F&& body) {
   try {
-    PlainDispatch plain;
+    c10::impl::ExcludeDispatchKeyGuard plain(skipped_layers());
     body();
     return ffi::Error::Success();
   } catch (const std::exception& e) {
