@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fx2xla
+from fx2xla import torch_kernels
 from fx2xla.lowering.graph import lower_graph
 from fx2xla.lowering.registry import lowering_for
 from fx2xla.metrics import live_graphs
@@ -261,28 +262,34 @@ def _half_specs(device_name, dtype):
             ((2, 3, 6, 6), dtype, device_name), ((2, 3, 3, 3), dtype, device_name), ((2,), dtype, device_name)]
 
 
-def _half_module(device_name, platform, dtype=torch.bfloat16) -> str:
+def _half_module(device_name, platform, dtype=torch.bfloat16, torch_kernels=True) -> str:
     gm, fakes = _cuda_graph(_linear_and_conv, *_half_specs(device_name, dtype))
     plan = build_plan(gm, fakes, Device(platform, 0))
-    return lower_graph(gm, plan, fakes).module_text
+    return lower_graph(gm, plan, fakes, torch_kernels=torch_kernels).module_text
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_half_matmuls_write_their_own_dtype(torch_has_cuda, dtype):
     """Lowered for CUDA, a bf16/f16 dot or conv asks XLA for a result in its own dtype (the
     GEMM accumulates in float32 and rounds once as it writes): no float32 value and no convert
-    anywhere, the Linear's bias added in that dtype. Lowered for the CPU, the same graph keeps
-    float32 results, converted to the half dtype afterwards."""
+    anywhere, the Linear's bias added in that dtype. Lowered for the CPU with XLA's kernels
+    only, the same graph keeps float32 results, converted to the half dtype afterwards; with
+    torch's kernels built, the convolution is torch's (fx2xla/torch_kernels.py), in the half
+    dtype with its bias, as eager computes it."""
     t = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
     cuda = _half_module("cuda", "cuda", dtype)
     dots = [line for line in cuda.splitlines() if "stablehlo.dot_general" in line]
     assert len(dots) == 2 and all(d.endswith(f"-> tensor<8x32x{t}>") for d in dots), cuda
     assert f"-> tensor<2x2x6x6x{t}>" in cuda and "f32" not in cuda and "stablehlo.convert" not in cuda, cuda
-    cpu = _half_module("cpu", "cpu", dtype)
+    cpu = _half_module("cpu", "cpu", dtype, torch_kernels=False)
     dots = [line for line in cpu.splitlines() if "stablehlo.dot_general" in line]
     assert len(dots) == 2 and all(d.endswith("-> tensor<8x32xf32>") for d in dots), cpu
     assert "-> tensor<2x2x6x6xf32>" in cpu, cpu
     assert cpu.count(f": (tensor<8x32xf32>) -> tensor<8x32x{t}>") == 2, cpu  # rounded after the bias
+    if torch_kernels.available():
+        cpu = _half_module("cpu", "cpu", dtype)
+        conv = next(line for line in cpu.splitlines() if "@fx2xla_torch_convolution(" in line)
+        assert conv.endswith(f"-> tensor<2x6x6x2x{t}>") and "has_bias = 1" in conv, conv
 
 
 def test_cuda_half_matmuls_match_eager(torch_has_cuda):
