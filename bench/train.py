@@ -1,6 +1,6 @@
 """Training step time of eager, Inductor and fx2xla, measured in one run.
 
-    .venv/bin/python bench/train.py [--models mlp,gpt2,gpt2_nodropout] [--rounds 15]
+    .venv/bin/python bench/train.py [--models mlp,cnn,gpt2,gpt2_nodropout] [--rounds 15]
 
 One step = forward + loss + backward + AdamW step + zero_grad. Each contender trains its own
 copy of the model (same seed, same batch): eager; Inductor (`torch.compile` default backend
@@ -8,6 +8,8 @@ for the model and for `opt.step`); fx2xla (the same with backend="fx2xla"). Step
 interleaved in rounds; the table shows median step times and ratios (fx2xla ÷ eager,
 fx2xla ÷ Inductor) and each compiler's first step (compiles forward, backward and optimizer
 step; Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR, fx2xla with a cold disk cache),
+for the CNN also fx2xla with options={"torch_kernels": False} (XLA's own convolutions: the
+column `tk` is fx2xla ÷ that),
 |dloss1| = |fx2xla - eager| first-step loss (rounding only without dropout; with dropout the
 random bits differ), and the 1-minute load average after timing (above the core count, other
 processes are skewing the figures). Raw numbers go to bench/results/train.json.
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import fmt_time, interleaved_medians, timed_call, write_json  # noqa: E402
 
 import fx2xla  # noqa: E402
-from fx2xla.testing import LogitsOnly, gpt2, mlp, token_ids  # noqa: E402
+from fx2xla.testing import LogitsOnly, SmallCNN, gpt2, mlp, token_ids  # noqa: E402
 
 
 def _mlp_case():
@@ -53,8 +55,16 @@ def _gpt2_case(dropout: bool):
     return model, ids, ids.roll(-1, dims=1)
 
 
+def _cnn_case():
+    model = SmallCNN()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 64, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+    return model, x, y
+
+
 CASES = {
     "mlp": ("MLP 1024-4096-1024, batch 32", _mlp_case),
+    "cnn": ("SmallCNN (3 conv + batch norm blocks), batch 32 x 3 x 64 x 64", _cnn_case),
     "gpt2": ("GPT-2 4 layers, hidden 256, batch 4 x seq 128, dropout 0.1", lambda: _gpt2_case(True)),
     "gpt2_nodropout": ("the same GPT-2 with dropout 0", lambda: _gpt2_case(False)),
 }
@@ -95,9 +105,12 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
     res: dict = {"description": CASES[name][0],
                  "parameters": sum(p.numel() for p in model.parameters()),
                  "foreach": None}
-    for contender, backend in (("eager", None), ("inductor", "inductor"), ("fx2xla", "fx2xla")):
+    contenders = [("eager", None, None), ("inductor", "inductor", None), ("fx2xla", "fx2xla", None)]
+    if name == "cnn":
+        contenders.append(("fx2xla_xla_kernels", "fx2xla", {"torch_kernels": False}))
+    for contender, backend, options in contenders:
         torch.manual_seed(1)  # the same dropout seed for each first step (bits differ per compiler)
-        steps[contender], opt = make_step(copy.deepcopy(model), backend, x, y, foreach)
+        steps[contender], opt = make_step(copy.deepcopy(model), backend, x, y, foreach, options=options)
         first = {}
         res[f"{contender}_first_step_s"] = timed_call(lambda: first.setdefault("loss", steps[contender]()), ())
         res[f"{contender}_first_loss"] = float(first["loss"])
@@ -113,6 +126,8 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
     res["inductor_vs_eager"] = med["inductor"] / med["eager"]
     res["first_step_vs_inductor"] = res["fx2xla_first_step_s"] / res["inductor_first_step_s"]
     res["first_loss_abs_diff_vs_eager"] = abs(res["fx2xla_first_loss"] - res["eager_first_loss"])
+    if "fx2xla_xla_kernels" in med:
+        res["torch_kernels_ratio"] = med["fx2xla"] / med["fx2xla_xla_kernels"]
     # Steady state must not recompile or fall back to eager: report it if it does.
     res["fx2xla_graphs_compiled_while_timing"] = after["graphs"] - before["graphs"]
     res["fx2xla_fallback_ops"] = after["fallback_ops"]
@@ -146,6 +161,8 @@ def main() -> None:
               f"{fmt_time(r['eager_first_step_s'])} {fmt_time(r['inductor_first_step_s'])} "
               f"{fmt_time(r['fx2xla_first_step_s'])} {r['first_loss_abs_diff_vs_eager']:9.2e} "
               f"{r['load_average_1min_after']:5.1f}")
+        if "torch_kernels_ratio" in r:
+            print(f"{'':15s} tk (fx2xla ÷ fx2xla with XLA's own convolutions): {r['torch_kernels_ratio']:.2f}")
         if r["fx2xla_graphs_compiled_while_timing"] or r["fx2xla_fallback_ops"]:
             print(f"{'':15s} note: fx2xla compiled {r['fx2xla_graphs_compiled_while_timing']} graphs while timing; "
                   f"{r['fx2xla_fallback_ops']} ops fell back to eager")

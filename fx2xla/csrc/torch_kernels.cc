@@ -104,17 +104,22 @@ ffi::Error ConvolutionBackward(ffi::AnyBuffer grad, ffi::AnyBuffer x, ffi::AnyBu
                                ffi::Span<const int64_t> stride, ffi::Span<const int64_t> padding,
                                ffi::Span<const int64_t> dilation, int64_t transposed,
                                ffi::Span<const int64_t> output_padding, int64_t groups,
-                               int64_t input_mask, int64_t weight_mask) {
+                               int64_t input_mask, int64_t weight_mask, int64_t last) {
   auto dtype = torch_dtype(x.element_type());
   if (!dtype || x.element_type() != w.element_type() || grad.element_type() != x.element_type())
     return ffi::Error::InvalidArgument("fx2xla_torch_convolution_backward: unsupported dtypes");
   return guarded("torch convolution_backward", [&] {
+    at::Tensor gt = as_tensor(grad, *dtype), xt = as_tensor(x, *dtype), wt = as_tensor(w, *dtype);
+    at::Tensor dxt = as_tensor(*dx, *dtype), dwt = as_tensor(*dw, *dtype);
+    if (last) {
+      gt = channels_last(gt), xt = channels_last(xt), wt = channels_last(wt);
+      dxt = channels_last(dxt), dwt = channels_last(dwt);
+    }
     auto [gx, gw, gb] = at::convolution_backward(
-        as_tensor(grad, *dtype), as_tensor(x, *dtype), as_tensor(w, *dtype), std::nullopt,
-        ints(stride), ints(padding), ints(dilation), transposed != 0, ints(output_padding), groups,
-        {input_mask != 0, weight_mask != 0, false});
-    if (input_mask) as_tensor(*dx, *dtype).copy_(gx);
-    if (weight_mask) as_tensor(*dw, *dtype).copy_(gw);
+        gt, xt, wt, std::nullopt, ints(stride), ints(padding), ints(dilation), transposed != 0,
+        ints(output_padding), groups, {input_mask != 0, weight_mask != 0, false});
+    if (input_mask) dxt.copy_(gx);
+    if (weight_mask) dwt.copy_(gw);
   });
 }
 
@@ -150,4 +155,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_convolution_backward, ConvolutionBack
                                                    .Ret<ffi::AnyBuffer>()
                                                    .Ret<ffi::AnyBuffer>())
                                   .Attr<int64_t>("input_mask")
-                                  .Attr<int64_t>("weight_mask"));
+                                  .Attr<int64_t>("weight_mask")
+                                  .Attr<int64_t>("channels_last"));

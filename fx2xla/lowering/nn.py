@@ -370,6 +370,7 @@ def _convolution_backward(ctx, grad, x, w, bias_sizes, stride, padding, dilation
 # XLA:CPU's own are several times slower. Not in programs XLA partitions over a mesh (its
 # partitioner cannot split a custom call), nor for empty tensors or dtypes the handlers lack.
 _TORCH_CONV_DTYPES = frozenset(to_jax_dtype(d) for d in torch_kernels.DTYPES)
+_CHANNELS_LAST = ((0, 2, 3, 1), (0, 3, 1, 2))  # NCHW -> NHWC, and back
 
 
 def _torch_conv_fits(ctx, *arrays) -> bool:
@@ -396,7 +397,7 @@ def _convolution_cpu(ctx, x, w, bias, stride, padding, dilation, transposed, out
     # 2-D convolutions run channels-last, where oneDNN is fastest (Inductor converts them too):
     # XLA transposes in and out, and fuses those transposes with the ops around.
     last = w.ndim == 4
-    to_last, to_first = (0, 2, 3, 1), (0, 3, 1, 2)
+    to_last, to_first = _CHANNELS_LAST
     # The bias is added inside torch's kernel, before its one rounding, as eager adds it.
     has_bias = bias is not None
     out = jax.ffi.ffi_call("fx2xla_torch_convolution",
@@ -419,12 +420,23 @@ def _convolution_backward_cpu(ctx, grad, x, w, bias_sizes, stride, padding, dila
     unbatched = x.ndim == w.ndim - 1
     if unbatched:
         grad, x = grad[None], x[None]
-    # A gradient the mask leaves out is not computed; its buffer is dropped by _masked.
-    dx, dw = jax.ffi.ffi_call("fx2xla_torch_convolution_backward",
-                              (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype)),
-                              vmap_method="sequential")(
-        grad, x, w, input_mask=np.int64(bool(output_mask[0])), weight_mask=np.int64(bool(output_mask[1])),
+    # A gradient the mask leaves out is not computed; its buffer is dropped by _masked. 2-D
+    # convolutions run channels-last, as the forward does.
+    last = w.ndim == 4
+    to_last, to_first = _CHANNELS_LAST
+
+    def laid(v):
+        return jnp.transpose(v, to_last) if last else v
+
+    def result(v):
+        return jax.ShapeDtypeStruct(tuple(v.shape[d] for d in to_last) if last else v.shape, v.dtype)
+
+    dx, dw = jax.ffi.ffi_call("fx2xla_torch_convolution_backward", (result(x), result(w)), vmap_method="sequential")(
+        laid(grad), laid(x), laid(w), input_mask=np.int64(bool(output_mask[0])),
+        weight_mask=np.int64(bool(output_mask[1])), channels_last=np.int64(last),
         **_conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups))
+    if last:
+        dx, dw = jnp.transpose(dx, to_first), jnp.transpose(dw, to_first)
     db = jnp.sum(_opmath(grad), axis=(0,) + tuple(range(2, grad.ndim)))
     return _masked((dx[0] if unbatched else dx, dw, db), output_mask)
 
