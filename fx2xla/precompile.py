@@ -118,13 +118,14 @@ class PrecompiledGraph(SerializableCallable):
         device = device_for([v.device for v in fakes if hasattr(v, "device") and not (v.device.type == "cpu" and v.dim() == 0)],
                             options.get("device_index"))
         graph = CompiledGraph(gm, fakes, device, state["name"], resident_inputs=set(state["resident"]),
-                              check_indices=bool(options.get("check_indices", True)))
+                              check_indices=bool(options.get("check_indices", True)),
+                              torch_kernels=bool(options.get("torch_kernels", True)))
         return cls(graph, options)
 
 
 def precompiled(graph, options: dict) -> PrecompiledGraph:
     """The serializable result of an inference graph compiled under torch's aot_compile."""
-    return PrecompiledGraph(graph, {k: options[k] for k in ("device_index", "check_indices")})
+    return PrecompiledGraph(graph, {k: options[k] for k in ("device_index", "check_indices", "torch_kernels")})
 
 
 def refused() -> Fx2XlaError:

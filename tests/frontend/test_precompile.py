@@ -105,3 +105,27 @@ def test_precompile_check_private_and_public(monkeypatch, public):
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_artifact_keeps_the_torch_kernels_option():
+    """A graph compiled with options={"torch_kernels": False} is rebuilt from its artifact with
+    XLA's own convolution (no torch kernel custom call), and matches eager (float32 rtol 1e-4,
+    atol 1e-5)."""
+    from fx2xla.metrics import live_graphs
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3).eval()
+    x = torch.randn(2, 3, 8, 8)
+    before = {id(g) for g in live_graphs}
+    with torch.no_grad():
+        torch.compile(conv, backend="fx2xla", options={"torch_kernels": False})(x)
+    graph = next(g for g in live_graphs if id(g) not in before)
+    fn = precompile.precompiled(graph, {"device_index": None, "check_indices": True, "torch_kernels": False})
+    loaded = precompile.PrecompiledGraph.deserialize_compile_artifacts(
+        precompile.PrecompiledGraph.serialize_compile_artifacts(fn))
+    assert loaded.graph.torch_kernels is False
+    with torch.no_grad():
+        out = loaded(*[p.detach() for p in (conv.weight, conv.bias)], x)
+    assert "fx2xla_torch_convolution" not in loaded.graph.static.lowered.module_text
+    torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, conv(x), rtol=1e-4, atol=1e-5)
