@@ -24,6 +24,7 @@ import contextvars
 import ctypes
 import hashlib
 import os
+import shlex
 import subprocess
 import tempfile
 import threading
@@ -71,11 +72,16 @@ def library_path() -> Path | None:
     return next((p for p in candidate_paths() if p.is_file()), None)
 
 
+def compiler() -> list[str]:
+    """The C++ compiler command: $CXX (which may carry flags), else `c++`."""
+    return shlex.split(os.environ.get("CXX", "")) or ["c++"]
+
+
 def _compile_command(out: Path) -> list[str]:
     torch_lib = Path(torch.__file__).resolve().parent / "lib"
     includes = [Path(torch.__file__).resolve().parent / "include", Path(jax.ffi.include_dir())]
     abi = int(torch.compiled_with_cxx11_abi())
-    return ([os.environ.get("CXX", "c++"), "-O2", "-std=c++20", "-w", "-fPIC", "-shared",
+    return (compiler() + ["-O2", "-std=c++20", "-w", "-fPIC", "-shared",
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
             + [f"-I{d}" for d in includes]
             + [str(SOURCE), f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}", "-o", str(out)])

@@ -31,7 +31,7 @@ from fx2xla.testing import SmallCNN
 from tests.conftest import tolerance
 
 TARGET = "fx2xla_torch_convolution"
-HAVE_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+HAVE_COMPILER = shutil.which(torch_kernels.compiler()[0]) is not None
 needs_kernels = pytest.mark.skipif(not torch_kernels.available(), reason=torch_kernels.status())
 
 
@@ -268,3 +268,19 @@ def test_fresh_process_runs_the_cached_executable(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         hits.append(int(done.stdout.split("disk_hits")[-1]))
     assert hits[0] == 0 and hits[1] >= 1
+
+
+def test_build_without_a_compiler_is_a_clear_error(monkeypatch, capsys):
+    """No compiler: build() names it and how to choose one, leaves no partial file, and
+    `python -m fx2xla kernels build --optional` reports it and exits 0 (make setup goes on)."""
+    from fx2xla.__main__ import main
+
+    monkeypatch.setenv("CXX", "/nonexistent/c++ -O3")
+    folder = torch_kernels.candidate_paths()[0].parent
+    before = set(folder.iterdir()) if folder.is_dir() else set()
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler.*/nonexistent/c\\+\\+.*CXX"):
+        torch_kernels.build(force=True)
+    assert (set(folder.iterdir()) if folder.is_dir() else set()) == before
+    assert main(["kernels", "build", "--force", "--optional"]) == 0
+    assert "no C++ compiler" in capsys.readouterr().err
+    assert main(["kernels", "build", "--force"]) == 1
