@@ -34,6 +34,8 @@ import jax
 import jaxlib
 import torch
 
+from .runtime.disk_cache import default_cache_dir
+
 SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_kernels.cc"
 # The FFI handlers the library exports, each registered for XLA:CPU under its own name.
 TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward")
@@ -42,7 +44,7 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 _off: contextvars.ContextVar = contextvars.ContextVar("fx2xla_torch_kernels_off", default=False)
 _lock = threading.Lock()
-_state: tuple[bool, str] | None = None  # (registered, why not) once load() ran
+_state: tuple[bool, str] | None = None  # once load() ran: (registered, the library's path or why not)
 
 
 def build_key() -> str:
@@ -52,18 +54,13 @@ def build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def _cache_folder() -> Path | None:
-    root = os.environ.get("FX2XLA_CACHE_DIR", os.path.expanduser("~/.cache/fx2xla"))
-    return Path(root) / "torch_kernels" if root else None
-
-
 def candidate_paths() -> list[Path]:
     """Where a build for this environment is looked for, in order."""
     name = f"torch_kernels-{build_key()}.so"
     paths = [SOURCE.parent / "build" / name]
-    cache = _cache_folder()
+    cache = default_cache_dir()  # the executable cache's folder (None: FX2XLA_CACHE_DIR is empty)
     if cache is not None:
-        paths.append(cache / name)
+        paths.append(Path(cache) / "torch_kernels" / name)
     return paths
 
 
@@ -133,7 +130,8 @@ def off():
 
 
 def load() -> tuple[bool, str]:
-    """Register the handlers with XLA:CPU once per process: (registered, why not)."""
+    """Register the handlers with XLA:CPU once per process: (registered, the library's path or
+    why not)."""
     global _state
     if _state is not None:
         return _state
@@ -154,7 +152,7 @@ def _load() -> tuple[bool, str]:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     except (OSError, AttributeError) as e:
         return False, f"{path} did not load: {e}"
-    return True, ""
+    return True, str(path)
 
 
 def available() -> bool:
@@ -166,5 +164,5 @@ def status() -> str:
     """One line: whether torch's kernels run inside fx2xla's CPU executables, and if not, why."""
     if disabled():
         return "torch kernels: off (FX2XLA_TORCH_KERNELS=0)"
-    ok, why = load()
-    return f"torch kernels: on ({library_path()})" if ok else f"torch kernels: off ({why})"
+    ok, detail = load()
+    return f"torch kernels: {'on' if ok else 'off'} ({detail})"

@@ -370,7 +370,21 @@ def _convolution_backward(ctx, grad, x, w, bias_sizes, stride, padding, dilation
 # XLA:CPU's own are several times slower. Not in programs XLA partitions over a mesh (its
 # partitioner cannot split a custom call), nor for empty tensors or dtypes the handlers lack.
 _TORCH_CONV_DTYPES = frozenset(to_jax_dtype(d) for d in torch_kernels.DTYPES)
-_CHANNELS_LAST = ((0, 2, 3, 1), (0, 3, 1, 2))  # NCHW -> NHWC, and back
+_TO_LAST, _TO_FIRST = (0, 2, 3, 1), (0, 3, 1, 2)  # NCHW -> NHWC, and back
+
+
+def _laid(v, last: bool):
+    """`v` (an array or a ShapeDtypeStruct) as the handler takes it: NHWC where `last`."""
+    if not last:
+        return v
+    if isinstance(v, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(tuple(v.shape[d] for d in _TO_LAST), v.dtype)
+    return jnp.transpose(v, _TO_LAST)
+
+
+def _unlaid(v, last: bool):
+    """A handler's result back in torch's NCHW."""
+    return jnp.transpose(v, _TO_FIRST) if last else v
 
 
 def _torch_conv_fits(ctx, *arrays) -> bool:
@@ -397,17 +411,14 @@ def _convolution_cpu(ctx, x, w, bias, stride, padding, dilation, transposed, out
     # 2-D convolutions run channels-last, where oneDNN is fastest (Inductor converts them too):
     # XLA transposes in and out, and fuses those transposes with the ops around.
     last = w.ndim == 4
-    to_last, to_first = _CHANNELS_LAST
     # The bias is added inside torch's kernel, before its one rounding, as eager adds it.
     has_bias = bias is not None
-    out = jax.ffi.ffi_call("fx2xla_torch_convolution",
-                           jax.ShapeDtypeStruct(tuple(shape[d] for d in to_last) if last else shape, x.dtype),
+    out = jax.ffi.ffi_call("fx2xla_torch_convolution", _laid(jax.ShapeDtypeStruct(shape, x.dtype), last),
                            vmap_method="sequential")(
-        jnp.transpose(x, to_last) if last else x, jnp.transpose(w, to_last) if last else w,
-        bias.astype(x.dtype) if has_bias else jnp.zeros((1,), x.dtype),
+        _laid(x, last), _laid(w, last), bias if has_bias else jnp.zeros((1,), x.dtype),
         channels_last=np.int64(last), has_bias=np.int64(has_bias),
         **_conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups))
-    out = jnp.transpose(out, to_first) if last else out
+    out = _unlaid(out, last)
     return out[0] if unbatched else out
 
 
@@ -423,20 +434,12 @@ def _convolution_backward_cpu(ctx, grad, x, w, bias_sizes, stride, padding, dila
     # A gradient the mask leaves out is not computed; its buffer is dropped by _masked. 2-D
     # convolutions run channels-last, as the forward does.
     last = w.ndim == 4
-    to_last, to_first = _CHANNELS_LAST
-
-    def laid(v):
-        return jnp.transpose(v, to_last) if last else v
-
-    def result(v):
-        return jax.ShapeDtypeStruct(tuple(v.shape[d] for d in to_last) if last else v.shape, v.dtype)
-
-    dx, dw = jax.ffi.ffi_call("fx2xla_torch_convolution_backward", (result(x), result(w)), vmap_method="sequential")(
-        laid(grad), laid(x), laid(w), input_mask=np.int64(bool(output_mask[0])),
+    results = tuple(_laid(jax.ShapeDtypeStruct(v.shape, v.dtype), last) for v in (x, w))
+    dx, dw = jax.ffi.ffi_call("fx2xla_torch_convolution_backward", results, vmap_method="sequential")(
+        _laid(grad, last), _laid(x, last), _laid(w, last), input_mask=np.int64(bool(output_mask[0])),
         weight_mask=np.int64(bool(output_mask[1])), channels_last=np.int64(last),
         **_conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups))
-    if last:
-        dx, dw = jnp.transpose(dx, to_first), jnp.transpose(dw, to_first)
+    dx, dw = _unlaid(dx, last), _unlaid(dw, last)
     db = jnp.sum(_opmath(grad), axis=(0,) + tuple(range(2, grad.ndim)))
     return _masked((dx[0] if unbatched else dx, dw, db), output_mask)
 
