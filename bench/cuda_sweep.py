@@ -557,7 +557,8 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     if a.device.type == "cuda":
         torch.backends.cudnn.allow_tf32 = False   # fp32 eager convolutions: a float32 reference
-    specs = [s for s in model_specs(a.seq) if s.name in a.models]
+    by_name = {s.name: s for s in model_specs(a.seq)}
+    specs = [by_name[n] for n in dict.fromkeys(a.models)]  # in the order given: a deadline cuts the last ones
     payload: dict[str, Any] = {
         "versions": versions(a.device),
         "args": {k: str(v) if isinstance(v, torch.device) else v for k, v in vars(a).items()},

@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh bench-bf16           # bench/gpu.py, bf16 half
 #   bash bench/gpu_session.sh bench-fp32           # bench/gpu.py, fp32 half
 #   bash bench/gpu_session.sh probe overhead       # versions and GPU; a tiny call's host time by stage
+#   bash bench/gpu_session.sh waits                # where calls wait for the GPU, per client setting
 #
 # Stage time limits (seconds) come from STAGE_LIMIT_<stage> (e.g. STAGE_LIMIT_sweep=300).
 # The autotune results and executables persist in $FX2XLA_CACHE_DIR between stages when it is
@@ -15,8 +16,8 @@ set -u
 export PYTHONUNBUFFERED=1 PJRT_DEVICE=CUDA
 OUT=${OUT:-bench/results/gpu-session}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
-    || { cat "$OUT/install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/fx2xla-install.log 2>&1 \
+    || { cat /tmp/fx2xla-install.log; exit 1; }
 
 limit() { local v="STAGE_LIMIT_$1"; echo "${!v:-$2}"; }
 
@@ -34,11 +35,16 @@ for stage in "$@"; do
         tests)
             # -p no:cacheprovider: the tree may be read-only for pytest's cache
             timeout "$(limit tests 300)" python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider \
-                --junitxml="$OUT/cuda-tests.xml" tests/gpu 2>&1 | tee "$OUT/cuda-tests.log" | tail -60
+                tests/gpu 2>&1 | tee "$OUT/cuda-tests.log" | tail -40
+            ;;
+        waits)
+            timeout "$(limit waits 240)" python3 bench/gpu_waits.py --out "$OUT/waits.json" \
+                --child-timeout "$(( $(limit waits 240) / 3 - 5 ))" ${WAITS_ARGS:-} > "$OUT/waits.log" 2>&1
+            grep -v "^USDT\|profiler_st" "$OUT/waits.log" | tail -30
             ;;
         sweep)
             timeout "$(limit sweep 330)" python3 bench/cuda_sweep.py --deadline "$(( $(limit sweep 330) - 40 ))" \
-                --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
+                --out "$OUT/sweep.json" ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
             tail -45 "$OUT/sweep.log"
             ;;
         bench-bf16|bench-fp32)

@@ -1,7 +1,7 @@
 """bench/cuda_sweep.py (the CUDA model sweep) runs on the CPU: GPT-2 (default SDPA) and LLaMA
 (GQA) in float32, inference and a training step, each case passing against eager with the
 sweep's own tolerances (float32: relative 1e-3 on outputs, losses and grads), and every figure
-in its JSON."""
+in its JSON, the models run in the order `--models` names them (a deadline cuts the last)."""
 import json
 import subprocess
 import sys
@@ -13,10 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_sweep_runs_and_matches_eager_on_cpu(tmp_path):
     out = tmp_path / "sweep.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "cuda_sweep.py"), "--device", "cpu", "--models",
-                          "gpt2,llama", "--dtypes", "float32", "--modes", "infer,train", "--out", str(out)],
+                          "llama,gpt2", "--dtypes", "float32", "--modes", "infer,train", "--out", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert [c["model"] for c in report["cases"]] == ["llama", "llama", "gpt2", "gpt2"]
     cases = {(c["model"], c["mode"]): c for c in report["cases"]}
     assert set(cases) == {(m, mode) for m in ("gpt2", "llama") for mode in ("infer", "train")}
     for key, case in cases.items():

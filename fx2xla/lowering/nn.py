@@ -217,12 +217,19 @@ def _batch_norm_apply(x, mean, invstd, weight, bias):
     return x * _channel(alpha, x.ndim) + _channel(beta, x.ndim)
 
 
-def _batch_norm_eval(x, weight, bias, running_mean, running_var, eps):
+def _batch_norm_eval(ctx, x, weight, bias, running_mean, running_var, eps):
     x = _opmath(x)
+    mean = _opmath(running_mean).astype(x.dtype)
     invstd = lax.rsqrt(_opmath(running_var).astype(x.dtype) + eps)
-    out = _batch_norm_apply(x, _opmath(running_mean).astype(x.dtype), invstd, weight, bias)
-    empty = jnp.zeros((0,), x.dtype)  # torch returns empty save_mean/save_rstd in eval
-    return out, empty, empty
+    out = _batch_norm_apply(x, mean, invstd, weight, bias)
+    # save_mean/save_rstd in eval: empty on the CPU, the running mean and 1/sqrt(var + eps) on
+    # accelerators (torch's own kernels differ; its meta value says which this graph has).
+    saved = ctx.out[1]
+    if saved.numel() == 0:
+        empty = jnp.zeros((0,), x.dtype)
+        return out, empty, empty
+    dtype = to_jax_dtype(saved.dtype)
+    return out, mean.astype(dtype), invstd.astype(dtype)
 
 
 def _batch_norm_train(x, weight, bias, eps):
@@ -237,13 +244,13 @@ def _batch_norm_train(x, weight, bias, eps):
 
 @register_lowering(aten._native_batch_norm_legit_no_training.default)
 def _bn_no_training(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
-    return _batch_norm_eval(x, weight, bias, running_mean, running_var, eps)
+    return _batch_norm_eval(ctx, x, weight, bias, running_mean, running_var, eps)
 
 
 @register_lowering(aten._native_batch_norm_legit.default)
 def _bn_legit(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps):
     if not training:
-        return _batch_norm_eval(x, weight, bias, running_mean, running_var, eps)
+        return _batch_norm_eval(ctx, x, weight, bias, running_mean, running_var, eps)
     # The in-place running-stat update cannot be expressed here; functionalized graphs carry
     # it as _native_batch_norm_legit_functional (below), which returns the new statistics.
     out, mean, _, rstd = _batch_norm_train(x, weight, bias, eps)
@@ -259,7 +266,7 @@ def _bn_no_stats(ctx, x, weight, bias, training, momentum, eps):
 @register_lowering(aten._native_batch_norm_legit_functional.default)
 def _bn_functional(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps):
     if not training:
-        out, save_mean, save_rstd = _batch_norm_eval(x, weight, bias, running_mean, running_var, eps)
+        out, save_mean, save_rstd = _batch_norm_eval(ctx, x, weight, bias, running_mean, running_var, eps)
         return out, save_mean, save_rstd, running_mean, running_var
     out, mean, var, rstd = _batch_norm_train(x, weight, bias, eps)
     n = x.size // x.shape[1]

@@ -310,3 +310,42 @@ def test_cuda_half_matmuls_match_eager(torch_has_cuda):
     for out, exp in zip(outs, expected):
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, exp, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("functional", [False, True])
+def test_cuda_eval_batch_norm_saves_the_running_stats(torch_has_cuda, dtype, functional):
+    """In eval, torch's CUDA batch norm returns the running mean and 1/sqrt(running var + eps)
+    as save_mean/save_rstd where its CPU kernel returns empty tensors (a ResNet failed to lower on
+    an H200 for this). The CUDA module, run on the CPU client, gives eager's output (float32 rtol
+    1e-5 / atol 1e-5; bfloat16 rtol/atol 1e-2) and those statistics (rtol 1e-5 in their dtype);
+    the CPU module keeps torch's empty ones."""
+    def f(x, w, b, rm, rv):
+        if functional:
+            return aten._native_batch_norm_legit_functional(x, w, b, rm, rv, False, 0.1, 1e-5)[:3]
+        return aten._native_batch_norm_legit_no_training(x, w, b, rm, rv, 0.1, 1e-5)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 5, 5).to(dtype)
+    w, b, rm = (torch.randn(16).to(dtype) for _ in range(3))
+    rv = (torch.rand(16) + 0.5).to(dtype)
+    specs = [((2, 16, 5, 5), dtype), *[((16,), dtype)] * 4]
+    dev = default_device().jax_device
+    outs = {}
+    for device_name, platform in (("cuda", "cuda"), ("cpu", "cpu")):
+        gm, fakes = _cuda_graph(f, *[(s, d, device_name) for s, d in specs])
+        expected = [tuple(v.meta["val"].shape) for v in gm.graph.find_nodes(op="output")[0].args[0]]
+        plan = build_plan(gm, fakes, Device(platform, 0))
+        text = lower_graph(gm, plan, fakes).module_text
+        launch = make_launcher(compile_module(text, default_device()))
+        outs[platform] = launch([import_tensor(t, dev) for t in (x, w, b, rm, rv)])
+        assert [tuple(o.shape) for o in outs[platform]] == [tuple(fakes[0].shape), *expected[1:]]
+    out, save_mean, save_rstd = outs["cuda"]
+    eager = torch.nn.functional.batch_norm(x.float(), rm.float(), rv.float(), w.float(), b.float(), False, 0.1, 1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), eager, rtol=tol, atol=tol)
+    assert save_mean.shape == save_rstd.shape == (16,)
+    torch.testing.assert_close(save_mean.float(), rm.float(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(save_rstd.float(), torch.rsqrt(rv.float() + 1e-5), rtol=1e-5, atol=0)
+    assert outs["cpu"][1].shape == outs["cpu"][2].shape == (0,)
+    torch.testing.assert_close(outs["cpu"][0], out, rtol=0, atol=0)
