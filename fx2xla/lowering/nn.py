@@ -523,14 +523,55 @@ def _max_pool_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1
                    aten.max_pool3d_with_indices_backward.default)
 def _max_pool_with_indices_backward(ctx, grad, x, kernel_size, stride, padding, dilation,
                                     ceil_mode, indices):
-    # Scatter-add each output gradient to the flat spatial input position torch recorded.
+    # The op's contract: `indices` are the forward's, so each lies in its own output's window.
+    # For every kernel offset, an output's gradient goes to the input element at that offset
+    # where it is the recorded one; strided padding (interior s-1, edges cropping what lies
+    # outside the input) puts it in place. A sum of k elementwise terms that XLA fuses into one
+    # loop, instead of a scatter (serial on XLA:CPU) over a materialized zero input and
+    # (plane, index) pairs (docs/benchmarks.md: SmallCNN's training step).
     nd = _spatial_nd(ctx)
-    planes = math.prod(x.shape[:-nd])
-    g = _opmath(grad).reshape(planes, -1)
-    idx = indices.reshape(planes, -1)
-    rows = jnp.arange(planes, dtype=idx.dtype)[:, None]
-    out = jnp.zeros((planes, math.prod(x.shape[-nd:])), g.dtype)
-    return out.at[rows, idx].add(g, mode="promise_in_bounds").reshape(x.shape)
+    k, s, p, d = _pool_args(kernel_size, stride, padding, dilation, nd)
+    size, out = x.shape[-nd:], grad.shape[-nd:]
+    lead = x.ndim - nd
+    g = _opmath(grad)
+    zero = np.zeros((), g.dtype)
+    starts = [np.arange(o) * ss - pp for o, ss, pp in zip(out, s, p)]
+    strides = [math.prod(size[i + 1:]) for i in range(nd)]  # indices are flat over spatial dims
+    if all(kk == ss and dd == 1 for kk, ss, dd in zip(k, s, d)):
+        return _tiled_pool_backward(g, indices, k, p, size, strides)
+    total = None
+    for offset in itertools.product(*(range(kk) for kk in k)):
+        pos = [st + o * dd for st, o, dd in zip(starts, offset, d)]
+        if not all(((q >= 0) & (q < n)).any() for q, n in zip(pos, size)):
+            continue  # this offset lies in the padding of every window
+        # Out-of-range positions may share a flat value with an in-range one; the padding
+        # below crops them, so their terms never land.
+        flat = jnp.asarray(_outer([q * m for q, m in zip(pos, strides)], np.add), indices.dtype)
+        term = jnp.where(indices == flat, g, zero)
+        edges = [(int(q[0]), n - int(q[0]) - (o - 1) * ss - 1, ss - 1)
+                 for q, n, o, ss in zip(pos, size, out, s)]
+        term = lax.pad(term, zero, [(0, 0, 0)] * lead + edges)
+        total = term if total is None else total + term
+    return jnp.zeros(x.shape, g.dtype) if total is None else total
+
+
+def _tiled_pool_backward(g, indices, k, p, size, strides):
+    """The max-pool backward where windows tile the input (stride = kernel, no dilation): each
+    input element belongs to at most one window, so one select per element, reading its
+    window's gradient and index, does it."""
+    nd = len(k)
+    lead = g.ndim - nd
+
+    def spread(a, fill):  # a window's value on each of its elements, cut/padded to the input
+        shape = a.shape
+        a = a.reshape(shape[:lead] + tuple(v for o in shape[lead:] for v in (o, 1)))
+        a = jnp.broadcast_to(a, shape[:lead] + tuple(v for o, kk in zip(shape[lead:], k) for v in (o, kk)))
+        a = a.reshape(shape[:lead] + tuple(o * kk for o, kk in zip(shape[lead:], k)))
+        edges = [(-pp, n - o * kk + pp, 0) for pp, n, o, kk in zip(p, size, shape[lead:], k)]
+        return lax.pad(a, np.asarray(fill, a.dtype), [(0, 0, 0)] * lead + edges)
+
+    flat = jnp.asarray(_outer([np.arange(n) * m for n, m in zip(size, strides)], np.add), indices.dtype)
+    return jnp.where(spread(indices, -1) == flat, spread(g, 0), np.zeros((), g.dtype))
 
 
 def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, out_size):

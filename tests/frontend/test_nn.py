@@ -403,6 +403,47 @@ def test_cnn_grads(check_grads, dtype):
     check_grads(fn, x, w, b, tw, tol_scale=8 if dtype == torch.bfloat16 else 1)
 
 
+# (kernel, stride, padding, dilation, ceil_mode): non-overlapping, overlapping, padded,
+# dilated, a last window past the input (ceil_mode), rectangular, windows of one element.
+POOL_WINDOWS = [(2, 2, 0, 1, False), (3, 1, 1, 1, False), (3, 2, 1, 1, True), (3, 2, 1, 2, False),
+                ((2, 3), (1, 2), (1, 1), 1, False), (3, 3, 1, 1, True), (1, 1, 0, 1, False)]
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT)
+@pytest.mark.parametrize("window", POOL_WINDOWS, ids=str)
+def test_max_pool2d_backward_windows(check_graph, window, dtype):
+    """max_pool2d_with_indices_backward on the forward's indices, against torch's kernel, for
+    every window kind; the gradient of an element picked by several windows is their sum.
+    Tolerances: conftest's per dtype (float32 sums of a few terms; bf16 rounded once)."""
+    k, s, p, d, ceil = window
+    x = make(2, 3, 9, 10, dtype=dtype)
+    y, idx = aten.max_pool2d_with_indices(x, k, s, p, d, ceil)
+    g = make(*y.shape, dtype=dtype, seed=1)
+
+    def fn(g, x, idx):
+        return aten.max_pool2d_with_indices_backward(g, x, k, s, p, d, ceil, idx)
+
+    check_graph(fn, g, x, idx, ops=[aten.max_pool2d_with_indices_backward.default])
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 8, 8), (3, 8, 8), (1, 1, 1, 1)], ids=str)
+def test_max_pool_backward_edge_shapes(check_graph, shape):
+    """Empty batch, unbatched and one-element inputs, 2-D and 3-D, against torch's kernels."""
+    x = make(*shape)
+    y, idx = aten.max_pool2d_with_indices(x, 2, 2, 0, 1, True)
+    g = make(*y.shape, seed=1)
+    x3 = make(*shape[:-1], 2, 5)
+    y3, idx3 = aten.max_pool3d_with_indices(x3, 2, 1, 1, 1, False)
+    g3 = make(*y3.shape, seed=2)
+
+    def fn(g, x, idx, g3, x3, idx3):
+        return (aten.max_pool2d_with_indices_backward(g, x, 2, 2, 0, 1, True, idx),
+                aten.max_pool3d_with_indices_backward(g3, x3, 2, 1, 1, 1, False, idx3))
+
+    check_graph(fn, g, x, idx, g3, x3, idx3, ops=[aten.max_pool2d_with_indices_backward.default,
+                                                    aten.max_pool3d_with_indices_backward.default])
+
+
 def test_attention_grads(check_grads, dtype=torch.float32):
     # AOTAutograd decomposes the flash forward but keeps its backward op, passing it the
     # attention weights as `logsumexp` (bf16 is covered by the check_graph test above).
