@@ -8,6 +8,9 @@ tiny graph next to eager, Inductor, Dynamo's own floor and a raw PJRT execute of
 executable; writes raw numbers to bench/results/inference.json. The cost of the run-time index
 checks (options={"check_indices": True}, the default) is the column `chk`: fx2xla with checks
 ÷ fx2xla without, interleaved in the same rounds, and per call on a tiny embedding lookup.
+Column `tk`: fx2xla ÷ fx2xla with XLA's own CPU kernels (options={"torch_kernels": False}); `sl`
+(models with convolutions): fx2xla ÷ the same executable with torch's kernels on whole batches
+(fx2xla.torch_kernels.batch_slicing(False)).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import fmt_time, interleaved_medians, timed_call, write_json  # noqa: E402
 
 import fx2xla  # noqa: E402
+from fx2xla import torch_kernels  # noqa: E402
 from fx2xla.testing import model_cases  # noqa: E402
 
 
@@ -84,6 +88,19 @@ def index_check_cost(fn, args: tuple, rounds: int, calls_per_round: int = 1, bud
             "checked_s": med["checked"], "unchecked_s": med["unchecked"]}
 
 
+def has_convolutions(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
+
+
+def unsliced(fn):
+    """`fn` with torch's convolution kernels run on whole batches (fx2xla.torch_kernels
+    batch_slicing off) for the call: the same executable, so interleaving compares only that."""
+    def call(*args):
+        with torch_kernels.batch_slicing(False):
+            return fn(*args)
+    return call
+
+
 def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
     model = case.build().eval().to(dtype)
@@ -101,8 +118,10 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
         # fx2xla with XLA's own CPU kernels only (no torch kernels inside the executable).
         xla_kernels = torch.compile(model, backend="fx2xla", fullgraph=True, options={"torch_kernels": False})
         xla_kernels(*args)
-        med = interleaved_medians({"eager": model, "inductor": inductor, "fx2xla": compiled,
-                                   "fx2xla_xla_kernels": xla_kernels}, args, rounds=rounds, budget_s=60)
+        contenders = {"eager": model, "inductor": inductor, "fx2xla": compiled, "fx2xla_xla_kernels": xla_kernels}
+        if has_convolutions(model):
+            contenders["fx2xla_unsliced"] = unsliced(compiled)
+        med = interleaved_medians(contenders, args, rounds=rounds, budget_s=60)
         checks = index_check_cost(model, args, rounds)
     res.update({f"{k}_s": v for k, v in med.items()})
     res["fx2xla_vs_eager"] = med["fx2xla"] / med["eager"]
@@ -110,6 +129,8 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
     res["inductor_vs_eager"] = med["inductor"] / med["eager"]
     res["first_call_vs_inductor"] = res["fx2xla_first_call_s"] / res["inductor_first_call_s"]
     res["torch_kernels_ratio"] = med["fx2xla"] / med["fx2xla_xla_kernels"]
+    if "fx2xla_unsliced" in med:
+        res["batch_slicing_ratio"] = med["fx2xla"] / med["fx2xla_unsliced"]
     res["index_checks"] = checks
     return res
 
@@ -134,7 +155,7 @@ def main() -> None:
         e = o["embedding_lookup"]
         print(f"  index checks on an 8-id embedding lookup: {e['delta_s'] * 1e6:+.1f} us per call "
               f"({fmt_time(e['checked_s'])} checked vs {fmt_time(e['unchecked_s'])}; ratio {e['ratio']:.3f})")
-    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s}"
+    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s}"
     print(header)
     for dt_name in a.dtypes.split(","):
         dtype = getattr(torch, dt_name)
@@ -152,7 +173,8 @@ def main() -> None:
             print(f"{key:12s} {fmt_time(r['eager_s'])} {fmt_time(r['inductor_s'])} {fmt_time(r['fx2xla_s'])} "
                   f"{r['fx2xla_vs_eager']:9.2f} {r['fx2xla_vs_inductor']:7.2f} {r['inductor_vs_eager']:9.2f} "
                   f"{fmt_time(r['fx2xla_first_call_s'])} {fmt_time(r['inductor_first_call_s'])} {r['max_abs_err']:9.2e} "
-                  f"{r['index_checks']['ratio']:5.2f} {r['torch_kernels_ratio']:5.2f}")
+                  f"{r['index_checks']['ratio']:5.2f} {r['torch_kernels_ratio']:5.2f} "
+                  f"{r['batch_slicing_ratio'] if 'batch_slicing_ratio' in r else float('nan'):5.2f}")
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")
 

@@ -9,7 +9,8 @@ interleaved in rounds; the table shows median step times and ratios (fx2xla ÷ e
 fx2xla ÷ Inductor) and each compiler's first step (compiles forward, backward and optimizer
 step; Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR, fx2xla with a cold disk cache),
 for the CNN also fx2xla with options={"torch_kernels": False} (XLA's own convolutions: the
-column `tk` is fx2xla ÷ that),
+column `tk` is fx2xla ÷ that) and the same fx2xla step with torch's kernels on whole batches
+(fx2xla.torch_kernels.batch_slicing(False); the column `sl` is fx2xla ÷ that),
 |dloss1| = |fx2xla - eager| first-step loss (rounding only without dropout; with dropout the
 random bits differ), and the 1-minute load average after timing (above the core count, other
 processes are skewing the figures). Raw numbers go to bench/results/train.json.
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import fmt_time, interleaved_medians, timed_call, write_json  # noqa: E402
 
 import fx2xla  # noqa: E402
+from fx2xla import torch_kernels  # noqa: E402
 from fx2xla.testing import LogitsOnly, SmallCNN, gpt2, mlp, token_ids  # noqa: E402
 
 
@@ -117,6 +119,13 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
         res["foreach"] = opt.defaults.get("foreach")
     before = fx2xla.metrics()
     res["load_average_1min_before"] = os.getloadavg()[0]  # other processes skew every contender
+    if name == "cnn":  # the same fx2xla step with torch's kernels on whole batches
+        fx2xla_step = steps["fx2xla"]
+
+        def unsliced():
+            with torch_kernels.batch_slicing(False):
+                return fx2xla_step()
+        steps["fx2xla_unsliced"] = unsliced
     med = interleaved_medians(steps, (), rounds=rounds, budget_s=120)
     res["load_average_1min_after"] = os.getloadavg()[0]
     after = fx2xla.metrics()
@@ -128,6 +137,8 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
     res["first_loss_abs_diff_vs_eager"] = abs(res["fx2xla_first_loss"] - res["eager_first_loss"])
     if "fx2xla_xla_kernels" in med:
         res["torch_kernels_ratio"] = med["fx2xla"] / med["fx2xla_xla_kernels"]
+    if "fx2xla_unsliced" in med:
+        res["batch_slicing_ratio"] = med["fx2xla"] / med["fx2xla_unsliced"]
     # Steady state must not recompile or fall back to eager: report it if it does.
     res["fx2xla_graphs_compiled_while_timing"] = after["graphs"] - before["graphs"]
     res["fx2xla_fallback_ops"] = after["fallback_ops"]
@@ -163,6 +174,8 @@ def main() -> None:
               f"{r['load_average_1min_after']:5.1f}")
         if "torch_kernels_ratio" in r:
             print(f"{'':15s} tk (fx2xla ÷ fx2xla with XLA's own convolutions): {r['torch_kernels_ratio']:.2f}")
+        if "batch_slicing_ratio" in r:
+            print(f"{'':15s} sl (fx2xla ÷ fx2xla with torch's kernels on whole batches): {r['batch_slicing_ratio']:.2f}")
         if r["fx2xla_graphs_compiled_while_timing"] or r["fx2xla_fallback_ops"]:
             print(f"{'':15s} note: fx2xla compiled {r['fx2xla_graphs_compiled_while_timing']} graphs while timing; "
                   f"{r['fx2xla_fallback_ops']} ops fell back to eager")

@@ -4,7 +4,14 @@ XLA:CPU's convolutions are several times slower than the oneDNN kernels torch (a
 which calls them as extern kernels) runs on the same CPU (docs/benchmarks.md). The handlers in
 `csrc/torch_kernels.cc` run torch's convolution (forward and backward) on the buffers XLA hands
 them, inside the executable: the call stays one asynchronous PJRT execution, XLA still fuses
-everything around the convolution, and the result is torch's own, bit for bit.
+everything around the convolution, and the kernel is torch's own.
+
+On several samples per thread of XLA's intra-op pool, the handlers cut the batch into one slice
+per thread and run each slice single-threaded on XLA's own threads: called from an XLA thread,
+torch's kernel would start an OpenMP team of its own there, whose workers keep spinning on the
+cores XLA's next fusions need. The results are then within rounding of eager's whole-batch call
+(the kernel's blocking depends on the batch), not bit for bit; `batch_slicing(False)` turns it
+off, process-wide.
 
 The library is compiled against the torch and jaxlib in use, by the project's install step
 (`make setup` runs `python -m fx2xla kernels build`), into the package's `csrc/build/`
@@ -45,6 +52,7 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _off: contextvars.ContextVar = contextvars.ContextVar("fx2xla_torch_kernels_off", default=False)
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # once load() ran: (registered, the library's path or why not)
+_lib: ctypes.CDLL | None = None  # the loaded library, once registered
 
 
 def build_key() -> str:
@@ -146,13 +154,44 @@ def _load() -> tuple[bool, str]:
     if path is None:
         return False, ("not built for this torch and jaxlib: run `python -m fx2xla kernels build` "
                        "(make setup does)")
+    global _lib
     try:
         lib = ctypes.CDLL(str(path))
         for name in TARGETS:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+        lib.fx2xla_torch_kernels_set_slicing.argtypes = [ctypes.c_int]
+        lib.fx2xla_torch_kernels_sliced_calls.restype = ctypes.c_int64
     except (OSError, AttributeError) as e:
         return False, f"{path} did not load: {e}"
+    _lib = lib
     return True, str(path)
+
+
+def set_batch_slicing(on: bool) -> bool:
+    """Process-wide, for every executable and thread: whether the handlers cut a batch into one
+    slice per intra-op thread (the default; see above). Off, each call runs torch's kernel on the
+    whole batch, bit for bit as eager on channels-last tensors. Returns the previous setting
+    (True where the library is not loaded: there is nothing to switch)."""
+    if not load()[0]:
+        return True
+    return bool(_lib.fx2xla_torch_kernels_set_slicing(int(bool(on))))
+
+
+def sliced_calls() -> int:
+    """How many handler calls in this process cut their batch into slices (0 where the library
+    is not loaded)."""
+    return int(_lib.fx2xla_torch_kernels_sliced_calls()) if load()[0] else 0
+
+
+@contextlib.contextmanager
+def batch_slicing(on: bool):
+    """`set_batch_slicing(on)` for the block, then the previous setting back (process-wide:
+    other threads' calls see it too)."""
+    previous = set_batch_slicing(on)
+    try:
+        yield
+    finally:
+        set_batch_slicing(previous)
 
 
 def available() -> bool:

@@ -1,10 +1,12 @@
 """torch's CPU convolutions inside XLA:CPU executables (fx2xla/torch_kernels.py): every
 convolution form torch has (1-3 spatial dims, stride, padding, dilation, groups, transposed,
 unbatched, with and without bias) in float32, float64, bfloat16 and float16 runs as the custom
-call and matches eager bit for bit, bias included (it is torch's kernel; 2-D convolutions run
-channels-last, bit for bit as eager does on channels-last tensors, and within float32
-rtol/atol 1e-5, float64 1e-12, bfloat16 and float16 8e-3 of eager on contiguous ones, whose
-kernel sums in another order). Gradients of a training step (input, weight, bias) match eager's
+call and, on whole batches (`batch_slicing(False)`), matches eager bit for bit, bias included
+(it is torch's kernel; 2-D convolutions run channels-last, bit for bit as eager does on
+channels-last tensors, and within float32 rtol/atol 1e-5, float64 1e-12, bfloat16 and float16
+8e-3 of eager on contiguous ones, whose kernel sums in another order). A batch cut into slices
+(the default, two samples or more per intra-op thread) matches eager within those tolerances,
+forward and backward, the same on every call. Gradients of a training step (input, weight, bias) match eager's
 at the float32 tolerance of tests/conftest.py (bfloat16 at its own), loosened 4x.
 options={"torch_kernels": False} and FX2XLA_TORCH_KERNELS=0 lower XLA's own convolution; empty tensors and programs partitioned over a mesh keep XLA's too; four threads
 calling one compiled CNN get eager's results; a fresh process reads the executable from the disk
@@ -84,15 +86,17 @@ TOLS = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_convolution_forward(case, dtype, bias):
-    """Each form runs as the custom call and matches eager bit for bit (2-D convolutions: eager
-    on channels-last tensors, the kernel they run; eager on contiguous ones within TOLS)."""
+    """Each form runs as the custom call and, on the whole batch, matches eager bit for bit (2-D
+    convolutions: eager on channels-last tensors, the kernel they run; eager on contiguous ones
+    within TOLS)."""
     fn, xs, ws = CASES[case]
     torch.manual_seed(0)
     x, w = torch.randn(xs, dtype=dtype), torch.randn(ws, dtype=dtype)
     is_transposed = "transpose" in case
     groups = 2 if case == "conv_transpose2d" else 1
     b = torch.randn((ws[1] * groups) if is_transposed else ws[0], dtype=dtype) if bias else None
-    out, texts = compiled_modules(fn, x, w, b)
+    with torch_kernels.batch_slicing(False):
+        out, texts = compiled_modules(fn, x, w, b)
     assert len(texts) == 1 and TARGET in texts[0]
     ref = fn(x, w, b)
     if w.ndim == 4:  # 2-D convolutions run channels-last: eager's channels-last kernel, exactly
@@ -161,6 +165,46 @@ def test_convolution_backward(case, dtype):
     loss(x, w, b).backward()
     for name, g, t in zip("xwb", got, (x, w, b)):
         scale = t.grad.abs().max().item()  # sums of many products: compare relative to the largest
+        torch.testing.assert_close(g / scale, t.grad / scale, **TOLS[dtype], msg=name)
+
+
+@needs_kernels
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or "OpenMP" not in torch.__config__.parallel_info(),
+                    reason="slicing needs two cores and torch on OpenMP")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["conv2d", "conv1d", "conv_transpose2d"])
+def test_batch_slicing(case, dtype):
+    """A batch of 9 (several samples per intra-op thread) is cut into slices: the output and the
+    input, weight and bias gradients match eager at TOLS, repeated calls give the same bits, and
+    with slicing off the same executable runs whole batches, bit for bit as eager's kernel."""
+    fn, xs, ws = CASES[case]
+    torch.manual_seed(0)
+    groups = 2 if case == "conv_transpose2d" else 1
+    x = torch.randn((9,) + xs[1:], dtype=dtype, requires_grad=True)
+    w = torch.randn(ws, dtype=dtype, requires_grad=True)
+    b = torch.randn(ws[1] * groups if "transpose" in case else ws[0], dtype=dtype, requires_grad=True)
+    compiled = torch.compile(fn, backend="fx2xla", fullgraph=True)
+    before = torch_kernels.sliced_calls()
+    out = compiled(x, w, b)
+    out.float().square().sum().backward()
+    assert torch_kernels.sliced_calls() - before == 2  # the forward and the backward
+    got = [t.grad for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    with torch.no_grad():
+        assert torch.equal(compiled(x, w, b), out.detach())  # an inference graph: sliced too
+        assert torch_kernels.sliced_calls() - before == 3
+        with torch_kernels.batch_slicing(False):
+            whole = compiled(x, w, b)
+        assert torch_kernels.sliced_calls() - before == 3
+    last = torch.channels_last if w.ndim == 4 else torch.contiguous_format
+    with torch.no_grad():
+        assert torch.equal(whole, fn(x.to(memory_format=last), w.to(memory_format=last), b))
+    ref = fn(x, w, b)
+    torch.testing.assert_close(out, ref, **TOLS[dtype])
+    ref.float().square().sum().backward()
+    for name, g, t in zip("xwb", got, (x, w, b)):
+        scale = t.grad.abs().max().item()
         torch.testing.assert_close(g / scale, t.grad / scale, **TOLS[dtype], msg=name)
 
 
