@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/cpu_threads.py [--models mlp,cnn,gpt2] [--calls 40]
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/cpu_threads.py     # torch's workers sleep at once
+    FX2XLA_PARK_TORCH_THREADS=0 .venv/bin/python bench/cpu_threads.py # fx2xla does not park them
 
 torch's OpenMP workers keep spinning on their cores for a while after each parallel region
 (GNU OpenMP's default wait policy). XLA:CPU runs its executables on threads of its own, so a call
@@ -9,7 +10,8 @@ that starts while they spin shares the cores with them; Inductor's kernels run o
 team itself. For each model this prints, for fx2xla and for Inductor, the median call alone
 (back to back), right after an eager call of the model, and 10 ms after one, and writes
 bench/results/cpu_threads.json. Run it once as is and once with OMP_WAIT_POLICY=PASSIVE to see
-what the spinning costs each side.
+what the spinning costs each side. fx2xla parks the spinning workers during its long executables
+(fx2xla.torch_kernels.run_parked); FX2XLA_PARK_TORCH_THREADS=0 shows the cost without that.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import write_json  # noqa: E402
 
 import fx2xla  # noqa: E402,F401  (registers the backend)
+from fx2xla import torch_kernels  # noqa: E402
 from fx2xla.testing import model_cases  # noqa: E402
 
 
@@ -62,8 +65,11 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_threads.json"))
     a = p.parse_args()
     policy = os.environ.get("OMP_WAIT_POLICY", "(unset)")
-    results = {"omp_wait_policy": policy, "torch_threads": torch.get_num_threads(), "models": {}}
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, OMP_WAIT_POLICY {policy}")
+    parking = "off" if torch_kernels.parking_off() or not torch_kernels.available() else "on"
+    results = {"omp_wait_policy": policy, "torch_threads": torch.get_num_threads(), "parking": parking,
+               "models": {}}
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, OMP_WAIT_POLICY {policy}, "
+          f"fx2xla parks torch's workers: {parking} (FX2XLA_PARK_TORCH_THREADS)")
     print(f"{'model':8s} {'contender':9s} {'alone':>9s} {'after eager':>12s} {'10 ms after':>12s} {'eager':>9s}")
     for case in model_cases():
         if case.name not in a.models.split(","):

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import sharded_call
+from . import sharded_call, torch_kernels
 from .errors import IndexOutOfRangeError
 from .plan import GraphPlan, InputKind, Move, OutputKind, OutputPlan
 from .runtime.client import device_of
@@ -29,6 +29,7 @@ from .runtime.executor import make_launcher, make_recording, make_traceback_paus
 from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_order
 
 _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
+_team_running, _run_parked = torch_kernels.torch_team_running, torch_kernels.run_parked
 _recording = make_recording()
 # The kinds the call path tests, as module globals: reading an enum member through its class
 # costs ~60 ns on Python 3.11, a global ~8 ns, and a call tests several per input.
@@ -82,7 +83,7 @@ class Specialization:
     call returns the executable's results as they are)."""
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
-                 "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "keeps_arrays")
+                 "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "keeps_arrays", "park")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
                  lowered=None, sharded_outputs: bool = False):
@@ -112,6 +113,9 @@ class Specialization:
         self.checks = checks
         self.raise_failed = make_check_raiser(plan.platform) if checks else None
         self.direct = self.plain_outputs and not self.mutations and not checks and not self.twins
+        # CPU: a long executable launched while torch's OpenMP workers spin runs with them parked
+        # (torch_kernels.run_parked); decided here from XLA's cost analysis.
+        self.park = plan.platform == "cpu" and torch_kernels.worth_parking(exe)
 
 
 class PlanExecutor:
@@ -196,6 +200,9 @@ class PlanExecutor:
                                        for j in spec.concat_outputs}}
         if type(args) is list:
             args.clear()  # boxed convention: drop our references to the inputs early
+        if spec.park and _team_running():
+            outs = _run_parked(spec.launch, bufs)
+            return outs if spec.direct else self._finish(spec, outs, held)
         if self._timed:
             t0 = time.perf_counter()
             results = self._finish(spec, spec.launch(bufs), held)

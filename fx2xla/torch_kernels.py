@@ -86,7 +86,7 @@ def _compile_command(out: Path) -> list[str]:
     torch_lib = Path(torch.__file__).resolve().parent / "lib"
     includes = [Path(torch.__file__).resolve().parent / "include", Path(jax.ffi.include_dir())]
     abi = int(torch.compiled_with_cxx11_abi())
-    return (compiler() + ["-O2", "-std=c++20", "-w", "-fPIC", "-shared",
+    return (compiler() + ["-O2", "-std=c++20", "-w", "-fPIC", "-shared", "-fopenmp",
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
             + [f"-I{d}" for d in includes]
             + [str(SOURCE), f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}", "-o", str(out)])
@@ -161,6 +161,9 @@ def _load() -> tuple[bool, str]:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
         lib.fx2xla_torch_kernels_set_slicing.argtypes = [ctypes.c_int]
         lib.fx2xla_torch_kernels_sliced_calls.restype = ctypes.c_int64
+        lib.fx2xla_run_parked.argtypes = [_PARKED_FN, ctypes.c_void_p]
+        lib.fx2xla_torch_team_running.argtypes = []
+        lib.fx2xla_parked_calls.restype = ctypes.c_int64
     except (OSError, AttributeError) as e:
         return False, f"{path} did not load: {e}"
     _lib = lib
@@ -175,6 +178,75 @@ def set_batch_slicing(on: bool) -> bool:
     if not load()[0]:
         return True
     return bool(_lib.fx2xla_torch_kernels_set_slicing(int(bool(on))))
+
+
+# Parking torch's OpenMP workers (csrc/torch_kernels.cc says why): a long CPU executable launched
+# on the main thread while a worker of its team is running (spinning after eager torch work)
+# runs inside a region of that team whose other members sleep until it returns.
+_PARKED_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+# An executable XLA's cost analysis puts at this many flops or bytes or more is worth the check
+# (~5 µs): about 100 µs of work on one core.
+PARK_MIN_FLOPS = 5e6
+PARK_MIN_BYTES = 1 << 20
+_parked_call: list = [None, None, None]  # (fn, args) in, (result or exception) out: main thread only
+
+
+def _parked_body(_arg) -> int:
+    fn, args = _parked_call[0], _parked_call[1]
+    try:
+        _parked_call[2] = (True, fn(*args))
+    except BaseException as e:  # noqa: BLE001  re-raised by run_parked, on the caller's side
+        _parked_call[2] = (False, e)
+    return 0
+
+
+_parked_body_c = _PARKED_FN(_parked_body)
+
+
+def parking_off() -> bool:
+    """FX2XLA_PARK_TORCH_THREADS=0 (or off/false): never park torch's workers."""
+    return os.environ.get("FX2XLA_PARK_TORCH_THREADS", "").strip().lower() in ("0", "off", "false", "no")
+
+
+def worth_parking(exe) -> bool:
+    """Whether calls of `exe` (a CPU executable) check for torch's running workers: the library
+    is loaded, parking is not off, and XLA's cost analysis puts the executable at
+    PARK_MIN_FLOPS or PARK_MIN_BYTES or more. Decided once per executable."""
+    if parking_off() or not load()[0]:
+        return False
+    try:
+        cost = exe.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return cost.get("flops", 0.0) >= PARK_MIN_FLOPS or cost.get("bytes accessed", 0.0) >= PARK_MIN_BYTES
+    except Exception:  # noqa: BLE001  no cost analysis: no parking
+        return False
+
+
+def torch_team_running() -> bool:
+    """Whether this is the main thread and a worker of its torch OpenMP team runs right now."""
+    return bool(_lib.fx2xla_torch_team_running()) if load()[0] else False
+
+
+def run_parked(fn, *args):
+    """`fn(*args)` on this (the main) thread with the other members of its torch OpenMP team
+    asleep until it returns; its result, or its exception raised here."""
+    if not load()[0] or threading.current_thread() is not threading.main_thread():
+        return fn(*args)
+    _parked_call[0], _parked_call[1] = fn, args
+    try:
+        _lib.fx2xla_run_parked(_parked_body_c, None)
+        ok, value = _parked_call[2]
+    finally:
+        _parked_call[:] = [None, None, None]
+    if ok:
+        return value
+    raise value
+
+
+def parked_calls() -> int:
+    """How many calls in this process ran with torch's OpenMP workers parked (0 where the
+    library is not loaded)."""
+    return int(_lib.fx2xla_parked_calls()) if load()[0] else 0
 
 
 def sliced_calls() -> int:

@@ -7,6 +7,7 @@
 // where a Python dispatch mode or autograd is active; neither may see this call), and writes
 // the result into XLA's output buffer.
 #include <ATen/Config.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/convolution_backward.h>
@@ -23,7 +24,12 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
 
 #if AT_PARALLEL_OPENMP
 #include <omp.h>
@@ -303,3 +309,116 @@ extern "C" int fx2xla_torch_kernels_set_slicing(int on) { return slicing.exchang
 
 // How many handler calls cut their batch into slices so far, in this process.
 extern "C" int64_t fx2xla_torch_kernels_sliced_calls() { return sliced_calls.load(); }
+
+// ---------------------------------------------------------------------------------------------
+// Parking torch's OpenMP workers while an XLA:CPU executable runs.
+//
+// After each parallel region, torch's OpenMP workers spin for milliseconds (GNU OpenMP's default
+// wait policy) on the cores XLA's threads need next: an executable launched right after eager
+// torch work ran at half speed. fx2xla therefore launches a long executable, when a worker of
+// the main thread's team is running at that moment, inside a parallel region of that team whose
+// other members sleep on a condition variable until the launch returns. Only the main thread's
+// team: a team is found by running a region on it, and other threads' teams would be started by
+// the search itself.
+namespace {
+
+struct Team {
+  int size = -1;                  // torch's thread count when the workers were found
+  int64_t exits = -1;             // worker_exits then
+  std::vector<clockid_t> clocks;  // each worker's CPU-time clock
+};
+
+// Counts exits of threads that were found as workers: libgomp lets a team's threads go when a
+// smaller team starts, and a clock read after an exit would read a thread that reuses the id.
+std::atomic<int64_t> worker_exits{0};
+struct ExitCount {
+  bool armed = false;
+  ~ExitCount() {
+    if (armed) worker_exits.fetch_add(1);
+  }
+};
+
+// A worker's CPU time, or -1 where its clock cannot be read.
+int64_t cpu_ns(clockid_t clock) {
+  timespec ts;
+  if (clock_gettime(clock, &ts) != 0) return -1;
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+#if AT_PARALLEL_OPENMP
+void find_workers(Team& team, int threads) {
+  std::vector<clockid_t> clocks(threads);
+  std::vector<char> found(threads, 0);
+#pragma omp parallel num_threads(threads)
+  {
+    int i = omp_get_thread_num();
+    if (i > 0 && pthread_getcpuclockid(pthread_self(), &clocks[i]) == 0) {
+      static thread_local ExitCount exit_count;
+      exit_count.armed = true;
+      found[i] = 1;
+    }
+  }
+  team.exits = worker_exits.load();
+  team.clocks.clear();
+  for (int i = 1; i < threads; ++i)
+    if (found[i]) team.clocks.push_back(clocks[i]);
+  team.size = threads;
+}
+#endif
+
+}  // namespace
+
+// 1 where the calling thread is the process's main thread, outside a parallel region, torch runs
+// more than one thread, and a worker of its team is running now (its CPU clock advances across
+// two reads, a syscall apart: spinning after a region, or working); else 0.
+extern "C" int fx2xla_torch_team_running() {
+#if AT_PARALLEL_OPENMP
+  if (syscall(SYS_gettid) != getpid() || omp_in_parallel()) return 0;
+  int threads = at::get_num_threads();
+  if (threads < 2) return 0;
+  static Team team;  // the main thread's: only it gets here
+  if (team.size != threads || team.exits != worker_exits.load()) find_workers(team, threads);
+  std::vector<int64_t> before;
+  before.reserve(team.clocks.size());
+  for (clockid_t c : team.clocks) before.push_back(cpu_ns(c));
+  for (size_t i = 0; i < team.clocks.size(); ++i)
+    if (cpu_ns(team.clocks[i]) != before[i]) return 1;
+#endif
+  return 0;
+}
+
+// Runs fn(arg) on the calling thread inside a parallel region of its torch team whose other
+// members sleep until fn returns; returns fn's result. (Plainly, where torch is not on OpenMP.)
+std::atomic<int64_t> parked_calls{0};  // fx2xla_parked_calls
+
+extern "C" int fx2xla_run_parked(int (*fn)(void*), void* arg) {
+#if AT_PARALLEL_OPENMP
+  int threads = at::get_num_threads();
+  if (threads < 2 || omp_in_parallel()) return fn(arg);
+  parked_calls.fetch_add(1, std::memory_order_relaxed);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  int result = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    if (omp_get_thread_num() == 0) {
+      result = fn(arg);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        done = true;
+      }
+      cv.notify_all();
+    } else {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return done; });
+    }
+  }
+  return result;
+#else
+  return fn(arg);
+#endif
+}
+
+// How many calls ran with their team parked so far, in this process.
+extern "C" int64_t fx2xla_parked_calls() { return parked_calls.load(); }

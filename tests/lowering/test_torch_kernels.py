@@ -328,3 +328,97 @@ def test_build_without_a_compiler_is_a_clear_error(monkeypatch, capsys):
     assert main(["kernels", "build", "--force", "--optional"]) == 0
     assert "no C++ compiler" in capsys.readouterr().err
     assert main(["kernels", "build", "--force"]) == 1
+
+
+_PARKING_SCRIPT = textwrap.dedent("""
+    import json, os, sys, threading
+    import torch
+    import fx2xla
+    from fx2xla import torch_kernels
+    from fx2xla.metrics import live_graphs
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(),
+                                   torch.nn.Linear(1024, 256)).eval()
+
+    a = torch.randn(256, 256)
+
+    def spin():  # an eager op on torch's OpenMP team: its workers spin for a while after it
+        torch.mm(a, a)
+
+    model, x = mlp(), torch.randn(32, 256)
+    compiled = torch.compile(model, backend="fx2xla")
+    out = {}
+    with torch.no_grad():
+        compiled(x)
+        out["park"] = [g.static.park for g in live_graphs if g.static is not None]
+        parked = []
+        for _ in range(5):
+            spin()
+            before = torch_kernels.parked_calls()
+            y = compiled(x)
+            parked.append(torch_kernels.parked_calls() - before)
+        out["parked"] = parked
+        out["err"] = float((y - model(x)).abs().max())
+        box = {}
+
+        def other():
+            spin()
+            before = torch_kernels.parked_calls()
+            box["y"] = compiled(x)
+            box["parked"] = torch_kernels.parked_calls() - before
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        out["other_thread_parked"] = box["parked"]
+        out["other_thread_err"] = float((box["y"] - model(x)).abs().max())
+        tiny = torch.compile(lambda v: v * 2 + 1, backend="fx2xla")
+        small = torch.randn(4)
+        tiny(small)
+        spin()
+        before = torch_kernels.parked_calls()
+        out["tiny_equal"] = bool(torch.equal(tiny(small), small * 2 + 1))
+        out["tiny_parked"] = torch_kernels.parked_calls() - before
+    print(json.dumps(out))
+""")
+
+
+def _run_parking_script(**env) -> dict:
+    import json
+
+    done = subprocess.run([sys.executable, "-c", _PARKING_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_kernels
+@pytest.mark.skipif(torch.get_num_threads() < 2 or "OpenMP" not in torch.__config__.parallel_info(),
+                    reason="parking needs torch on OpenMP with two threads or more")
+def test_parks_spinning_torch_workers():
+    """In a fresh process (where torch's workers spin after each region; other threads' OpenMP
+    teams make GNU OpenMP spin only briefly): a long CPU executable launched on the main thread
+    right after eager torch work runs with torch's workers parked and matches eager (float32
+    tolerance); another thread and a tiny executable never park; FX2XLA_PARK_TORCH_THREADS=0
+    turns it off."""
+    tol = tolerance(torch.float32)["atol"] * 10  # outputs of magnitude ~1
+    on = _run_parking_script()
+    assert on["park"] == [True]
+    assert sum(on["parked"]) >= 3, on  # a worker may have gone to sleep before a check
+    assert on["err"] <= tol and on["other_thread_err"] <= tol, on
+    assert on["other_thread_parked"] == 0 and on["tiny_parked"] == 0 and on["tiny_equal"], on
+    off = _run_parking_script(FX2XLA_PARK_TORCH_THREADS="0")
+    assert off["park"] == [False] and sum(off["parked"]) == 0, off
+    assert off["err"] <= tol, off
+
+
+@needs_kernels
+def test_run_parked_returns_and_raises():
+    """run_parked gives fn's result, raises fn's exception on the caller's side, and leaves
+    nothing behind for the next call."""
+    assert torch_kernels.run_parked(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(ZeroDivisionError):
+        torch_kernels.run_parked(lambda: 1 / 0)
+    assert torch_kernels.run_parked(lambda: "again") == "again"
