@@ -1,6 +1,6 @@
 """Inference latency of eager, Inductor and fx2xla, measured in one run.
 
-    .venv/bin/python bench/inference.py [--models mlp,cnn,gpt2,bert,llama,tiny] [--rounds 15]
+    .venv/bin/python bench/inference.py [--models tiny,mlp,cnn,resnet,gpt2,bert,llama] [--rounds 15]
 
 Prints a table of medians and ratios (÷ eager, ÷ Inductor), the first call of each compiler
 (Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR), and fx2xla's per-call overhead on a
@@ -137,7 +137,7 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="tiny,mlp,cnn,gpt2,bert,llama")
+    p.add_argument("--models", default="tiny,mlp,cnn,resnet,gpt2,bert,llama")
     p.add_argument("--dtypes", default="float32", help="comma list: float32,bfloat16")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "inference.json"))

@@ -82,6 +82,25 @@ def llama(layers=4, hidden=256, heads=4, kv_heads=2, vocab=1000, positions=256):
     return tf.LlamaForCausalLM(cfg)
 
 
+def resnet(hidden=(32, 64, 128, 256), depths=(2, 2, 2, 2), classes=10):
+    """A transformers ResNet (ResNet-18's basic blocks and depths, narrower), classifying."""
+    tf = _quiet_transformers()
+    cfg = tf.ResNetConfig(num_channels=3, embedding_size=hidden[0], hidden_sizes=list(hidden),
+                          depths=list(depths), layer_type="basic", num_labels=classes)
+    return tf.ResNetForImageClassification(cfg)
+
+
+class ImageLogits(torch.nn.Module):
+    """Wraps a transformers vision classifier so it takes pixels and returns its logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        return self.model(pixel_values=pixel_values).logits
+
+
 class LogitsOnly(torch.nn.Module):
     """Wraps a transformers model so it returns one tensor (logits / last hidden state)."""
 
@@ -104,10 +123,12 @@ def token_ids(batch=4, seq=128, vocab=1000, seed=0):
 
 
 def model_cases(batch=4, seq=128, layers=4, hidden=256) -> list[ModelCase]:
-    """The benchmark/demo configurations: MLP, CNN, GPT-2, BERT, LLaMA (random weights)."""
+    """The benchmark/demo configurations: MLP, CNN, a transformers ResNet, GPT-2, BERT, LLaMA
+    (random weights)."""
     return [
         ModelCase("mlp", mlp, lambda: (torch.randn(32, 1024),)),
         ModelCase("cnn", SmallCNN, lambda: (torch.randn(8, 3, 64, 64),)),
+        ModelCase("resnet", lambda: ImageLogits(resnet()), lambda: (torch.randn(8, 3, 64, 64),)),
         ModelCase("gpt2", lambda: LogitsOnly(gpt2(layers, hidden)), lambda: (token_ids(batch, seq),)),
         ModelCase("bert", lambda: LogitsOnly(bert(layers, hidden)), lambda: (token_ids(batch, seq),)),
         ModelCase("llama", lambda: LogitsOnly(llama(layers, hidden)), lambda: (token_ids(batch, seq),)),

@@ -106,9 +106,6 @@ class SingleThreaded {
 #endif
 };
 
-// How many slices to cut a batch of `n` into: one per intra-op thread where each gets two samples
-// or more (bench/cpu_kernels.py: with one sample per thread, torch's own threads are as fast), else
-// 1 (torch's threads); 1 where torch does not run on OpenMP (no team is started from ours then).
 std::atomic<bool> slicing{true};  // fx2xla_torch_kernels_set_slicing
 std::atomic<int64_t> sliced_calls{0};  // fx2xla_torch_kernels_sliced_calls
 
@@ -123,6 +120,10 @@ int64_t usable_cores() {
   return cores;
 }
 
+// How many slices to cut a batch of `n` into: one per usable intra-op thread where each gets two
+// samples or more (with one sample per thread, torch's own threads were as fast: docs/
+// benchmarks.md), else 1 (torch's threads); 1 where torch does not run on OpenMP (no team is
+// started from ours then).
 int64_t slices(int64_t n, const ffi::ThreadPool& pool) {
 #if AT_PARALLEL_OPENMP
   int64_t threads = std::min(pool.num_threads(), usable_cores());
