@@ -65,7 +65,7 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_threads.json"))
     a = p.parse_args()
     policy = os.environ.get("OMP_WAIT_POLICY", "(unset)")
-    parking = "off" if torch_kernels.parking_off() or not torch_kernels.available() else "on"
+    parking = "on" if torch_kernels.parking_on() else "off"
     results = {"omp_wait_policy": policy, "torch_threads": torch.get_num_threads(), "parking": parking,
                "models": {}}
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, OMP_WAIT_POLICY {policy}, "

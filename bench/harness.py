@@ -73,6 +73,18 @@ def interleaved_medians(contenders: dict[str, Callable], args: tuple, rounds: in
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def unsliced(fn: Callable) -> Callable:
+    """`fn` with torch's convolution kernels run on whole batches for the call
+    (fx2xla.torch_kernels.batch_slicing(False)): the same executable, so interleaving it with
+    `fn` compares only that."""
+    from fx2xla import torch_kernels
+
+    def call(*args):
+        with torch_kernels.batch_slicing(False):
+            return fn(*args)
+    return call
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

@@ -27,10 +27,9 @@ os.environ["FX2XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fx2xla-cold-")  # cold
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import fmt_time, interleaved_medians, timed_call, write_json  # noqa: E402
+from harness import fmt_time, interleaved_medians, timed_call, unsliced, write_json  # noqa: E402
 
 import fx2xla  # noqa: E402
-from fx2xla import torch_kernels  # noqa: E402
 from fx2xla.testing import model_cases  # noqa: E402
 
 
@@ -90,15 +89,6 @@ def index_check_cost(fn, args: tuple, rounds: int, calls_per_round: int = 1, bud
 
 def has_convolutions(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
-
-
-def unsliced(fn):
-    """`fn` with torch's convolution kernels run on whole batches (fx2xla.torch_kernels
-    batch_slicing off) for the call: the same executable, so interleaving compares only that."""
-    def call(*args):
-        with torch_kernels.batch_slicing(False):
-            return fn(*args)
-    return call
 
 
 def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:

@@ -33,10 +33,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import fmt_time, interleaved_medians, timed_call, write_json  # noqa: E402
+from harness import fmt_time, interleaved_medians, timed_call, unsliced, write_json  # noqa: E402
 
 import fx2xla  # noqa: E402
-from fx2xla import torch_kernels  # noqa: E402
 from fx2xla.testing import LogitsOnly, SmallCNN, gpt2, mlp, token_ids  # noqa: E402
 
 
@@ -120,12 +119,7 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
     before = fx2xla.metrics()
     res["load_average_1min_before"] = os.getloadavg()[0]  # other processes skew every contender
     if name == "cnn":  # the same fx2xla step with torch's kernels on whole batches
-        fx2xla_step = steps["fx2xla"]
-
-        def unsliced():
-            with torch_kernels.batch_slicing(False):
-                return fx2xla_step()
-        steps["fx2xla_unsliced"] = unsliced
+        steps["fx2xla_unsliced"] = unsliced(steps["fx2xla"])
     med = interleaved_medians(steps, (), rounds=rounds, budget_s=120)
     res["load_average_1min_after"] = os.getloadavg()[0]
     after = fx2xla.metrics()

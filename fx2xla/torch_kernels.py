@@ -208,11 +208,17 @@ def parking_off() -> bool:
     return os.environ.get("FX2XLA_PARK_TORCH_THREADS", "").strip().lower() in ("0", "off", "false", "no")
 
 
+def parking_on() -> bool:
+    """Whether long CPU executables loaded now may park torch's workers: the library is loaded
+    (FX2XLA_TORCH_KERNELS does not matter) and parking is not off."""
+    return not parking_off() and load()[0]
+
+
 def worth_parking(exe) -> bool:
     """Whether calls of `exe` (a CPU executable) check for torch's running workers: the library
     is loaded, parking is not off, and XLA's cost analysis puts the executable at
     PARK_MIN_FLOPS or PARK_MIN_BYTES or more. Decided once per executable."""
-    if parking_off() or not load()[0]:
+    if not parking_on():
         return False
     try:
         cost = exe.cost_analysis()

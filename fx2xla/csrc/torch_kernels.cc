@@ -329,8 +329,8 @@ struct Team {
   std::vector<clockid_t> clocks;  // each worker's CPU-time clock
 };
 
-// Counts exits of threads that were found as workers: libgomp lets a team's threads go when a
-// smaller team starts, and a clock read after an exit would read a thread that reuses the id.
+// Counts exits of threads that were found as workers (each one's thread-local destructor): after
+// one, its clock id could name a thread that reuses the id, so the team is looked for again.
 std::atomic<int64_t> worker_exits{0};
 struct ExitCount {
   bool armed = false;
@@ -388,10 +388,10 @@ extern "C" int fx2xla_torch_team_running() {
   return 0;
 }
 
-// Runs fn(arg) on the calling thread inside a parallel region of its torch team whose other
-// members sleep until fn returns; returns fn's result. (Plainly, where torch is not on OpenMP.)
 std::atomic<int64_t> parked_calls{0};  // fx2xla_parked_calls
 
+// Runs fn(arg) on the calling thread inside a parallel region of its torch team whose other
+// members sleep until fn returns; returns fn's result. (Plainly, where torch is not on OpenMP.)
 extern "C" int fx2xla_run_parked(int (*fn)(void*), void* arg) {
 #if AT_PARALLEL_OPENMP
   int threads = at::get_num_threads();

@@ -534,11 +534,11 @@ def _max_pool_with_indices_backward(ctx, grad, x, kernel_size, stride, padding, 
     size, out = x.shape[-nd:], grad.shape[-nd:]
     lead = x.ndim - nd
     g = _opmath(grad)
-    zero = np.zeros((), g.dtype)
-    starts = [np.arange(o) * ss - pp for o, ss, pp in zip(out, s, p)]
     strides = [math.prod(size[i + 1:]) for i in range(nd)]  # indices are flat over spatial dims
     if all(kk == ss and dd == 1 for kk, ss, dd in zip(k, s, d)):
         return _tiled_pool_backward(g, indices, k, p, size, strides)
+    zero = np.zeros((), g.dtype)
+    starts = [np.arange(o) * ss - pp for o, ss, pp in zip(out, s, p)]
     total = None
     for offset in itertools.product(*(range(kk) for kk in k)):
         pos = [st + o * dd for st, o, dd in zip(starts, offset, d)]
