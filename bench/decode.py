@@ -1,6 +1,6 @@
 """LLaMA decoding with a static KV cache: transformers `generate`, eager vs Inductor vs fx2xla.
 
-    .venv/bin/python bench/decode.py [--batches 1,8] [--new-tokens 64] [--rounds 7]
+    .venv/bin/python bench/decode.py [--batches 1,8] [--new-tokens 64] [--rounds 7] [--dtype bfloat16]
 
 The model is fx2xla.testing.llama() (4 layers x 256, 4 heads, 2 KV heads, vocab 1000: the
 configuration bench/inference.py uses), random weights. Each contender is its own copy of the
@@ -18,6 +18,10 @@ next: medians, tokens/s (batch x new tokens / median), the ratios, and the proce
 per call (less sensitive than wall time to other processes on a shared machine). Checked:
 every contender's generated ids against eager's, and fx2xla's and Inductor's logits at every
 step against eager's (one untimed call with output_logits=True).
+
+`--no-skinny` adds a fourth contender, "fx2xla:no-skinny": fx2xla without the kernel library's
+one-row bf16 matmul (option torch_kernels="convolution"), which gives such a matmul to XLA's dot
+as two rows instead.
 
 Writes bench/results/decode.json.
 """
@@ -46,14 +50,18 @@ from fx2xla.testing import llama  # noqa: E402
 CONTENDERS = ("eager", "inductor", "fx2xla")
 
 
-def compile_config(backend: str):
+def compile_config(backend: str, options: dict | None = None):
     from transformers import CompileConfig
 
     # mode=None: torch.compile's default for both (transformers' default, "reduce-overhead",
     # asks Inductor for CUDA graphs, which a CPU does not have).
-    config = CompileConfig(backend=backend, fullgraph=True, mode=None)
+    config = CompileConfig(backend=backend, fullgraph=True, mode=None, options=options)
     config._compile_all_devices = True  # transformers compiles the decode step on CPUs only when asked
     return config
+
+
+def contenders(args) -> tuple:
+    return CONTENDERS + (("fx2xla:no-skinny",) if args.no_skinny else ())
 
 
 def make_generate(model, name: str, ids, new_tokens: int):
@@ -62,7 +70,9 @@ def make_generate(model, name: str, ids, new_tokens: int):
     if name == "eager":
         kw["disable_compile"] = True
     else:
-        kw["compile_config"] = compile_config(name)
+        # Options make Dynamo keep this contender's compiled step apart from fx2xla's.
+        options = {"torch_kernels": "convolution"} if name == "fx2xla:no-skinny" else None
+        kw["compile_config"] = compile_config(name.split(":")[0], options)
 
     def generate(**extra):
         with torch.no_grad():
@@ -77,20 +87,21 @@ def load() -> str:
 
 def bench_batch(batch: int, args) -> dict:
     torch.manual_seed(0)
-    base = llama(layers=args.layers, hidden=args.hidden).eval()
+    base = llama(layers=args.layers, hidden=args.hidden).eval().to(getattr(torch, args.dtype))
     ids = torch.randint(1, base.config.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(1))
-    models = {name: copy.deepcopy(base) for name in CONTENDERS}
-    gens = {name: make_generate(models[name], name, ids, args.new_tokens) for name in CONTENDERS}
-    res: dict = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "first_call_s": {}}
+    names = contenders(args)
+    models = {name: copy.deepcopy(base) for name in names}
+    gens = {name: make_generate(models[name], name, ids, args.new_tokens) for name in names}
+    res: dict = {"batch": batch, "dtype": args.dtype, "prompt": args.prompt, "new_tokens": args.new_tokens, "first_call_s": {}}
     outs = {}
-    for name in CONTENDERS:  # first calls: the compiles (Dynamo, and the backend's)
+    for name in names:  # first calls: the compiles (Dynamo, and the backend's)
         t0 = time.perf_counter()
         outs[name] = gens[name]()
         res["first_call_s"][name] = time.perf_counter() - t0
     # Numerics: ids against eager's; every step's logits against eager's.
-    res["ids_match_eager"] = {n: bool(torch.equal(outs[n], outs["eager"])) for n in CONTENDERS}
-    logits = {n: torch.stack(gens[n](output_logits=True, return_dict_in_generate=True).logits) for n in CONTENDERS}
-    res["max_abs_logit_err_vs_eager"] = {n: float((logits[n] - logits["eager"]).abs().max()) for n in CONTENDERS}
+    res["ids_match_eager"] = {n: bool(torch.equal(outs[n], outs["eager"])) for n in names}
+    logits = {n: torch.stack(gens[n](output_logits=True, return_dict_in_generate=True).logits) for n in names}
+    res["max_abs_logit_err_vs_eager"] = {n: float((logits[n] - logits["eager"]).abs().max()) for n in names}
     res["logit_scale"] = float(logits["eager"].abs().max())
     try:
         res["fx2xla_metrics"] = {k: v for k, v in fx2xla.metrics().items() if isinstance(v, (int, float))}
@@ -98,7 +109,7 @@ def bench_batch(batch: int, args) -> dict:
         pass
     for g in gens.values():  # one warm call each
         g()
-    names = list(CONTENDERS)
+    names = list(names)
     orders = [[names[i] for i in row] for row in balanced_orders(len(names))]
     wall = {n: [] for n in names}
     cpu = {n: [] for n in names}
@@ -119,6 +130,8 @@ def bench_batch(batch: int, args) -> dict:
                fx2xla_vs_eager_tokens_per_s=med["eager"] / med["fx2xla"],
                inductor_vs_eager_tokens_per_s=med["eager"] / med["inductor"],
                fx2xla_vs_inductor_cpu=cmed["inductor"] / cmed["fx2xla"], load=load())
+    if "fx2xla:no-skinny" in med:
+        res["fx2xla_vs_no_skinny_tokens_per_s"] = med["fx2xla:no-skinny"] / med["fx2xla"]
     return res
 
 
@@ -129,28 +142,32 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--dtype", default="float32", help="the model's dtype: float32 or bfloat16")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--no-skinny", action="store_true", help="also time fx2xla without its one-row bf16 matmul kernel")
     p.add_argument("--gap-ms", type=float, default=50.0, help="sleep before each timed call")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     a = p.parse_args()
     torch._dynamo.config.recompile_limit = 64  # three compiled copies of one forward
-    results = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+    results = {"torch": torch.__version__, "dtype": a.dtype, "torch_threads": torch.get_num_threads(),
                "cores": len(os.sched_getaffinity(0)), "load_before": load(), "batches": {}}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {results['cores']} cores usable, "
+    print(f"torch {torch.__version__}, {a.dtype}, {torch.get_num_threads()} threads, {results['cores']} cores usable, "
           f"load {results['load_before']}")
-    print(f"\n{'batch':>5s} {'contender':10s} {'first call':>10s} {'median':>9s} {'tok/s':>8s} {'cpu tok/s':>9s} "
+    print(f"\n{'batch':>5s} {'contender':15s} {'first call':>10s} {'median':>9s} {'tok/s':>8s} {'cpu tok/s':>9s} "
           f"{'ids=eager':>9s} {'max|dlogit|':>11s}")
     for b in (int(x) for x in a.batches.split(",")):
         r = bench_batch(b, a)
         results["batches"][str(b)] = r
-        for n in CONTENDERS:
-            print(f"{b:5d} {n:10s} {r['first_call_s'][n]:9.2f}s {r['median_s'][n] * 1e3:7.1f}ms "
+        for n in contenders(a):
+            print(f"{b:5d} {n:15s} {r['first_call_s'][n]:9.2f}s {r['median_s'][n] * 1e3:7.1f}ms "
                   f"{r['tokens_per_s'][n]:8.1f} {r['cpu_tokens_per_s'][n]:9.1f} {str(r['ids_match_eager'][n]):>9s} "
                   f"{r['max_abs_logit_err_vs_eager'][n]:11.2e}")
         print(f"      fx2xla ÷ Inductor tokens/s {r['fx2xla_vs_inductor_tokens_per_s']:.2f} (cpu time: "
               f"{r['fx2xla_vs_inductor_cpu']:.2f}), fx2xla ÷ eager {r['fx2xla_vs_eager_tokens_per_s']:.2f}, "
               f"Inductor ÷ eager {r['inductor_vs_eager_tokens_per_s']:.2f}; logits up to {r['logit_scale']:.2f}; "
               f"load {r['load']}")
+        if "fx2xla_vs_no_skinny_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:no-skinny tokens/s {r['fx2xla_vs_no_skinny_tokens_per_s']:.2f}")
     results["load_after"] = load()
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")

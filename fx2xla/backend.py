@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from . import dump, precompile
+from . import dump, precompile, torch_kernels
 from .compiled_graph import CompiledGraph, static_input_indices
 from .decompositions import decomposition_table, sharded_decomposition_table
 from .distributed import process_share
@@ -57,9 +57,11 @@ OPTIONS = {
     "offload": (None, '"activations": a training step\'s saved activations wait for the backward in host memory; '
                 '"optimizer": the optimizer state a compiled step writes (AdamW\'s moments) stays in host memory; '
                 'a list of both; None: nothing offloaded (see fx2xla/offload.py)'),
-    "torch_kernels": (True, "on the CPU, convolutions run torch's own kernels (oneDNN) inside the executable, where "
-                      "they are built (python -m fx2xla kernels status; FX2XLA_TORCH_KERNELS=0 turns them off "
-                      "everywhere); False: XLA's own convolutions"),
+    "torch_kernels": (True, "on the CPU, the kernel library's custom calls inside the executable, where it is built "
+                      "(python -m fx2xla kernels status; FX2XLA_TORCH_KERNELS=0 turns them off everywhere): "
+                      "convolutions run torch's own kernels (oneDNN), and bf16 matmuls of one row the library's "
+                      "streaming kernel; False: XLA's own kernels; "
+                      "\"convolution\" or \"skinny_matmul\" (or a list): only those"),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -71,6 +73,7 @@ def _check_options(options: dict | None) -> dict:
     if unknown:
         raise ValueError(f"fx2xla: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
     opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
+    opts["torch_kernels"] = torch_kernels.kinds(opts["torch_kernels"])  # a ValueError names a bad kind
     if opts["fallback"] not in ("eager", "error"):
         raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
     if opts["partitioner"] not in ("min_cut", "default"):
@@ -156,7 +159,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
             lambda sub, examples, sub_name, resident: CompiledGraph(
                 sub, examples, device, f"{name}_{sub_name}", resident_inputs=resident,
                 no_recompile=bool(options["no_recompile"]), check_indices=bool(options["check_indices"]),
-                torch_kernels=bool(options["torch_kernels"]),
+                torch_kernels=options["torch_kernels"],
             ),
             static_input_indices(len(example_inputs)),
         )
@@ -167,7 +170,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              solution=solution,
                              # Training graphs' outputs feed autograd and the backward: kept whole.
                              sharded_outputs=kind == "inference" and options["outputs"] == "sharded",
-                             offload=offload, input_names=names, torch_kernels=bool(options["torch_kernels"]))
+                             offload=offload, input_names=names, torch_kernels=options["torch_kernels"])
     if kind == "forward" and offload is not None:
         note_forward(gm, compiled.plan, _compile_key())
     if made is not None:

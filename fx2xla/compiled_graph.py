@@ -89,7 +89,7 @@ class CompiledGraph:
                  resident_inputs: set[int] | None = None, no_recompile: bool = False,
                  batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True,
                  annotations=None, solution=None, sharded_outputs: bool = False, offload=None,
-                 input_names: list[str] | None = None, torch_kernels: bool = True):
+                 input_names: list[str] | None = None, torch_kernels=True):
         """`offload`: host offloading (offload.py): (input positions, output positions) whose
         values live in host memory, or None. `solution`: auto-sharding's, kept as
         `auto_sharding` for reports. `input_names`: the user's names of the inputs (`L['x']`),

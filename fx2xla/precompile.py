@@ -119,7 +119,7 @@ class PrecompiledGraph(SerializableCallable):
                             options.get("device_index"))
         graph = CompiledGraph(gm, fakes, device, state["name"], resident_inputs=set(state["resident"]),
                               check_indices=bool(options.get("check_indices", True)),
-                              torch_kernels=bool(options.get("torch_kernels", True)))
+                              torch_kernels=options.get("torch_kernels", True))
         return cls(graph, options)
 
 

@@ -13,6 +13,11 @@ cores XLA's next fusions need. The results are then within rounding of eager's w
 (the kernel's blocking depends on the batch), not bit for bit; `batch_slicing(False)` turns it
 off, process-wide.
 
+The library also holds one kernel of fx2xla's own, `fx2xla_skinny_matmul`: bf16 matmuls of one
+row (decode steps at batch 1), for which XLA:CPU converts every weight to float32 on each call
+and then takes a slow path (see `skinny` below). The option `torch_kernels` picks which kinds of
+custom call lowering may use (KINDS).
+
 The library is compiled against the torch and jaxlib in use, by the project's install step
 (`make setup` runs `python -m fx2xla kernels build`), into the package's `csrc/build/`
 folder, or, where that is not writable, into `$FX2XLA_CACHE_DIR/torch_kernels/`. Its file name
@@ -45,11 +50,14 @@ from .runtime.disk_cache import default_cache_dir
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_kernels.cc"
 # The FFI handlers the library exports, each registered for XLA:CPU under its own name.
-TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward")
+TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward", "fx2xla_skinny_matmul")
 # torch dtypes the handlers take (the FFI element types they map to torch's).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-_off: contextvars.ContextVar = contextvars.ContextVar("fx2xla_torch_kernels_off", default=False)
+# The kinds of custom call lowering may use (option torch_kernels): torch's convolutions, and the
+# library's own skinny bf16 matmul (below).
+KINDS = ("convolution", "skinny_matmul")
+_kinds: contextvars.ContextVar = contextvars.ContextVar("fx2xla_torch_kernels_kinds", default=frozenset(KINDS))
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # once load() ran: (registered, the library's path or why not)
 _lib: ctypes.CDLL | None = None  # the loaded library, once registered
@@ -123,18 +131,36 @@ def build(force: bool = False) -> Path:
 
 def disabled() -> bool:
     """FX2XLA_TORCH_KERNELS=0 (or off/false), or inside `off()`: lowering uses XLA's own kernels."""
-    return _off.get() or os.environ.get("FX2XLA_TORCH_KERNELS", "").strip().lower() in ("0", "off", "false", "no")
+    return not _kinds.get() or os.environ.get("FX2XLA_TORCH_KERNELS", "").strip().lower() in ("0", "off", "false", "no")
+
+
+def kinds(value) -> frozenset:
+    """The kinds of custom call the option `torch_kernels` allows: True = all of KINDS, False or
+    None = none, a name or a list of names = those."""
+    if value is True or value is False or value is None:
+        return frozenset(KINDS) if value else frozenset()
+    names = [value] if isinstance(value, str) else list(value)
+    unknown = sorted(set(names) - set(KINDS))
+    if unknown:
+        raise ValueError(f"fx2xla: option torch_kernels={value!r}: unknown kind(s) {unknown}; "
+                         f"expected True, False or some of {list(KINDS)}")
+    return frozenset(names)
 
 
 @contextlib.contextmanager
-def off():
-    """Lower with XLA's own kernels inside this block (this thread only): for modules that must
-    compile where no build of the library exists, as a package's portable module."""
-    token = _off.set(True)
+def only(allowed: frozenset):
+    """Lower with only these kinds of custom call inside this block (this thread only)."""
+    token = _kinds.set(frozenset(allowed))
     try:
         yield
     finally:
-        _off.reset(token)
+        _kinds.reset(token)
+
+
+def off():
+    """Lower with XLA's own kernels inside this block (this thread only): for modules that must
+    compile where no build of the library exists, as a package's portable module."""
+    return only(frozenset())
 
 
 def load() -> tuple[bool, str]:
@@ -164,6 +190,7 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_run_parked.argtypes = [_PARKED_FN, ctypes.c_void_p]
         lib.fx2xla_torch_team_running.argtypes = []
         lib.fx2xla_parked_calls.restype = ctypes.c_int64
+        lib.fx2xla_skinny_matmul_calls.restype = ctypes.c_int64
     except (OSError, AttributeError) as e:
         return False, f"{path} did not load: {e}"
     _lib = lib
@@ -272,9 +299,30 @@ def batch_slicing(on: bool):
         set_batch_slicing(previous)
 
 
-def available() -> bool:
-    """Whether lowering for the CPU may call torch's kernels now (built, loaded, not disabled)."""
-    return not disabled() and load()[0]
+def available(kind: str = "convolution") -> bool:
+    """Whether lowering for the CPU may use the library's custom calls of `kind` now (built,
+    loaded, not disabled, that kind allowed)."""
+    return not disabled() and kind in _kinds.get() and load()[0]
+
+
+# Skinny bfloat16 matmuls: one row x[1, K] . W. XLA:CPU's bf16 dot of one row converts W to
+# float32 in a pass of its own on every call and then takes a slow path: 6.1 ms against an 8 MiB
+# (4096 x 1024) weight, against 0.60 ms for two rows (docs/benchmarks.md#skinny-bf16-matmuls).
+# `fx2xla_skinny_matmul` instead reads W once, converting in registers, across XLA's intra-op
+# threads for a large W: 0.66 ms there, and 0.63-0.68x XLA's time on the small weights of a decode
+# step. From two rows on XLA's dot is faster, and float16 and float32 dots have no such path, so
+# only one-row bf16 matmuls go to the kernel (lowering/linalg.py gives XLA two rows where the
+# kernel may not run).
+def skinny(rows: int) -> bool:
+    """Whether a bf16 matmul of `rows` rows goes to the skinny kernel (when the library is
+    available)."""
+    return rows == 1
+
+
+def skinny_calls() -> int:
+    """How many skinny matmul handler calls ran in this process (0 where the library is not
+    loaded)."""
+    return int(_lib.fx2xla_skinny_matmul_calls()) if load()[0] else 0
 
 
 def status() -> str:

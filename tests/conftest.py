@@ -37,6 +37,31 @@ def tolerance(dtype: torch.dtype, scale: float = 1.0) -> dict:
     return {k: v * scale for k, v in tol.items()}
 
 
+def calls_in_threads(fn, inputs, calls: int) -> dict:
+    """`fn(inputs[i])` `calls` times in each of len(inputs) threads at once, under no_grad:
+    {i: [each result]}. The first exception of any thread is raised here."""
+    import threading
+
+    results, errors = {i: [] for i in range(len(inputs))}, []
+
+    def work(i):
+        try:
+            with torch.no_grad():
+                for _ in range(calls):
+                    results[i].append(fn(inputs[i]))
+        except Exception as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def assert_matches_eager(fn, *args, tol_scale: float = 1.0, fullgraph: bool = True, dynamic=False, **kwargs):
     """Run `fn` eagerly and compiled with fx2xla on the same inputs; assert outputs match in
     value, dtype, shape and strides. Returns the compiled outputs."""

@@ -15,7 +15,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <atomic>
+#include <algorithm>
 #include <condition_variable>
+#include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -141,6 +144,7 @@ int64_t slices(int64_t n, const ffi::ThreadPool& pool) {
 struct SplitState {
   std::atomic<int64_t> next{0};
   int64_t parts = 0;
+  bool calls_torch = true;  // each part runs torch ops: single-threaded, with the layers skipped
   const std::function<void(int64_t)>* body = nullptr;  // read only by a thread holding a claim
   std::mutex mu;
   std::condition_variable cv;
@@ -151,9 +155,13 @@ struct SplitState {
     for (int64_t i; (i = next.fetch_add(1)) < parts;) {
       std::exception_ptr failed;
       try {
-        c10::impl::ExcludeDispatchKeyGuard plain(skipped_layers());
-        SingleThreaded one;
-        (*body)(i);
+        if (calls_torch) {
+          c10::impl::ExcludeDispatchKeyGuard plain(skipped_layers());
+          SingleThreaded one;
+          (*body)(i);
+        } else {
+          (*body)(i);
+        }
       } catch (...) {
         failed = std::current_exception();
       }
@@ -164,10 +172,12 @@ struct SplitState {
   }
 };
 
-void run_split(int64_t parts, ffi::ThreadPool& pool, const std::function<void(int64_t)>& body) {
-  sliced_calls.fetch_add(1, std::memory_order_relaxed);
+void run_split(int64_t parts, ffi::ThreadPool& pool, const std::function<void(int64_t)>& body,
+               bool calls_torch = true) {
+  if (calls_torch) sliced_calls.fetch_add(1, std::memory_order_relaxed);
   auto state = std::make_shared<SplitState>();
   state->parts = parts;
+  state->calls_torch = calls_torch;
   state->body = &body;
   for (int64_t i = 1; i < parts; ++i) pool.Schedule([state] { state->work(); });
   state->work();
@@ -267,6 +277,175 @@ ffi::Error ConvolutionBackward(ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::A
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Skinny matmuls: y[M, N] = x[M, K] . W accumulated in float32, x and W in bfloat16, for one
+// row (a decode step at batch 1). Its cost is reading W once. XLA:CPU's bf16 dot of one row
+// converts W to float32 in a pass of its own and then takes a slow path (fx2xla/torch_kernels.py
+// gives the figures; from two rows on it is fast). Here W is read once and converted in
+// registers, and a large W is cut into chunks that XLA's intra-op threads and the calling thread
+// read at once. More rows are computed one at a time, each reading W again.
+
+std::atomic<int64_t> skinny_calls{0};  // fx2xla_skinny_matmul_calls
+
+// GCC vector extensions: 16 float lanes (one zmm with AVX-512, two ymm with AVX2, four xmm else).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint16_t u16x16u __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline float as_f32(uint16_t bf16) {  // bfloat16 bits: the high half of a float32's
+  uint32_t u = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// 16 bfloat16 values from p (any alignment) as float32 lanes.
+inline __attribute__((always_inline)) f32x16 load16(const uint16_t* p) {
+  u32x16 wide = __builtin_convertvector(static_cast<u16x16>(*reinterpret_cast<const u16x16u*>(p)), u32x16) << 16;
+  return reinterpret_cast<f32x16>(wide);
+}
+
+inline __attribute__((always_inline)) f32x4 fold4(f32x16 v) {  // lanes 0-3 hold v's sum in four parts
+  f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+}
+
+// The lane sums of a, b, c and d, as lanes 0-3: four rows' dot products reduced together.
+inline __attribute__((always_inline)) f32x4 hsum4(f32x16 a, f32x16 b, f32x16 c, f32x16 d) {
+  f32x4 fa = fold4(a), fb = fold4(b), fc = fold4(c), fd = fold4(d);
+  f32x4 ab = __builtin_shufflevector(fa, fb, 0, 4, 1, 5) + __builtin_shufflevector(fa, fb, 2, 6, 3, 7);
+  f32x4 cd = __builtin_shufflevector(fc, fd, 0, 4, 1, 5) + __builtin_shufflevector(fc, fd, 2, 6, 3, 7);
+  return __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
+}
+
+// W laid out [N, K] (x . W^T: nn.Linear's weight): y[j, j + R) of one row x, from R rows of W,
+// each with its own accumulator.
+template <int R>
+inline __attribute__((always_inline)) void nt_tile(const float* x, const uint16_t* w, float* y, int64_t k,
+                                                   int64_t j) {
+  f32x16 acc[R] = {};
+  int64_t t = 0;
+  for (; t + 16 <= k; t += 16) {
+    f32x16 xv = *reinterpret_cast<const f32x16u*>(x + t);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] += xv * load16(w + (j + r) * k + t);
+  }
+  float sums[R];
+  if constexpr (R == 4) {
+    f32x4 s4 = hsum4(acc[0], acc[1], acc[2], acc[3]);
+    for (int r = 0; r < 4; ++r) sums[r] = s4[r];
+  } else {
+    f32x4 s = fold4(acc[0]);
+    sums[0] = s[0] + s[1] + s[2] + s[3];
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t u = t; u < k; ++u) sums[r] += x[u] * as_f32(w[(j + r) * k + u]);
+    y[j + r] = sums[r];
+  }
+}
+
+inline __attribute__((always_inline)) void skinny_nt(const float* x, const uint16_t* w, float* y, int64_t k,
+                                                     int64_t lo, int64_t hi) {
+  int64_t j = lo;
+  for (; j + 4 <= hi; j += 4) nt_tile<4>(x, w, y, k, j);
+  for (; j < hi; ++j) nt_tile<1>(x, w, y, k, j);
+}
+
+// W laid out [K, N] (x . W: GPT-2's Conv1D weight): y[j, j + 16C) of one row x, from a panel of
+// 16C columns of W read row by row.
+template <int C>
+inline __attribute__((always_inline)) void nn_tile(const float* x, const uint16_t* w, float* y, int64_t k,
+                                                   int64_t n, int64_t j) {
+  f32x16 acc[C] = {};
+  for (int64_t t = 0; t < k; ++t) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[c] += x[t] * load16(w + t * n + j + 16 * c);
+  }
+  for (int c = 0; c < C; ++c) *reinterpret_cast<f32x16u*>(y + j + 16 * c) = acc[c];
+}
+
+inline __attribute__((always_inline)) void skinny_nn(const float* x, const uint16_t* w, float* y, int64_t k,
+                                                     int64_t n, int64_t lo, int64_t hi) {
+  int64_t j = lo;
+  for (; j + 64 <= hi; j += 64) nn_tile<4>(x, w, y, k, n, j);
+  for (; j + 16 <= hi; j += 16) nn_tile<1>(x, w, y, k, n, j);
+  for (; j < hi; ++j) {
+    float s = 0;
+    for (int64_t t = 0; t < k; ++t) s += x[t] * as_f32(w[t * n + j]);
+    y[j] = s;
+  }
+}
+
+// Compiled once per instruction set and picked at load time (the library is built where it
+// runs, but a build folder may be shared across machines); everything above is inlined into it.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FX2XLA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FX2XLA_CLONES
+#endif
+
+// One row x (float32) against W, for y's columns [lo, hi).
+FX2XLA_CLONES void skinny_row(const float* x, const uint16_t* w, float* y, int64_t k, int64_t n, int64_t lo,
+                              int64_t hi, bool w_nk) {
+  if (w_nk)
+    skinny_nt(x, w, y, k, lo, hi);
+  else
+    skinny_nn(x, w, y, k, n, lo, hi);
+}
+
+// Below this many bytes of W, one thread reads it: waking another (tens of µs on a busy
+// machine) would cost about what its share saves.
+constexpr int64_t kSkinnySplitBytes = 512 << 10;
+
+// `w_nk`: W is laid out [N, K], else [K, N]. x and W are bfloat16, y float32.
+ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t w_nk) {
+  auto type = x.element_type();
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (type != ffi::DataType::BF16 || w.element_type() != type || y->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("fx2xla_skinny_matmul: x and W must be bfloat16, y float32");
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("fx2xla_skinny_matmul: x, W and y must be matrices");
+  int64_t m = xd[0], k = xd[1], n = w_nk ? wd[0] : wd[1];
+  if ((w_nk ? wd[1] : wd[0]) != k || yd[0] != m || yd[1] != n)
+    return ffi::Error::InvalidArgument("fx2xla_skinny_matmul: shapes do not chain");
+  skinny_calls.fetch_add(1, std::memory_order_relaxed);
+  float* out = static_cast<float*>(y->untyped_data());
+  // x (a few rows) in float32 once, for every chunk: the kernels convert only W as they read it.
+  static thread_local std::vector<float> x32;
+  x32.resize(m * k);
+  auto xb = static_cast<const uint16_t*>(x.untyped_data());
+  for (int64_t i = 0; i < m * k; ++i) x32[i] = as_f32(xb[i]);
+  const float* xs = x32.data();
+  auto ws = static_cast<const uint16_t*>(w.untyped_data());
+  auto cols = [&](int64_t lo, int64_t hi) {
+    for (int64_t i = 0; i < m; ++i) skinny_row(xs + i * k, ws, out + i * n, k, n, lo, hi, w_nk != 0);
+  };
+  int64_t threads = std::min(pool.num_threads(), usable_cores());
+  int64_t bytes = n * k * 2;
+  // Two chunks per thread, of whole 16-column groups: a thread that wakes late still gets work.
+  int64_t groups = (n + 15) / 16, parts = std::min(2 * threads, groups);
+  if (threads < 2 || bytes < kSkinnySplitBytes || parts < 2) {
+    cols(0, n);
+    return ffi::Error::Success();
+  }
+  try {
+    run_split(parts, pool, [&](int64_t i) {
+      auto [lo, hi] = slice_bounds(i, groups, parts);
+      cols(lo * 16, std::min(hi * 16, n));
+    }, /*calls_torch=*/false);
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("fx2xla_skinny_matmul: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The attributes both convolution handlers take, in torch's argument order.
@@ -303,6 +482,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_convolution_backward, ConvolutionBack
                                   .Attr<int64_t>("input_mask")
                                   .Attr<int64_t>("weight_mask")
                                   .Attr<int64_t>("channels_last"));
+
+// W laid out [N, K] where w_nk is 1, else [K, N].
+XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_skinny_matmul, SkinnyMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("w_nk"));
+
+// How many skinny matmul calls ran so far, in this process.
+extern "C" int64_t fx2xla_skinny_matmul_calls() { return skinny_calls.load(); }
 
 // Process-wide: whether the handlers cut batches into slices (see `slices`); returns the previous
 // setting. Off, every call runs torch's kernel once on the whole batch, as eager does.

@@ -1,7 +1,6 @@
 """Lower an FX graph of core ATen ops to a StableHLO module by tracing its rules with jax."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from . import memory
 from ..layouts import inverse
 from ..plan import GraphPlan, OutputPlan
 from ..sharding import mesh_by_id
-from ..torch_kernels import off as torch_kernels_off
+from .. import torch_kernels as _torch_kernels
 from .registry import (PYTHON_OPS, LoweringContext, RejectedInput, complex_to_real, concrete_shape, current_platform,
                        is_array, lowering_for, lowering_platform, prepare_args)
 
@@ -114,14 +113,15 @@ def _resolve(value, bindings):
 
 
 def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concrete_args=None,
-                check_indices: bool = True, torch_kernels: bool = True) -> LoweredGraph:
+                check_indices: bool = True, torch_kernels=True) -> LoweredGraph:
     """Trace `gm` into a StableHLO module for `plan`, lowered for the plan's platform.
 
     example_inputs: FakeTensors / SymInts of the graph's placeholders (their shapes may be
     symbolic); concrete_args: the actual call's values, which fix every symbolic size.
     check_indices: lower run-time checks of index values (see checks.py).
-    torch_kernels: on the CPU, let rules call torch's own kernels (fx2xla/torch_kernels.py)
-    where they are built; False: XLA's kernels only, as a package's portable module needs.
+    torch_kernels: on the CPU, which of the kernel library's custom calls rules may use, where
+    it is built (fx2xla/torch_kernels.py: True = all, or some of its KINDS); False: XLA's
+    kernels only, as a package's portable module needs.
     """
     check_rules(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -184,7 +184,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         # Last: the index checks' verdict, its records in the output tree (no result if none).
         return results, checks.verdict() if checks is not None else CheckVerdict()
 
-    kernels = contextlib.nullcontext() if torch_kernels else torch_kernels_off()
+    kernels = _torch_kernels.only(_torch_kernels.kinds(torch_kernels))
     with jax.enable_x64(True), warnings.catch_warnings(), lowering_platform(plan.platform, plan.mesh_id is not None), \
             kernels:
         # A complex value silently cast to real is a wrong answer, never a warning for users.

@@ -21,7 +21,9 @@ only the dtype the dot hands back (`dot_result_dtype`):
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from torch.ops import aten
@@ -120,10 +122,50 @@ def _mm(ctx, a, b):
     return _matmul(ctx, a, b, 0, 1)
 
 
+def _one_row_bf16(ctx, a, b, rhs: int):
+    """x[1, K] . W for bf16 on the CPU, or None where the matmul is not one. XLA:CPU's bf16 dot
+    of one row takes a slow path (fx2xla/torch_kernels.py gives the figures). Where the kernel
+    library may run, the row goes to its `fx2xla_skinny_matmul`, with W handed over as stored
+    ([N, K] for a transposed operand such as nn.Linear's weight, else [K, N]). Elsewhere (a
+    package's portable module, the library off or not built, a program over a mesh) x gets a
+    zero second row, which XLA's dot of two rows computes 2-10x faster than one. The result is
+    float32, as XLA's bf16 dot gives it on the CPU."""
+    from .. import torch_kernels
+
+    if (a.ndim != 2 or a.dtype != jnp.bfloat16 or b.dtype != a.dtype or 0 in b.shape
+            or not torch_kernels.skinny(a.shape[0])):
+        return None
+    transposed = _is_transposed(ctx, rhs)
+    w, cb = (jnp.swapaxes(b, 0, 1), 1) if transposed else (b, 0)  # XLA cancels this transpose
+    if ctx.spmd or not torch_kernels.available("skinny_matmul"):
+        two = jnp.concatenate([a, jnp.zeros_like(a)])
+        return dot(two, w, ((1,), (cb,)))[:1]
+    out = jax.ShapeDtypeStruct((1, b.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call("fx2xla_skinny_matmul", out, vmap_method="sequential")(a, w, w_nk=np.int64(transposed))
+
+
+@register_lowering(aten.mm.default, platform="cpu")
+def _mm_cpu(ctx, a, b):
+    out = _one_row_bf16(ctx, a, b, 1)
+    return _matmul(ctx, a, b, 0, 1) if out is None else out
+
+
 @register_lowering(aten.addmm.default)
 def _addmm(ctx, bias, a, b, *, beta=1, alpha=1):
     _same_dtypes(ctx, 0, 1, 2)
-    out = _scaled(_matmul(ctx, a, b, 1, 2), alpha)
+    return _addmm_of(ctx, bias, _matmul(ctx, a, b, 1, 2), beta, alpha)
+
+
+@register_lowering(aten.addmm.default, platform="cpu")
+def _addmm_cpu(ctx, bias, a, b, *, beta=1, alpha=1):
+    _same_dtypes(ctx, 0, 1, 2)
+    out = _one_row_bf16(ctx, a, b, 2)
+    return _addmm_of(ctx, bias, _matmul(ctx, a, b, 1, 2) if out is None else out, beta, alpha)
+
+
+def _addmm_of(ctx, bias, product, beta, alpha):
+    """beta * bias + alpha * product, as torch's addmm, for a product in the dot's result dtype."""
+    out = _scaled(product, alpha)
     if beta == 0:  # torch ignores `self` entirely (NaN/inf in it do not propagate)
         return out
     # The bias is added in the dot's result dtype. CPU: float32, rounded once afterwards, like

@@ -398,7 +398,7 @@ def _torch_conv_fits(ctx, *arrays) -> bool:
     arrays = [a for a in arrays if a is not None]
     return (not ctx.spmd and all(a.dtype == arrays[0].dtype for a in arrays)
             and arrays[0].dtype in _TORCH_CONV_DTYPES and all(a.size for a in arrays)
-            and torch_kernels.available())
+            and torch_kernels.available("convolution"))
 
 
 def _conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups) -> dict:

@@ -30,7 +30,7 @@ from fx2xla import torch_kernels
 from fx2xla.metrics import live_graphs
 from fx2xla.testing import SmallCNN
 
-from tests.conftest import tolerance
+from tests.conftest import calls_in_threads, tolerance
 
 TARGET = "fx2xla_torch_convolution"
 HAVE_COMPILER = shutil.which(torch_kernels.compiler()[0]) is not None
@@ -256,24 +256,10 @@ def test_many_threads():
     with torch.no_grad():
         refs = [model(x) for x in inputs]
         compiled(inputs[0])
-    results, errors = {}, []
-
-    def work(i):
-        try:
-            with torch.no_grad():
-                for _ in range(10):
-                    results[i] = compiled(inputs[i])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = calls_in_threads(compiled, inputs, 10)
     for i in range(4):
-        torch.testing.assert_close(results[i], refs[i], **tolerance(torch.float32))
+        for out in results[i]:
+            torch.testing.assert_close(out, refs[i], **tolerance(torch.float32))
 
 
 @needs_kernels
