@@ -109,7 +109,6 @@ def bench_batch(batch: int, args) -> dict:
         pass
     for g in gens.values():  # one warm call each
         g()
-    names = list(names)
     orders = [[names[i] for i in row] for row in balanced_orders(len(names))]
     wall = {n: [] for n in names}
     cpu = {n: [] for n in names}
