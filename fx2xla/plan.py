@@ -103,9 +103,9 @@ class InputPlan:
     # ("pinned_host"), None for the device's own memory.
     memory_kind: str | None = None
     # How far AOTAutograd moves this input's version just before each call (1: the graph writes
-    # it, an optimizer step's parameter): the shards a sharded graph left it as (its twin) are
-    # still current at that many versions more. Set for plans that take twins (over a mesh, or
-    # with host memory inputs).
+    # it, an optimizer step's parameter): the array a graph left it as (its twin: shards over a
+    # mesh, a host buffer, or one device's result, runtime/twins.py) is still current at that
+    # many versions more.
     bump: int = 0
 
 
@@ -371,7 +371,6 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     concats = _input_concats(gm, placeholders, layouts)
     skipped = _read_only_by(placeholders, concats)
     written = input_mutations(gm)
-    takes_twins = mesh_id is not None or bool(host_inputs)
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
         if layout.kind is InputKind.SYMINT:
@@ -389,7 +388,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                                 resident=i in resident and not donated, passed=i not in skipped,
                                 sharding=spec, donated=donated,
                                 memory_kind=host_kind if i in host_inputs and i not in skipped else None,
-                                bump=int(takes_twins and i in bumps)))
+                                bump=int(i in bumps)))
     seed = graph_uses_randomness(gm)
     seed_device = torch_device if torch_device is not None else torch.device("cpu")
 
@@ -406,6 +405,14 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         spec = shardings.spec(node) if shardings is not None else None
         results.append(ResultPlan(node, perm, home, _move(home, device, torch_device), spec, memory))
         return len(results) - 1
+
+    # How many outputs read each computed base through views: a base only one output reads, as
+    # a view that keeps its bytes in order (a reshape), leaves the executable as that output.
+    view_bases: dict = {}
+    for v in out_vals:
+        if isinstance(v, torch.fx.Node):
+            base = _view_chain(v)[0]
+            view_bases[base] = view_bases.get(base, 0) + 1
 
     for j, v in enumerate(out_vals):
         memory = host_kind if j in host_outputs else None
@@ -424,6 +431,12 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             outputs.append(OutputPlan(OutputKind.CONST, value=meta))
             continue
         base_meta = base.meta.get("val")
+        if views and view_bases[base] == 1 and _reshape_of(meta, base_meta) and base not in constants:
+            # A reshape of a value nothing else returns (a bias gradient summed to [1, n] then
+            # viewed as [n], a permutation undone): XLA's reshape is free, and the output then
+            # is the executable's result itself (no view op in torch, and a twin, runtime/twins.py).
+            outputs.append(OutputPlan(OutputKind.TENSOR, index=result(v, home=meta.device, memory=memory), device=meta.device))
+            continue
         if views and isinstance(base_meta, torch.Tensor) and not symbolic(base_meta.shape) \
                 and base_meta.is_contiguous() and base not in constants:
             # Views of one computed value (per-layer gradients of stacked weights): the value
@@ -449,6 +462,15 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         mutations.append(Mutation(position, result(node, home=inputs[position].device, memory=inputs[position].memory_kind)))
     return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
                      mesh_id, shardings, constraints, operand_constraints)
+
+
+def _reshape_of(meta, base_meta) -> bool:
+    """Whether tensor `meta` holds `base_meta`'s bytes in the same order: both static, dense and
+    row-major, of one dtype and size (a view chain that only reshapes)."""
+    return (isinstance(meta, torch.Tensor) and isinstance(base_meta, torch.Tensor)
+            and not symbolic(meta.shape) and not symbolic(base_meta.shape) and meta.dtype == base_meta.dtype
+            and meta.numel() == base_meta.numel() and meta.is_contiguous() and base_meta.is_contiguous()
+            and meta.storage_offset() == 0 and base_meta.storage_offset() == 0)
 
 
 def _same_value_type(a: torch.fx.Node, b: torch.fx.Node) -> bool:

@@ -13,6 +13,7 @@ one-device path below never branches on a mesh.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -26,9 +27,11 @@ from .errors import IndexOutOfRangeError
 from .plan import GraphPlan, InputKind, Move, OutputKind, OutputPlan
 from .runtime.client import device_of
 from .runtime.executor import make_launcher, make_recording, make_traceback_pause
+from .runtime import twins as _twins
 from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_order
 
 _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
+_twin_of, _twins_waiting = _twins.twin, _twins.waiting
 _team_running, _run_parked = torch_kernels.torch_team_running, torch_kernels.run_parked
 _recording = make_recording()
 # The kinds the call path tests, as module globals: reading an enum member through its class
@@ -36,6 +39,8 @@ _recording = make_recording()
 _TENSOR, _PERMUTED = InputKind.TENSOR, InputKind.PERMUTED
 _NO_MOVE, _TORCH_MOVE, _PLACED = Move.NONE, Move.TORCH, Move.PLACED
 _CONST, _INPUT, _CONCAT = OutputKind.CONST, OutputKind.INPUT, OutputKind.CONCAT
+_TENSOR_OUT = OutputKind.TENSOR
+_GPU_PLATFORMS = ("cuda", "rocm")
 
 
 class TwinUse(NamedTuple):
@@ -83,7 +88,8 @@ class Specialization:
     call returns the executable's results as they are)."""
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
-                 "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "keeps_arrays", "park")
+                 "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "kept", "keeps_arrays",
+                 "park")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
                  lowered=None, sharded_outputs: bool = False):
@@ -91,9 +97,13 @@ class Specialization:
         self.lowered = lowered
         exports = result_exports(plan, bool(checks))
         self.twins: tuple[Twin, ...] = ()
+        self.kept = ()  # results whose jax Arrays are kept as their tensors' twins (runtime/twins.py)
         self.keeps_arrays = False  # jax Arrays of this call's results outlive it (twins, ShardedTensors)
         placed = sharded_call.placed_launch(exe, plan, result_shapes, exports, sharded_outputs)
         if placed is None:
+            self.kept = twin_results(plan, outputs) if _twins.enabled() else ()
+            if self.kept:
+                exports = keeping_exports(plan, exports, self.kept, bool(checks))
             self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
         else:
             self.launch, twins, self.keeps_arrays = placed
@@ -136,6 +146,10 @@ class PlanExecutor:
         self.stream_order = make_stream_order(platform=device.platform) if gpu_torch else None
         self._torch_index = plan.torch_device.index if gpu_torch else None
         self.align = gpu_torch
+        # GPU: arrays of dropped results wait for torch's stream before they are released
+        # (runtime/twins.py); fenced once per call while some wait.
+        self._fence = (functools.partial(_twins.fence, functools.partial(_twins.torch_stream_event, self._torch_index))
+                       if gpu_torch and _twins.enabled() else None)
         self._placed = sharded_call.PlacedHandOff(plan, lambda t, d: self.import_tensor(t, d), self._order, gpu_torch)
         tensors = [i for i, p in enumerate(plan.inputs) if p.kind is not InputKind.SYMINT]
         # Per resident slot, (tensor, version, data_ptr, device buffer) as a plain tuple (see
@@ -152,9 +166,16 @@ class PlanExecutor:
                                     p.move if placement is None else Move.PLACED, placement,
                                     TwinUse(p.donated, p.bump) if twins else None))
         self.import_steps: tuple[ImportStep, ...] = tuple(steps)
+        # Per input, the version bump with which it may arrive as the twin of an earlier
+        # executable's result on this device (runtime/twins.py), or None: dense inputs on this
+        # device only (a permuted one is passed as a view; a moved or placed one is a copy).
+        twinned = _twins.enabled() and plan.mesh_id is None
+        bumps = [plan.inputs[s.position].bump
+                 if twinned and s.move is _NO_MOVE and s.kind in (_TENSOR, InputKind.CONTIGUOUS) else None
+                 for s in steps]
         # What _import unpacks per input, as exact tuples: CPython unpacks a tuple subclass (a
         # NamedTuple) through its generic iterator path, ~40 ns slower per input.
-        self._steps = tuple((s.position, s.slot, s.kind, s.perm, s.move, s) for s in steps)
+        self._steps = tuple((s.position, s.slot, s.kind, s.perm, s.move, b, s) for s, b in zip(steps, bumps))
         # Inputs only stacked in torch (per-layer weights of a folded scan) never reach the
         # executable: resident ones are only checked for changes, which renew their stack.
         self.check_steps = tuple((i, slot) for slot, i in enumerate(tensors)
@@ -217,11 +238,13 @@ class PlanExecutor:
         (resident ones kept while unchanged), then the plan's stacks, then a fresh seed. The
         torch side of them all (dense copies, moves, stacks, the seed: kernels queued on
         torch's stream) comes first, then one stream order (CUDA), then the imports."""
+        if self._fence is not None and _twins_waiting():
+            self._fence()
         resident = self._resident
         bufs = []
         fresh = []  # (position in bufs, tensor to import, its import step, the input)
         renewed = False  # a resident buffer is replaced: stacks of resident inputs are rebuilt
-        for i, slot, kind, perm, move, step in self._steps:
+        for i, slot, kind, perm, move, bump, step in self._steps:
             t = args[i]
             if slot >= 0:
                 r = resident[slot]
@@ -231,6 +254,14 @@ class PlanExecutor:
                         bufs.append(buf)
                         continue
                 renewed = True
+            if bump is not None:  # an earlier result, unchanged: its own array, no import
+                buf = _twin_of(t, self.jax_device, bump)
+                if buf is not None:
+                    if slot >= 0:
+                        resident[slot] = (t, t._version, t.data_ptr(), buf)
+                        self._hold(t, slot)
+                    bufs.append(buf)
+                    continue
             dense = t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED else t.contiguous()
             if move is _TORCH_MOVE:  # a CPU scalar beside CUDA tensors, moved before the order below.
                 # Not pinned: a copy of pageable memory returns once the bytes are staged, with
@@ -418,6 +449,45 @@ def result_exports(plan: GraphPlan, checks: bool):
     return exports + [export] if checks else exports
 
 
+def twin_results(plan: GraphPlan, outputs: list[OutputPlan]) -> tuple[int, ...]:
+    """The results of a one-device plan whose jax Arrays are kept as their tensors' twins
+    (runtime/twins.py), so that a later executable reading the tensor unchanged takes the array
+    instead of importing it again. Results moved to another device are copies: none of them.
+    CPU: the new contents of written inputs, and results returned as they are (a view,
+    permutation or restride gives the caller another tensor). GPU: every other result, since
+    each is recorded to hold its memory until torch's stream is done with it."""
+    if plan.mesh_id is not None:
+        return ()
+    candidates = [r for r, res in enumerate(plan.results) if not res.move and res.memory_kind is None]
+    if plan.device.platform in _GPU_PLATFORMS:
+        return tuple(candidates)
+    written = {r for _, r in plan.mutations}
+    returned = {p.index for p in outputs if p.kind is _TENSOR_OUT}
+    reshaped = {p.index for p in outputs
+                if p.kind is _TENSOR_OUT and (p.inv_perm is not None or p.stride is not None or p.views)}
+    return tuple(r for r in candidates if r in written or (r in returned and r not in reshaped))
+
+
+def keeping_exports(plan: GraphPlan, exports, kept: tuple[int, ...], checks: bool) -> list:
+    """`exports` (one function, or one per result) as one per result, those of `kept` also
+    recording the result's array as the twin of the tensor it becomes."""
+    n = len(plan.results) + int(checks)
+    each = list(exports) if isinstance(exports, (list, tuple)) else [exports] * n
+    device = plan.device.jax_device
+    keep = _twins.keep
+    fenced = plan.device.platform in _GPU_PLATFORMS
+
+    def keeping(export):
+        def export_keep(a):
+            t = export(a)
+            keep(t, a, device, fenced)
+            return t
+
+        return export_keep
+
+    return [keeping(e) if r in kept else e for r, e in enumerate(each)]
+
+
 def restride(t: torch.Tensor, stride) -> torch.Tensor:
     """`t` with eager's strides: broadcast (stride-0) dims become an expand of one slice, as in
     eager; gaps are laid out with empty_strided. Values are what matter; layouts torch cannot
@@ -505,6 +575,7 @@ def install_input(dst: torch.Tensor, new: torch.Tensor) -> None:
             and dst.untyped_storage().nbytes() == new.untyped_storage().nbytes()
             and storage_use_count(dst) == 1):
         dst.set_(new)
+        _twins.rebind(dst)  # later readers show dst's version counter, not new's
         for ref, slot in _resident_holders.get(id(dst), ()):
             executor = ref()
             if executor is not None:

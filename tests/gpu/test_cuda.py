@@ -300,3 +300,92 @@ def test_outputs_freed_while_torch_still_reads_them():
     torch.cuda.synchronize()
     for i, s in enumerate(sums):
         assert s.item() == 2.0 * (i + 1) * (1 << 22), (i, s.item())
+
+
+def test_results_dropped_while_torch_reads_them_with_nothing_imported():
+    """The same with every call's input a twin (an earlier result, runtime/twins.py), so no call
+    imports anything and none is ordered after torch's stream: a dropped result's memory is held
+    until torch's stream has passed it (the fence), never handed to the next execution, which
+    writes other values into an output of the same size."""
+    double = torch.compile(lambda x: x * 2.0, backend="fx2xla")
+    triple = torch.compile(lambda x: x * 3.0, backend="fx2xla")
+    w = double(torch.ones(1 << 22, device="cuda"))  # twos, a result: its twin is taken below
+    triple(w)
+    torch.cuda.synchronize()
+    sums, kept = [], []
+    for i in range(10):
+        y = double(w)
+        _long_kernel() if i == 0 else None
+        sums.append(y.sum())  # queued on torch's stream behind the long kernel
+        del y
+        kept.append(triple(w))  # would land in y's memory if it were released now
+    torch.cuda.synchronize()
+    for i, s in enumerate(sums):
+        assert s.item() == 4.0 * (1 << 22), (i, s.item())
+    assert all(k.sum().item() == 6.0 * (1 << 22) for k in kept)
+
+
+def test_chained_calls_return_before_the_gpu_finishes():
+    """20 calls each taking the previous call's result (a twin: nothing imported) queue without
+    a host sync behind a long kernel, and one sync at the end gives the right value."""
+    compiled = torch.compile(lambda x: x + 1, backend="fx2xla")
+    y = compiled(torch.zeros(1024, device="cuda"))
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000_000)
+    end.record()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y = compiled(y)
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    kernel_ms = start.elapsed_time(end)
+    assert kernel_ms > 50 and host_ms < kernel_ms / 2, (host_ms, kernel_ms)
+    torch.testing.assert_close(y, torch.full_like(y, 21.0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_steps_take_twins(dtype):
+    """Compiled forward, backward and AdamW step on an MLP: after the first step only the batch,
+    the output's gradient and AdamW's CPU step counters are imported (saved activations, grads,
+    parameters and moments reach each executable as twins); after 5 steps the parameters match
+    eager's on the GPU."""
+    from fx2xla import plan_executor
+
+    imports = [0]
+    real_init = plan_executor.PlanExecutor.__init__
+
+    def init(self, plan):
+        real_init(self, plan)
+        real = self.import_tensor
+        self.import_tensor = lambda t, d: imports.__setitem__(0, imports[0] + 1) or real(t, d)
+
+    plan_executor.PlanExecutor.__init__ = init
+    try:
+        torch.manual_seed(0)
+        models = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
+                                      torch.nn.Linear(256, 32)).to("cuda", dtype) for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        x = torch.randn(16, 64, device="cuda", dtype=dtype)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for m in models]
+        fwd = torch.compile(models[1], backend="fx2xla")
+        step = torch.compile(opts[1].step, backend="fx2xla")
+        per_step = []
+        for _ in range(5):
+            loss = models[0](x).float().pow(2).mean()
+            loss.backward()
+            opts[0].step()
+            opts[0].zero_grad()
+            before = imports[0]
+            loss = fwd(x).float().pow(2).mean()
+            loss.backward()
+            step()
+            opts[1].zero_grad()
+            per_step.append(imports[0] - before)
+    finally:
+        plan_executor.PlanExecutor.__init__ = real_init
+    params = len(list(models[1].parameters()))
+    assert max(per_step[1:]) <= 2 + params, per_step
+    for a, b in zip(models[1].parameters(), models[0].parameters()):
+        torch.testing.assert_close(a.float(), b.float(), **tolerance(dtype, 20))
