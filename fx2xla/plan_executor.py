@@ -40,7 +40,7 @@ _TENSOR, _PERMUTED = InputKind.TENSOR, InputKind.PERMUTED
 _NO_MOVE, _TORCH_MOVE, _PLACED = Move.NONE, Move.TORCH, Move.PLACED
 _CONST, _INPUT, _CONCAT = OutputKind.CONST, OutputKind.INPUT, OutputKind.CONCAT
 _TENSOR_OUT = OutputKind.TENSOR
-_GPU_PLATFORMS = ("cuda", "rocm")
+GPU_PLATFORMS = ("cuda", "rocm")  # whose results' arrays wait for torch's stream (runtime/twins.py)
 
 
 class TwinUse(NamedTuple):
@@ -147,8 +147,9 @@ class PlanExecutor:
         self._torch_index = plan.torch_device.index if gpu_torch else None
         self.align = gpu_torch
         # GPU: arrays of dropped results wait for torch's stream before they are released
-        # (runtime/twins.py); fenced once per call while some wait.
-        self._fence = (functools.partial(_twins.fence, functools.partial(_twins.torch_stream_event, self._torch_index))
+        # (runtime/twins.py): claimed by a call that imports (ordered), else fenced (public:
+        # tests stand in for it).
+        self.fence = (functools.partial(_twins.fence, functools.partial(_twins.torch_stream_event, self._torch_index))
                        if gpu_torch and _twins.enabled() else None)
         self._placed = sharded_call.PlacedHandOff(plan, lambda t, d: self.import_tensor(t, d), self._order, gpu_torch)
         tensors = [i for i, p in enumerate(plan.inputs) if p.kind is not InputKind.SYMINT]
@@ -238,12 +239,11 @@ class PlanExecutor:
         (resident ones kept while unchanged), then the plan's stacks, then a fresh seed. The
         torch side of them all (dense copies, moves, stacks, the seed: kernels queued on
         torch's stream) comes first, then one stream order (CUDA), then the imports."""
-        if self._fence is not None and _twins_waiting():
-            self._fence()
         resident = self._resident
         bufs = []
         fresh = []  # (position in bufs, tensor to import, its import step, the input)
         renewed = False  # a resident buffer is replaced: stacks of resident inputs are rebuilt
+        twinned = None  # (position in bufs, tensor, import step) of an input taken as a twin
         for i, slot, kind, perm, move, bump, step in self._steps:
             t = args[i]
             if slot >= 0:
@@ -260,6 +260,7 @@ class PlanExecutor:
                     if slot >= 0:
                         resident[slot] = (t, t._version, t.data_ptr(), buf)
                         self._hold(t, slot)
+                    twinned = (len(bufs), t, step)
                     bufs.append(buf)
                     continue
             dense = t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED else t.contiguous()
@@ -283,6 +284,14 @@ class PlanExecutor:
             t = draw_seed(self.plan.seed_device)
             fresh.append((len(bufs), t, self._seed_step, t))
             bufs.append(None)
+        claimed = None  # GPU: dropped results' arrays, let go once this call is ordered after them
+        if self.fence is not None and _twins_waiting():
+            if not fresh and twinned is not None and _twins.pressing():
+                fresh.append((twinned[0], twinned[1], twinned[2], twinned[1]))  # imported again: ordered
+            if fresh:
+                claimed = _twins.claim()
+            else:
+                self.fence()
         if fresh:
             if self.stream_order is not None:  # once per call, after every torch kernel queued above
                 self.stream_order(self.jax_device, self._torch_index)
@@ -297,6 +306,7 @@ class PlanExecutor:
                 if step.slot >= 0:
                     resident[step.slot] = (t, t._version, t.data_ptr(), buf)
                     self._hold(t, step.slot)
+            del claimed  # the imports are ordered after torch's stream, and this execution after them
         if stacks:
             for pos, group, valid, stacked in stacks:
                 self._concat_cache[group] = (valid, stacked, bufs[pos])
@@ -459,7 +469,7 @@ def twin_results(plan: GraphPlan, outputs: list[OutputPlan]) -> tuple[int, ...]:
     if plan.mesh_id is not None:
         return ()
     candidates = [r for r, res in enumerate(plan.results) if not res.move and res.memory_kind is None]
-    if plan.device.platform in _GPU_PLATFORMS:
+    if plan.device.platform in GPU_PLATFORMS:
         return tuple(candidates)
     written = {r for _, r in plan.mutations}
     returned = {p.index for p in outputs if p.kind is _TENSOR_OUT}
@@ -475,7 +485,7 @@ def keeping_exports(plan: GraphPlan, exports, kept: tuple[int, ...], checks: boo
     each = list(exports) if isinstance(exports, (list, tuple)) else [exports] * n
     device = plan.device.jax_device
     keep = _twins.keep
-    fenced = plan.device.platform in _GPU_PLATFORMS
+    fenced = plan.device.platform in GPU_PLATFORMS
 
     def keeping(export):
         def export_keep(a):

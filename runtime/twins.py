@@ -25,9 +25,14 @@ On a GPU a dropped record's array is not released at once. torch may still have 
 that read the tensor that just died, and PJRT knows nothing of torch's stream: released, the
 memory could go to the next execution, which (with every input a twin, nothing imported) is not
 ordered after torch's stream and could write it before those kernels ran. So the arrays of
-dropped records wait (`fence`): at the next call on that device, one CUDA event is recorded on
-torch's current stream after them, and they are released once it has passed. Every result of a
-GPU executable is recorded for this, not only those that may come back as inputs.
+dropped records wait for the next call on that device (every result of a GPU executable is
+recorded for this, not only those that may come back as inputs):
+- a call that imports something is ordered after torch's stream, and so is every later
+  execution: it `claim`s every waiting array before its order and lets them go after it;
+- a call that imports nothing `fence`s them: one CUDA event recorded on torch's current stream,
+  and they are released once it has passed (a later call checks), unless they add up to
+  `ORDER_BYTES` or more: then the call imports one of its twins again, so that it is ordered and
+  can claim them (memory back at once, for one import).
 
 `FX2XLA_TWINS=0` turns the twins off: every input is imported as before.
 """
@@ -59,7 +64,11 @@ _table: dict[int, TwinRecord] = {}
 # GPU arrays of dropped records: waiting for the next fence, then for its event.
 _lock = threading.Lock()  # fence() only
 _unfenced: list = []
+_unfenced_bytes = 0
 _fenced: collections.deque = collections.deque()  # (event, [arrays]), oldest first
+# Dropped arrays a call that imports nothing would rather order itself for than hold (see above):
+# an activation's worth of a training step, not a decode step's cache entry.
+ORDER_BYTES = 256 << 20
 
 
 def enabled() -> bool:
@@ -73,7 +82,9 @@ def _drop(key: int, ref) -> None:
     if rec is not None and rec.storage is ref:
         _table.pop(key, None)
         if rec.fenced:
+            global _unfenced_bytes
             _unfenced.append(rec.array)  # no lock: a collection inside fence() may run this
+            _unfenced_bytes += rec.array.nbytes  # a hint only (no lock): read against ORDER_BYTES
 
 
 def keep(t, array, device, fenced: bool = False) -> None:
@@ -110,17 +121,33 @@ def torch_stream_event(index: int):
     return event
 
 
+def pressing() -> bool:
+    """Whether the arrays waiting for a fence add up to ORDER_BYTES or more."""
+    return _unfenced_bytes >= ORDER_BYTES
+
+
+def claim() -> list:
+    """Every array waiting (for a fence, or for its event), taken out of the waiting lists: the
+    caller lets go of them once its call is ordered after torch's stream, after their drop."""
+    global _unfenced, _unfenced_bytes
+    with _lock:
+        claimed, _unfenced, _unfenced_bytes = _unfenced, [], 0
+        while _fenced:
+            claimed.extend(_fenced.popleft()[1])
+    return claimed
+
+
 def fence(recorded_event) -> None:
     """Called before a GPU execution when `waiting()`: `recorded_event()` (an event recorded on
     torch's current stream, see torch_stream_event) now covers the arrays dropped so far;
     arrays of earlier fences whose event has passed are released."""
-    global _unfenced
+    global _unfenced, _unfenced_bytes
     released = []  # let go outside the lock: freeing may run a collection that drops records
     with _lock:  # one fence at a time: two would each pop a batch as passed on one query
         if _unfenced:
             # Swapped before the event is recorded: every array in the batch was dropped before
             # it (one appended late to the old list was dropped before the swap, so before too).
-            batch, _unfenced = _unfenced, []
+            batch, _unfenced, _unfenced_bytes = _unfenced, [], 0
             _fenced.append((recorded_event(), batch))
         while _fenced and _fenced[0][0].query():
             released.append(_fenced.popleft())

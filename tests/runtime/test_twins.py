@@ -312,3 +312,91 @@ def test_storage_objects_live_as_long_as_storage():
     del v
     gc.collect()
     assert ref() is None
+
+
+def test_results_of_every_kind_come_back_as_twins(monkeypatch):
+    """bf16, int64, 0-d and empty results all come back as twins (nothing imported) and the
+    graph that reads them matches eager exactly (integer and exactly representable values)."""
+    counter = _count_imports(monkeypatch)
+
+    def make(x):
+        return x.to(torch.bfloat16) * 2, x.argmax(-1), x.sum(), x[:, :0] + 1
+
+    def use(h, idx, s, e):
+        return h.float() + idx.unsqueeze(-1) + s, e.sum(-1) + idx
+
+    f, g = torch.compile(make, backend="fx2xla"), torch.compile(use, backend="fx2xla")
+    x = torch.arange(12.0).reshape(3, 4)
+    outs = f(x)
+    assert [o.dtype for o in outs] == [torch.bfloat16, torch.int64, torch.float32, torch.float32]
+    assert outs[2].dim() == 0 and outs[3].numel() == 0
+    before = counter["n"]
+    a, b = g(*outs)
+    assert counter["n"] == before
+    ea, eb = use(*make(x))
+    torch.testing.assert_close(a, ea, rtol=0, atol=0)
+    torch.testing.assert_close(b, eb, rtol=0, atol=0)
+
+
+def _gpu_like(monkeypatch, compiled, arg):
+    """Call `compiled(arg)` once with results recorded as a GPU's (fenced) and its executor's
+    stream order stubbed and watched, fences recorded with stand-in events; returns (events of
+    the order and the imports, the fence events made, the executor)."""
+    from fx2xla import plan_executor
+
+    monkeypatch.setattr(plan_executor, "GPU_PLATFORMS", ("cpu", "cuda", "rocm"))
+    older = set(live_graphs)
+    compiled(arg)
+    (graph,) = [g for g in live_graphs if g not in older]
+    executor, events, fences = graph.executor, [], []
+
+    def recorded():
+        fences.append(_FakeEvent())
+        return fences[-1]
+
+    real_import = executor.import_tensor
+    executor.import_tensor = lambda t, d: events.append("import") or real_import(t, d)
+    executor.stream_order = lambda dev, index: events.append("order")
+    executor.fence = lambda: twins.fence(recorded)
+    return events, fences, executor
+
+
+@pytest.mark.parametrize("case", ["ordered_call", "all_twins", "all_twins_pressing"])
+def test_dropped_gpu_results_go_at_the_next_ordered_call(monkeypatch, case):
+    """A dropped GPU result's array goes at once at the next call that imports something (it is
+    ordered after torch's stream, after the drop); a call that imports nothing fences it instead
+    (an event on torch's stream), unless the waiting arrays add up to ORDER_BYTES: then it
+    imports one twin again to be ordered, and lets them go. (CPU graphs standing in for GPU
+    ones: results recorded as fenced, the order and the events stood in for.) Values stay
+    eager's."""
+    import weakref
+
+    twins.fence(lambda: _FakeEvent())  # nothing of earlier tests left unfenced
+    for arrays in twins.claim():
+        del arrays
+    f = torch.compile(lambda x: x * 2, backend="fx2xla")
+    events, fences, _ = _gpu_like(monkeypatch, f, torch.ones(64))
+    w = f(torch.ones(64))  # a result: the twin the all-twin calls take
+    y = f(torch.full((64,), 3.0))
+    ref = weakref.ref(twins.records()[y.data_ptr()].array)
+    del y
+    gc.collect()
+    assert ref() is not None and twins.waiting()
+    events.clear()
+    if case == "ordered_call":
+        out = f(torch.full((64,), 5.0))
+        assert events == ["order", "import"] and not fences
+        torch.testing.assert_close(out, torch.full((64,), 10.0), rtol=0, atol=0)
+        assert ref() is None
+        return
+    if case == "all_twins_pressing":
+        monkeypatch.setattr(twins, "ORDER_BYTES", 1)
+    out = f(w)
+    torch.testing.assert_close(out, torch.full((64,), 4.0), rtol=0, atol=0)
+    if case == "all_twins":
+        assert events == [] and len(fences) == 1 and ref() is not None
+        fences[0].done = True
+        f(w)
+        assert ref() is None
+    else:
+        assert events == ["order", "import"] and not fences and ref() is None
