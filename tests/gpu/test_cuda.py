@@ -347,10 +347,10 @@ def test_chained_calls_return_before_the_gpu_finishes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_training_steps_take_twins(dtype):
-    """Compiled forward, backward and AdamW step on an MLP: after the first step only the batch,
-    the output's gradient and AdamW's CPU step counters are imported (saved activations, grads,
-    parameters and moments reach each executable as twins); after 5 steps the parameters match
-    eager's on the GPU."""
+    """Compiled forward, backward and AdamW step on an MLP: after the first step at most the
+    batch, the output's gradient and one tensor per parameter (a step counter, were Dynamo to
+    leave them on the CPU) are imported (saved activations, grads, parameters and moments reach
+    each executable as twins); after 5 steps the parameters match eager's on the GPU."""
     from fx2xla import plan_executor
 
     imports = [0]
