@@ -8,6 +8,7 @@
 #   bash bench/gpu_session.sh bench-fp32           # bench/gpu.py, fp32 half
 #   bash bench/gpu_session.sh probe overhead       # versions and GPU; a tiny call's host time by stage
 #   bash bench/gpu_session.sh waits                # where calls wait for the GPU, per client setting
+#   bash bench/gpu_session.sh host-profile         # a training step's host time under cProfile (bench/host_profile.py)
 #
 # Stage time limits (seconds) come from STAGE_LIMIT_<stage> (e.g. STAGE_LIMIT_sweep=300).
 # The autotune results and executables persist in $FX2XLA_CACHE_DIR between stages when it is
@@ -41,6 +42,11 @@ for stage in "$@"; do
             timeout "$(limit waits 240)" python3 bench/gpu_waits.py --out "$OUT/waits.json" \
                 --child-timeout "$(( $(limit waits 240) / 3 - 5 ))" ${WAITS_ARGS:-} > "$OUT/waits.log" 2>&1
             grep -v "^USDT\|profiler_st" "$OUT/waits.log" | tail -30
+            ;;
+        host-profile)
+            timeout "$(limit host_profile 150)" python3 bench/host_profile.py --device cuda ${HOST_PROFILE_ARGS:-} \
+                > "$OUT/host-profile.log" 2>&1
+            grep -v "Warning\|warn" "$OUT/host-profile.log" | head -45
             ;;
         sweep)
             timeout "$(limit sweep 330)" python3 bench/cuda_sweep.py --deadline "$(( $(limit sweep 330) - 40 ))" \
