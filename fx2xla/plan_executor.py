@@ -101,7 +101,7 @@ class Specialization:
         self.keeps_arrays = False  # jax Arrays of this call's results outlive it (twins, ShardedTensors)
         placed = sharded_call.placed_launch(exe, plan, result_shapes, exports, sharded_outputs)
         if placed is None:
-            self.kept = twin_results(plan, outputs) if _twins.enabled() else ()
+            self.kept = twin_results(plan, outputs, bool(checks)) if _twins.enabled() else ()
             if self.kept:
                 exports = keeping_exports(plan, exports, self.kept, bool(checks))
             self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
@@ -459,18 +459,19 @@ def result_exports(plan: GraphPlan, checks: bool):
     return exports + [export] if checks else exports
 
 
-def twin_results(plan: GraphPlan, outputs: list[OutputPlan]) -> tuple[int, ...]:
+def twin_results(plan: GraphPlan, outputs: list[OutputPlan], checks: bool = False) -> tuple[int, ...]:
     """The results of a one-device plan whose jax Arrays are kept as their tensors' twins
     (runtime/twins.py), so that a later executable reading the tensor unchanged takes the array
     instead of importing it again. Results moved to another device are copies: none of them.
     CPU: the new contents of written inputs, and results returned as they are (a view,
-    permutation or restride gives the caller another tensor). GPU: every other result, since
-    each is recorded to hold its memory until torch's stream is done with it."""
+    permutation or restride gives the caller another tensor). GPU: every other result, and the
+    index checks' verdict (`checks`, read by torch's `_assert_async` on its stream), since each
+    is recorded to hold its memory until torch's stream is done with it."""
     if plan.mesh_id is not None:
         return ()
     candidates = [r for r, res in enumerate(plan.results) if not res.move and res.memory_kind is None]
     if plan.device.platform in GPU_PLATFORMS:
-        return tuple(candidates)
+        return tuple(candidates) + ((len(plan.results),) if checks else ())
     written = {r for _, r in plan.mutations}
     returned = {p.index for p in outputs if p.kind is _TENSOR_OUT}
     reshaped = {p.index for p in outputs

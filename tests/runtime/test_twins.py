@@ -400,3 +400,20 @@ def test_dropped_gpu_results_go_at_the_next_ordered_call(monkeypatch, case):
         assert ref() is None
     else:
         assert events == ["order", "import"] and not fences and ref() is None
+
+
+def test_gpu_index_check_verdict_is_recorded(monkeypatch):
+    """On a GPU the index checks' verdict is read by torch's `_assert_async` on its stream, so
+    its array is recorded like every result (held until torch's stream is done with it). (A CPU
+    graph with results recorded as a GPU's.) The gathered values are eager's."""
+    from fx2xla import plan_executor
+
+    monkeypatch.setattr(plan_executor, "GPU_PLATFORMS", ("cpu", "cuda", "rocm"))
+    older = set(live_graphs)
+    x, i = torch.randn(8, 4), torch.tensor([3, 0, 7])
+    out = torch.compile(lambda x, i: x[i] * 2, backend="fx2xla")(x, i)
+    (graph,) = [g for g in live_graphs if g not in older]
+    spec = graph.static
+    assert spec.checks, "the gather is index-checked"
+    assert spec.kept == tuple(range(len(graph.plan.results) + 1))
+    torch.testing.assert_close(out, x[i] * 2, rtol=0, atol=0)
