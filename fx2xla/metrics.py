@@ -4,7 +4,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from .runtime import client, executable_cache, executor
+from .runtime import client, executable_cache, executor, twins
 
 
 @dataclass
@@ -34,7 +34,9 @@ def metrics() -> dict:
     """Counters of this process: graphs, specializations, executable-cache hits and misses
     (memory and disk), XLA compiles and their seconds, lowering seconds, and the memory XLA
     holds on each device fx2xla used (`device_memory`), and the bytes host offloading moved
-    (`offloaded_bytes` into host memory, `reloaded_bytes` out of it)."""
+    (`offloaded_bytes` into host memory, `reloaded_bytes` out of it), and the results kept as
+    twins (`twin_records`; `twin_arrays_waiting`: a GPU's dropped results whose memory waits for
+    torch's stream, see runtime/twins.py)."""
     out = dict(counters.__dict__)
     out["pass_seconds"] = dict(counters.pass_seconds)
     graphs = list(live_graphs)
@@ -45,6 +47,8 @@ def metrics() -> dict:
     per_call = [(g.offload_per_call, g.executor.executions) for g in graphs if g.offload_per_call]
     out["offloaded_bytes"] = sum(p[0] * n for p, n in per_call)
     out["reloaded_bytes"] = sum(p[1] * n for p, n in per_call)
+    kept = twins.counts()
+    out["twin_records"], out["twin_arrays_waiting"] = kept["records"], kept["waiting"]
     s = executable_cache.stats
     out.update(
         cache_hits=s.hits,

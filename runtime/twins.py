@@ -164,6 +164,11 @@ def twin(t, device, bump: int = 0):
     return rec.array
 
 
+def counts() -> dict:
+    """`{"records": live records, "waiting": dropped GPU arrays not yet released}` (metrics)."""
+    return {"records": len(_table), "waiting": len(_unfenced) + sum(len(b) for _, b in list(_fenced))}
+
+
 def records() -> dict:
     """A snapshot of the table: data_ptr -> TwinRecord."""
     return dict(_table)

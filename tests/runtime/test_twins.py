@@ -7,12 +7,12 @@ divides by sqrt of a second moment, which magnifies rounding near zero). fx2xla 
 without twins must agree exactly: the same executables read the same bytes."""
 from __future__ import annotations
 
-import copy
 import gc
 
 import pytest
 import torch
 
+import fx2xla
 from fx2xla.metrics import live_graphs
 from fx2xla.runtime import twins
 from fx2xla.runtime.executor import make_recording
@@ -183,6 +183,20 @@ def test_records_leave_with_the_memory():
     del v
     gc.collect()
     assert ptr not in twins.records()
+
+
+def test_metrics_count_records():
+    """fx2xla.metrics() reports the live records: one more per kept result alive, one fewer
+    once it is dropped."""
+    f = torch.compile(lambda y: y - 1, backend="fx2xla")
+    gc.collect()
+    before = fx2xla.metrics()["twin_records"]
+    y = f(torch.zeros(8))
+    assert fx2xla.metrics()["twin_records"] == before + 1
+    assert fx2xla.metrics()["twin_arrays_waiting"] >= 0
+    del y
+    gc.collect()
+    assert fx2xla.metrics()["twin_records"] == before
 
 
 def test_off(monkeypatch):
