@@ -431,3 +431,24 @@ def test_gpu_index_check_verdict_is_recorded(monkeypatch):
     assert spec.checks, "the gather is index-checked"
     assert spec.kept == tuple(range(len(graph.plan.results) + 1))
     torch.testing.assert_close(out, x[i] * 2, rtol=0, atol=0)
+
+
+def test_a_loaded_package_takes_its_own_results_back(monkeypatch, tmp_path):
+    """A package loaded with fx2xla.load runs through the same executor: its result fed back as
+    its input (a decode loop's state) is not imported again, and the values are eager's."""
+    counter = _count_imports(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    x = torch.randn(2, 8)
+    path = str(tmp_path / "step.fx2xla")
+    fx2xla.export(model, (x,), path)
+    run = fx2xla.load(path)
+    with torch.no_grad():
+        y = run(x)
+        first = counter["n"]
+        for _ in range(5):
+            y = run(y)
+        e = x
+        for _ in range(6):
+            e = model(e)
+    torch.testing.assert_close(y, e, rtol=1e-5, atol=1e-6)
+    assert counter["n"] == first
