@@ -169,8 +169,9 @@ class PlanExecutor:
         self.import_steps: tuple[ImportStep, ...] = tuple(steps)
         # Per input, the version bump with which it may arrive as the twin of an earlier
         # executable's result on this device (runtime/twins.py), or None: dense inputs on this
-        # device only (a permuted one is passed as a view; a moved or placed one is a copy).
-        twinned = _twins.enabled() and plan.mesh_id is None
+        # device only (a permuted one is passed as a view; a moved or placed one, every input
+        # over a mesh among them, is a copy).
+        twinned = _twins.enabled()
         bumps = [plan.inputs[s.position].bump
                  if twinned and s.move is _NO_MOVE and s.kind in (_TENSOR, InputKind.CONTIGUOUS) else None
                  for s in steps]
@@ -243,7 +244,7 @@ class PlanExecutor:
         bufs = []
         fresh = []  # (position in bufs, tensor to import, its import step, the input)
         renewed = False  # a resident buffer is replaced: stacks of resident inputs are rebuilt
-        twinned = None  # (position in bufs, tensor, import step) of an input taken as a twin
+        twinned, twinned_pos = None, -1  # the import step of an input taken as a twin, its place in bufs
         for i, slot, kind, perm, move, bump, step in self._steps:
             t = args[i]
             if slot >= 0:
@@ -260,7 +261,7 @@ class PlanExecutor:
                     if slot >= 0:
                         resident[slot] = (t, t._version, t.data_ptr(), buf)
                         self._hold(t, slot)
-                    twinned = (len(bufs), t, step)
+                    twinned, twinned_pos = step, len(bufs)
                     bufs.append(buf)
                     continue
             dense = t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED else t.contiguous()
@@ -287,7 +288,8 @@ class PlanExecutor:
         claimed = None  # GPU: dropped results' arrays, let go once this call is ordered after them
         if self.fence is not None and _twins_waiting():
             if not fresh and twinned is not None and _twins.pressing():
-                fresh.append((twinned[0], twinned[1], twinned[2], twinned[1]))  # imported again: ordered
+                t = args[twinned.position]
+                fresh.append((twinned_pos, t, twinned, t))  # imported again: ordered
             if fresh:
                 claimed = _twins.claim()
             else:
@@ -466,9 +468,9 @@ def twin_results(plan: GraphPlan, outputs: list[OutputPlan], checks: bool = Fals
     CPU: the new contents of written inputs, and results returned as they are (a view,
     permutation or restride gives the caller another tensor). GPU: every other result, and the
     index checks' verdict (`checks`, read by torch's `_assert_async` on its stream), since each
-    is recorded to hold its memory until torch's stream is done with it."""
-    if plan.mesh_id is not None:
-        return ()
+    is recorded to hold its memory until torch's stream is done with it. (Plans over a mesh, or
+    with results in host memory, keep theirs through sharded_call instead: never called for
+    them.)"""
     candidates = [r for r, res in enumerate(plan.results) if not res.move and res.memory_kind is None]
     if plan.device.platform in GPU_PLATFORMS:
         return tuple(candidates) + ((len(plan.results),) if checks else ())

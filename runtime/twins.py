@@ -173,9 +173,3 @@ def records() -> dict:
     """A snapshot of the table: data_ptr -> TwinRecord."""
     return dict(_table)
 
-
-def forget() -> None:
-    """Drop every record (their arrays are freed once torch drops its tensors too; a GPU's
-    after the next fence)."""
-    for key, rec in list(_table.items()):
-        _drop(key, rec.storage)
