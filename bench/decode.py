@@ -21,7 +21,9 @@ step against eager's (one untimed call with output_logits=True).
 
 `--no-skinny` adds a fourth contender, "fx2xla:no-skinny": fx2xla without the kernel library's
 one-row bf16 matmul (option torch_kernels="convolution"), which gives such a matmul to XLA's dot
-as two rows instead.
+as two rows instead. `--not-in-place` adds "fx2xla:not-in-place": fx2xla with FX2XLA_INPLACE=0
+while it compiles, so each step writes the whole KV cache to a new buffer instead of updating
+it where it is (runtime/inplace.py).
 
 Writes bench/results/decode.json.
 """
@@ -61,7 +63,8 @@ def compile_config(backend: str, options: dict | None = None):
 
 
 def contenders(args) -> tuple:
-    return CONTENDERS + (("fx2xla:no-skinny",) if args.no_skinny else ())
+    return (CONTENDERS + (("fx2xla:no-skinny",) if args.no_skinny else ())
+            + (("fx2xla:not-in-place",) if args.not_in_place else ()))
 
 
 def make_generate(model, name: str, ids, new_tokens: int):
@@ -71,7 +74,8 @@ def make_generate(model, name: str, ids, new_tokens: int):
         kw["disable_compile"] = True
     else:
         # Options make Dynamo keep this contender's compiled step apart from fx2xla's.
-        options = {"torch_kernels": "convolution"} if name == "fx2xla:no-skinny" else None
+        options = ({"torch_kernels": "convolution"} if name == "fx2xla:no-skinny"
+                   else {"fallback": "eager"} if name == "fx2xla:not-in-place" else None)
         kw["compile_config"] = compile_config(name.split(":")[0], options)
 
     def generate(**extra):
@@ -95,9 +99,12 @@ def bench_batch(batch: int, args) -> dict:
     res: dict = {"batch": batch, "dtype": args.dtype, "prompt": args.prompt, "new_tokens": args.new_tokens, "first_call_s": {}}
     outs = {}
     for name in names:  # first calls: the compiles (Dynamo, and the backend's)
+        if name == "fx2xla:not-in-place":
+            os.environ["FX2XLA_INPLACE"] = "0"  # read when its graphs are planned, in this call
         t0 = time.perf_counter()
         outs[name] = gens[name]()
         res["first_call_s"][name] = time.perf_counter() - t0
+        os.environ.pop("FX2XLA_INPLACE", None)
     # Numerics: ids against eager's; every step's logits against eager's.
     res["ids_match_eager"] = {n: bool(torch.equal(outs[n], outs["eager"])) for n in names}
     logits = {n: torch.stack(gens[n](output_logits=True, return_dict_in_generate=True).logits) for n in names}
@@ -129,6 +136,8 @@ def bench_batch(batch: int, args) -> dict:
                fx2xla_vs_eager_tokens_per_s=med["eager"] / med["fx2xla"],
                inductor_vs_eager_tokens_per_s=med["eager"] / med["inductor"],
                fx2xla_vs_inductor_cpu=cmed["inductor"] / cmed["fx2xla"], load=load())
+    if "fx2xla:not-in-place" in med:
+        res["fx2xla_vs_not_in_place_tokens_per_s"] = med["fx2xla:not-in-place"] / med["fx2xla"]
     if "fx2xla:no-skinny" in med:
         res["fx2xla_vs_no_skinny_tokens_per_s"] = med["fx2xla:no-skinny"] / med["fx2xla"]
     return res
@@ -144,6 +153,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="the model's dtype: float32 or bfloat16")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no-skinny", action="store_true", help="also time fx2xla without its one-row bf16 matmul kernel")
+    p.add_argument("--not-in-place", action="store_true",
+                   help="also time fx2xla writing the KV cache to new buffers (FX2XLA_INPLACE=0)")
     p.add_argument("--gap-ms", type=float, default=50.0, help="sleep before each timed call")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     a = p.parse_args()
@@ -167,6 +178,8 @@ def main() -> None:
               f"load {r['load']}")
         if "fx2xla_vs_no_skinny_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:no-skinny tokens/s {r['fx2xla_vs_no_skinny_tokens_per_s']:.2f}")
+        if "fx2xla_vs_not_in_place_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:not-in-place tokens/s {r['fx2xla_vs_not_in_place_tokens_per_s']:.2f}")
     results["load_after"] = load()
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")

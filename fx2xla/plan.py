@@ -24,6 +24,7 @@ import torch.fx
 from .layouts import dense_permutation, inverse, is_identity, symbolic
 from .lowering.registry import PYTHON_OPS, graph_uses_randomness, lowering_for
 from .passes.sharding import graph_mesh, propagate
+from .runtime import inplace as _inplace
 from .runtime.client import Device, get_backend, torch_index
 from .sharding import ShardingError, mesh_by_id
 
@@ -95,9 +96,10 @@ class InputPlan:
     resident: bool = False  # a parameter/buffer: its device buffer is kept across calls
     passed: bool = True  # reaches the executable (False: a size, or read only by a concatenation)
     sharding: Any = None
-    # A written input of a sharded graph (an optimizer step's parameter or moment) whose new
-    # contents have its layout: the executable writes them into its device buffers (donated),
-    # so the update happens in place on every device.
+    # A written input (an optimizer step's parameter or moment) whose new contents the
+    # executable writes into its buffers (donated), so the update happens in place: over a mesh,
+    # a sharded input whose new contents keep its layout, on every device; on one CPU device, a
+    # dense one (runtime/inplace.py).
     donated: bool = False
     # Host offloading (fx2xla/offload.py): the memory kind the executable takes this input in
     # ("pinned_host"), None for the device's own memory.
@@ -371,6 +373,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     concats = _input_concats(gm, placeholders, layouts)
     skipped = _read_only_by(placeholders, concats)
     written = input_mutations(gm)
+    in_place = mesh_id is None and device.platform == "cpu" and torch_device is not None and _inplace.enabled()
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
         if layout.kind is InputKind.SYMINT:
@@ -383,6 +386,12 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         donated = (shardings is not None and layout.kind is InputKind.TENSOR and i not in skipped and node in written
                    and _same_value_type(node, written[node]) and shardings.spec(written[node]) == spec
                    and not mesh_by_id(mesh_id).named_sharding(spec).is_fully_replicated)
+        # One CPU device: the executable writes the new contents where the input's buffer is
+        # (runtime/inplace.py), when that buffer is XLA's own (a view torch holds over an
+        # earlier result); torch's memory otherwise.
+        donated = donated or (in_place and layout.kind is InputKind.TENSOR and i not in skipped and node in written
+                              and _same_value_type(node, written[node]) and ex.device == torch_device
+                              and i not in host_inputs and ex.numel() > 0 and _inplace.viewable(ex.dtype))
         # A donated buffer is consumed by each call: never kept resident.
         inputs.append(InputPlan(layout.kind, layout.perm, ex.device, _move(ex.device, device, torch_device),
                                 resident=i in resident and not donated, passed=i not in skipped,
@@ -510,7 +519,7 @@ def plan_record(plan: GraphPlan) -> dict:
     if plan.mesh_id is not None or plan.concats:
         raise TypeError("only a one-device plan without torch-side concatenations can be stored")
     return {"inputs": [{"kind": p.kind, "perm": None if p.perm is None else list(p.perm), "resident": p.resident,
-                        "passed": p.passed} for p in plan.inputs],
+                        "passed": p.passed, "donated": p.donated} for p in plan.inputs],
             "results": len(plan.results), "mutations": [list(m) for m in plan.mutations], "seed": plan.seed}
 
 
@@ -519,7 +528,8 @@ def plan_from_record(record: dict, device: Device, outputs: list[OutputPlan]) ->
     loaded model moves its inputs to its device before the call)."""
     home = device.torch_device
     inputs = [InputPlan(InputKind(p["kind"]), None if p["perm"] is None else tuple(p["perm"]),
-                        None if p["kind"] == InputKind.SYMINT else home, Move.NONE, p["resident"], p["passed"])
+                        None if p["kind"] == InputKind.SYMINT else home, Move.NONE, p["resident"], p["passed"],
+                        donated=p.get("donated", False))
               for p in record["inputs"]]
     results = [ResultPlan(None, device=home) for _ in range(record["results"])]
     return GraphPlan(device, home, inputs, [], record["seed"], home, results, list(outputs),

@@ -27,6 +27,7 @@ from .errors import IndexOutOfRangeError
 from .plan import GraphPlan, InputKind, Move, OutputKind, OutputPlan
 from .runtime.client import device_of
 from .runtime.executor import make_launcher, make_recording, make_traceback_pause
+from .runtime import inplace as _inplace
 from .runtime import twins as _twins
 from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_order
 
@@ -89,7 +90,7 @@ class Specialization:
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
                  "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "kept", "keeps_arrays",
-                 "park")
+                 "park", "in_place", "twinned_in_place")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
                  lowered=None, sharded_outputs: bool = False):
@@ -99,11 +100,15 @@ class Specialization:
         self.twins: tuple[Twin, ...] = ()
         self.kept = ()  # results whose jax Arrays are kept as their tensors' twins (runtime/twins.py)
         self.keeps_arrays = False  # jax Arrays of this call's results outlive it (twins, ShardedTensors)
+        # Written inputs the executable writes in place (runtime/inplace.py): their results
+        # leave it as jax Arrays, installed by _finish.
+        self.in_place: tuple[tuple[int, int], ...] = ()
         placed = sharded_call.placed_launch(exe, plan, result_shapes, exports, sharded_outputs)
         if placed is None:
+            self.in_place = tuple(m for m in plan.mutations if plan.inputs[m.input].donated)
             self.kept = twin_results(plan, outputs, bool(checks)) if _twins.enabled() else ()
-            if self.kept:
-                exports = keeping_exports(plan, exports, self.kept, bool(checks))
+            if self.kept or self.in_place:
+                exports = keeping_exports(plan, exports, self.kept, bool(checks), {r for _, r in self.in_place})
             self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
         else:
             self.launch, twins, self.keeps_arrays = placed
@@ -115,14 +120,15 @@ class Specialization:
         self.concat_outputs = sorted({p.index for p in outputs if p.kind is OutputKind.CONCAT})
         # Graph inputs returned as outputs (or views of them), and inputs the graph writes:
         # kept past the boxed convention's args.clear().
-        self.mutations = tuple(plan.mutations)
+        self.mutations = tuple(m for m in plan.mutations if m not in self.in_place)
         self.input_outputs = sorted({p.index for p in outputs if p.kind is OutputKind.INPUT}
-                                    | {m.input for m in self.mutations})
+                                    | {m.input for m in plan.mutations})
         self.num_outputs = plan.num_outputs  # the written inputs' results follow these
+        self.twinned_in_place = _twins.enabled()  # in-place results are recorded as twins (by _finish)
         # Index checks: the last result is their int32 verdict (see lowering/checks.py).
         self.checks = checks
         self.raise_failed = make_check_raiser(plan.platform) if checks else None
-        self.direct = self.plain_outputs and not self.mutations and not checks and not self.twins
+        self.direct = self.plain_outputs and not plan.mutations and not checks and not self.twins
         # CPU: a long executable launched while torch's OpenMP workers spin runs with them parked
         # (torch_kernels.run_parked); decided here from XLA's cost analysis.
         self.park = plan.platform == "cpu" and torch_kernels.worth_parking(exe)
@@ -361,17 +367,56 @@ class PlanExecutor:
         if spec.twins:
             arrays = outs[-len(spec.twins):]
             del outs[-len(spec.twins):]
+        later = None
+        if spec.in_place:  # before the checks: XLA has written these inputs' memory either way
+            later = self._written_in_place(spec, outs, held)
         if spec.checks:
             spec.raise_failed(outs.pop(), spec.checks)
-        if spec.mutations:
+        if spec.mutations or later:
             with torch.no_grad():  # a parameter's update is no autograd op
                 for i, r in spec.mutations:
                     install_input(held[i], outs[r])
+                if later:
+                    self._install_views(spec, later, outs, held)
         if arrays is not None:
             sharded_call.keep_twins(spec.twins, arrays, outs, held)
-        if spec.mutations:
+        if len(outs) > spec.num_outputs:
             del outs[spec.num_outputs:]
         return outs if spec.plain_outputs else wrap_outputs(spec.out_plans, outs, held)
+
+    def _written_in_place(self, spec: Specialization, outs, held) -> list | None:
+        """The donated written inputs XLA wrote at their own address (runtime/inplace.py): the
+        memory's holder takes the new Array, which owns it now, and the tensor's version moves.
+        Returns those whose new contents are elsewhere (the input was torch's memory, or a
+        result exported to torch), for _install_views."""
+        later = None
+        keep = _twins.keep if spec.twinned_in_place else None
+        device = self.jax_device
+        for i, r in spec.in_place:
+            a, dst = outs[r], held[i]
+            a.block_until_ready()  # torch reads the tensor as soon as the call returns
+            ptr = dst.data_ptr()
+            if a.unsafe_buffer_pointer() == ptr:
+                _inplace.rehome(ptr, a)
+                _inplace.written_in_place(dst)
+                if keep is not None:
+                    keep(dst, a, device)
+            else:
+                if later is None:
+                    later = []
+                later.append((i, r))
+        return later
+
+    def _install_views(self, spec: Specialization, later: list, outs, held) -> None:
+        """Written inputs whose new contents XLA put in a new buffer: it reaches torch as a view
+        that holds its Array (not a DLPack export), so that the next call can donate it."""
+        keep = _twins.keep if spec.twinned_in_place else None
+        device = self.jax_device
+        for i, r in later:
+            a, dst = outs[r], held[i]
+            install_input(dst, _inplace.own_view(a, dst.dtype))
+            if keep is not None and dst.data_ptr() == a.unsafe_buffer_pointer():
+                keep(dst, a, device)
 
     # -- resident buffers -------------------------------------------------------------------
     def drop_resident(self, slot: int, t: torch.Tensor) -> None:
@@ -481,9 +526,10 @@ def twin_results(plan: GraphPlan, outputs: list[OutputPlan], checks: bool = Fals
     return tuple(r for r in candidates if r in written or (r in returned and r not in reshaped))
 
 
-def keeping_exports(plan: GraphPlan, exports, kept: tuple[int, ...], checks: bool) -> list:
+def keeping_exports(plan: GraphPlan, exports, kept: tuple[int, ...], checks: bool, raw=frozenset()) -> list:
     """`exports` (one function, or one per result) as one per result, those of `kept` also
-    recording the result's array as the twin of the tensor it becomes."""
+    recording the result's array as the twin of the tensor it becomes, those of `raw` the
+    result's jax Array itself (runtime/inplace.py)."""
     n = len(plan.results) + int(checks)
     each = list(exports) if isinstance(exports, (list, tuple)) else [exports] * n
     device = plan.device.jax_device
@@ -498,7 +544,11 @@ def keeping_exports(plan: GraphPlan, exports, kept: tuple[int, ...], checks: boo
 
         return export_keep
 
-    return [keeping(e) if r in kept else e for r, e in enumerate(each)]
+    return [_as_array if r in raw else keeping(e) if r in kept else e for r, e in enumerate(each)]
+
+
+def _as_array(a):
+    return a
 
 
 def restride(t: torch.Tensor, stride) -> torch.Tensor:

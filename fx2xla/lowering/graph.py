@@ -189,16 +189,48 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
             kernels:
         # A complex value silently cast to real is a wrong answer, never a warning for users.
         warnings.simplefilter("error", np.exceptions.ComplexWarning)
-        passed = [p for p in plan.inputs if p.passed]
-        donated = tuple(k for k, p in enumerate(passed) if p.donated)
-        traced = jax.jit(trace, keep_unused=True, donate_argnums=donated, **spmd_shardings(plan)).trace(*avals)
-        text = traced.lower(lowering_platforms=(plan.platform,)).as_text()
+        traced = jax.jit(trace, keep_unused=True, **spmd_shardings(plan)).trace(*avals)
+        lowered = traced.lower(lowering_platforms=(plan.platform,))
+        aliases = written_aliases(plan)
+        if aliases:
+            alias_inputs(lowered.compiler_ir(), aliases)
+        text = lowered.as_text()
         out_info = traced.out_info  # (results, CheckVerdict): the records are the tree's aux data
         result_shapes = [tuple(o.shape) for o in jax.tree.leaves(out_info)]
     verdict = out_info[1]
     outputs = [dataclasses.replace(p, value=_resolve(p.value, bindings)) if p.kind == "const" else p
                for p in plan.outputs]
     return LoweredGraph(text, plan, outputs, arg_shapes, verdict.records, result_shapes)
+
+
+def written_aliases(plan: GraphPlan) -> dict[int, int]:
+    """Executable argument -> the result it is written back from, for every donated input."""
+    argument = {i: k for k, i in enumerate(i for i, p in enumerate(plan.inputs) if p.passed)}
+    return {argument[m.input]: m.result for m in plan.mutations if plan.inputs[m.input].donated}
+
+
+def alias_inputs(module, aliases: dict[int, int]) -> None:
+    """Mark, in `module` (jax's lowered MLIR, edited in place), each argument of `aliases` as
+    donated into its result. Set here rather than with jit's donate_argnums, which pairs each
+    result, in order, with the first donated argument of the same shape and dtype still
+    unpaired: an optimizer step's first update result would land in the buffer of the first
+    parameter of its shape, not of the one it belongs to."""
+    from jax.extend.mlir import ir
+
+    with module.context:
+        main = next(op for op in module.body.operations
+                    if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main")
+        i32 = ir.IntegerType.get_signless(32)
+        count = len(main.regions[0].blocks[0].arguments)
+        current = (list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes
+                   else [ir.DictAttr.get({})] * count)
+        attrs = []
+        for k, a in enumerate(current):
+            entries = {n.name: n.attr for n in ir.DictAttr(a) if n.name not in ("tf.aliasing_output", "jax.buffer_donor")}
+            if k in aliases:
+                entries["tf.aliasing_output"] = ir.IntegerAttr.get(i32, aliases[k])
+            attrs.append(ir.DictAttr.get(entries))
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
 
 
 def passed_spec(spec, perm):

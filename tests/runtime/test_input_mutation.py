@@ -92,8 +92,14 @@ def _train(model, opt, step, x, steps=4):
     return torch.stack(losses)
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("foreach", [True, False])
-def test_optimizer_step_swaps_parameters_and_state(foreach):
+def test_optimizer_step_swaps_parameters_and_state(foreach, in_place, monkeypatch):
+    """AdamW's parameters and moments after 4 compiled steps match eager's. The first step swaps
+    new storages in (zero copy). From the second on, XLA writes them in place (the default,
+    runtime/inplace.py), or swaps again (FX2XLA_INPLACE=0). Neither recompiles, and no graph keeps
+    a device buffer of a replaced storage."""
+    monkeypatch.setenv("FX2XLA_INPLACE", "1" if in_place else "0")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     ref = copy.deepcopy(model)
@@ -105,14 +111,21 @@ def test_optimizer_step_swaps_parameters_and_state(foreach):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     compiled_model = torch.compile(model, backend="fx2xla")
     step = torch.compile(opt.step, backend="fx2xla")
-    _train(compiled_model, opt, step, x, steps=1)
-    graphs = fx2xla.metrics()["graphs"]
     params = list(model.parameters())
     ptrs = [p.data_ptr() for p in params]
-    # One step: its results are allocated while the old storages still live, so a swapped
+    _train(compiled_model, opt, step, x, steps=1)
+    graphs = fx2xla.metrics()["graphs"]
+    # The first step's results are allocated while the old storages still live, so a swapped
     # parameter's address must differ (over more steps the allocator may hand one back).
-    losses = _train(compiled_model, opt, step, x, steps=1)
     assert all(p.data_ptr() != q for p, q in zip(params, ptrs))  # swapped, not copied
+    ptrs = [p.data_ptr() for p in params]
+    versions = [p._version for p in params]
+    losses = _train(compiled_model, opt, step, x, steps=1)
+    if in_place:
+        assert [p.data_ptr() for p in params] == ptrs
+        assert all(p._version > v for p, v in zip(params, versions))  # a write autograd sees
+    else:
+        assert all(p.data_ptr() != q for p, q in zip(params, ptrs))
     losses = torch.cat([losses, _train(compiled_model, opt, step, x, steps=2)])
     assert fx2xla.metrics()["graphs"] == graphs  # new storages trigger no recompile
     torch.testing.assert_close(losses, expected[1:], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,98 @@
+"""Written inputs updated in place: torch views over XLA's own buffers.
+
+A graph that writes its inputs (an optimizer step's parameters and moments, batch norm's
+running statistics) returns their new contents as results, and each call would hand torch a
+fresh buffer per written tensor. XLA can instead write into the input's own buffer (the module
+aliases the input with its result, and the caller donates it), as eager and Inductor update
+tensors in place: no fresh allocation per tensor and step, no page faults on its first touch
+(bench/train.py's MLP step: docs/benchmarks.md).
+
+PJRT aliases a donated buffer only if XLA owns it and nothing references it from outside:
+- a DLPack import of torch memory is donated but not aliased (the result is a new buffer);
+- a result exported to torch through DLPack holds an external reference and is not donated.
+So the new contents of a written input reach torch as a *view*: a tensor over the result's
+memory (`own_view`), whose storage keeps a `Holder` of the jax Array alive instead of taking a
+PJRT external reference. The next call takes that Array back as the input's twin
+(runtime/twins.py) and donates it; XLA writes the new contents at the same address; the holder
+then moves to the new Array (`rehome`), which owns the memory from then on. The tensor keeps its
+storage, and its version counter moves as for any in-place write (`written_in_place`).
+
+One-device CPU plans only for now (plan.py decides; `FX2XLA_INPLACE=0` turns it off): on a GPU,
+XLA writing memory in place must also be ordered after torch's queued kernels that read it, and
+that has not run on a GPU yet. On the CPU every call has finished when it returns (results are
+read or exported only once ready), so no execution still reads a buffer when the next donates it.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+# The numpy array-interface type string per torch dtype a view can be made as (bfloat16 and
+# other dtypes numpy lacks: as unsigned integers of their width, then `Tensor.view(dtype)`).
+_TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2", torch.int64: "<i8",
+            torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1", torch.bool: "|b1",
+            torch.complex64: "<c8", torch.complex128: "<c16"}
+_WIDTH = {1: "|u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def enabled() -> bool:
+    """Whether one-device CPU plans write their written inputs in place (`FX2XLA_INPLACE`,
+    default on), read when a graph is planned."""
+    return os.environ.get("FX2XLA_INPLACE", "1") not in ("0", "")
+
+
+def viewable(dtype: torch.dtype) -> bool:
+    """Whether `own_view` can make a tensor of `dtype`."""
+    return dtype in _TYPESTR or dtype.itemsize in _WIDTH
+
+
+class Holder:
+    """Owns the memory a torch storage views: the jax Array that last wrote it. numpy keeps the
+    holder as its array's base, and torch keeps that array as the storage's owner."""
+
+    __slots__ = ("array", "__array_interface__", "__weakref__")
+
+
+# address -> Holder, while its storage lives (a new holder at a freed address replaces the entry;
+# the old one's weak reference then removes nothing).
+_holders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def own_view(a, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of `dtype` over the memory of jax Array `a` (one device, row-major), holding
+    `a` instead of a PJRT external reference, so that a later call can donate `a` and have XLA
+    write its result there. Waits until `a` is ready."""
+    import numpy as np
+
+    if a.dtype.itemsize != dtype.itemsize:
+        raise TypeError(f"fx2xla: a {a.dtype}{list(a.shape)} result cannot be viewed as {dtype}")
+    a.block_until_ready()
+    holder = Holder()
+    holder.array = a
+    ptr = a.unsafe_buffer_pointer()
+    typestr = _TYPESTR.get(dtype)
+    holder.__array_interface__ = {"data": (ptr, False), "shape": tuple(a.shape),
+                                  "typestr": typestr or _WIDTH[dtype.itemsize], "version": 3}
+    t = torch.from_numpy(np.asarray(holder))
+    if typestr is None:
+        t = t.view(dtype)
+    _holders[ptr] = holder
+    return t
+
+
+def rehome(ptr: int, a) -> bool:
+    """XLA wrote jax Array `a` into the memory at `ptr` (the donated input's): the holder there,
+    if any, now holds `a`, which owns that memory. Returns whether there was one."""
+    holder = _holders.get(ptr)
+    if holder is None:
+        return False
+    holder.array = a
+    return True
+
+
+def written_in_place(dst: torch.Tensor) -> None:
+    """`dst`'s memory now holds new contents XLA wrote: its version moves, as an in-place
+    write's does (autograd, and twins, see the change)."""
+    torch.autograd.graph.increment_version(dst)
