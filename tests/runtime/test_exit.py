@@ -2,7 +2,7 @@
 tensor's memory is pinned by a C++ reference that is never dropped, so no XLA thread that lets
 go of a tensor handed in from torch takes the GIL during finalization (which CPython answers by
 ending the thread, and XLA's noexcept frames by std::terminate: SIGABRT). Fresh processes that
-load a package, or compile, run once and return, all exit with 0 (FX2XLA_EXIT_RUNS of each kind
+load a package, compile and run once, or train with parameters written in place, all exit with 0 (FX2XLA_EXIT_RUNS of each kind
 by default, 30 under -m slow). Values are checked against eager in each child (float32:
 rtol 1e-4, atol 1e-4)."""
 import concurrent.futures
@@ -34,6 +34,29 @@ with torch.no_grad():
     expected = model(x)
     out = torch.compile(model, backend="fx2xla")(x)
 torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+"""
+
+# Training steps whose parameters and moments XLA writes in place (runtime/inplace.py): at exit
+# they are torch views that hold XLA's buffers.
+_TRAIN_CHILD = """
+import copy, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 16))
+ref = copy.deepcopy(model)
+x = torch.randn(8, 64)
+def train(m, backend):
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    fwd = torch.compile(m, backend=backend) if backend else m
+    step = torch.compile(opt.step, backend=backend) if backend else opt.step
+    for _ in range(3):
+        fwd(x).square().mean().backward()
+        step()
+        opt.zero_grad()
+    return opt
+opt = train(model, "fx2xla")
+train(ref, None)
+for p, q in zip(model.parameters(), ref.parameters()):
+    torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 """
 
 
@@ -78,6 +101,14 @@ def test_processes_that_load_a_package_exit_cleanly(package):
 
 def test_processes_that_compile_exit_cleanly(tmp_path):
     _compile_runs(tmp_path, _RUNS)
+
+
+def test_processes_that_train_in_place_exit_cleanly(tmp_path):
+    """Processes whose parameters and AdamW moments XLA wrote in place (torch views holding
+    XLA's buffers when the interpreter finalizes) exit with 0, their parameters matching
+    eager's after 3 steps."""
+    env = dict(os.environ, FX2XLA_CACHE_DIR=str(tmp_path / "cache"))
+    _assert_all_exit_cleanly(_run_children([(_TRAIN_CHILD,)] * _RUNS, env))
 
 
 @pytest.mark.slow
