@@ -257,15 +257,19 @@ class PlanExecutor:
                 r = resident[slot]
                 if r is not None:
                     held, version, ptr, buf = r
-                    if held is t and version == t._version and ptr == t.data_ptr():
-                        bufs.append(buf)
-                        continue
+                    if held is t and ptr == t.data_ptr():
+                        try:
+                            if version == t._version:
+                                bufs.append(buf)
+                                continue
+                        except RuntimeError:  # an inference tensor: no version, imported again
+                            pass
                 renewed = True
             if bump is not None:  # an earlier result, unchanged: its own array, no import
                 buf = _twin_of(t, self.jax_device, bump)
                 if buf is not None:
                     if slot >= 0:
-                        resident[slot] = (t, t._version, t.data_ptr(), buf)
+                        resident[slot] = (t, t._version, t.data_ptr(), buf)  # (a twin is never an inference tensor)
                         self._hold(t, slot)
                     twinned, twinned_pos = step, len(bufs)
                     bufs.append(buf)
@@ -281,8 +285,8 @@ class PlanExecutor:
             bufs.append(None)
         for i, slot in self.check_steps:
             t, r = args[i], resident[slot]
-            if r is None or r[0] is not t or r[1] != t._version or r[2] != t.data_ptr():
-                resident[slot] = (t, t._version, t.data_ptr(), None)
+            if r is None or r[0] is not t or r[1] != version_of(t) or r[2] != t.data_ptr():
+                resident[slot] = (t, version_of(t), t.data_ptr(), None)
                 renewed = True
         if renewed:
             self._resident_epoch = next(_epochs)
@@ -312,7 +316,7 @@ class PlanExecutor:
                     buf = self._hand_off(dense, step)
                 bufs[pos] = buf
                 if step.slot >= 0:
-                    resident[step.slot] = (t, t._version, t.data_ptr(), buf)
+                    resident[step.slot] = (t, version_of(t), t.data_ptr(), buf)
                     self._hold(t, step.slot)
             del claimed  # the imports are ordered after torch's stream, and this execution after them
         if stacks:
@@ -447,6 +451,20 @@ class PlanExecutor:
     def resident_buffers(self) -> list[ResidentInput | None]:
         """Per resident input slot, its ResidentInput as last imported, or None."""
         return [None if r is None else ResidentInput(*r) for r in self._resident]
+
+
+# The version recorded for an inference tensor, which has no version counter: NaN equals
+# nothing, so a resident buffer of one is never taken as current (it is imported again per call:
+# torch could have written it in inference mode without a trace).
+UNTRACKED = float("nan")
+
+
+def version_of(t: torch.Tensor):
+    """`t._version`, or UNTRACKED for an inference tensor."""
+    try:
+        return t._version
+    except RuntimeError:
+        return UNTRACKED
 
 
 def _extra_step(move: Move, replicated) -> ImportStep:

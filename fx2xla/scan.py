@@ -196,7 +196,9 @@ def scan_layers(layers: Sequence[torch.nn.Module] | torch.nn.Module, x: torch.Te
     first = layers[0]
     params = {name: torch.stack([p[name] for p, _ in named]) for name in named[0][0]}
     buffers = {name: torch.stack([b[name] for _, b in named]) for name in named[0][1]}
-    versions = None if torch.compiler.is_compiling() else [t._version for t in buffers.values()]
+    # (Inference tensors have no version counter: under inference_mode the check is skipped.)
+    versions = (None if torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+                else [t._version for t in buffers.values()])
 
     def step(h, state):
         out = torch.func.functional_call(first, state, (h, *args), kwargs)

@@ -94,5 +94,6 @@ def rehome(ptr: int, a) -> bool:
 
 def written_in_place(dst: torch.Tensor) -> None:
     """`dst`'s memory now holds new contents XLA wrote: its version moves, as an in-place
-    write's does (autograd, and twins, see the change)."""
-    torch.autograd.graph.increment_version(dst)
+    write's does (autograd, and twins, see the change). An inference tensor has no version."""
+    if not dst.is_inference():
+        torch.autograd.graph.increment_version(dst)

@@ -34,6 +34,9 @@ recorded for this, not only those that may come back as inputs):
   `ORDER_BYTES` or more: then the call imports one of its twins again, so that it is ordered and
   can claim them (memory back at once, for one import).
 
+Inference tensors (made under `torch.inference_mode()`) have no version counter, so torch's
+writes to them cannot be seen: no record is kept for one, and none is taken for one.
+
 `FX2XLA_TWINS=0` turns the twins off: every input is imported as before.
 """
 from __future__ import annotations
@@ -90,12 +93,16 @@ def _drop(key: int, ref) -> None:
 def keep(t, array, device, fenced: bool = False) -> None:
     """Record `array` (on jax `device`) as the contents of tensor `t`, which shares its memory.
     `fenced`: a GPU's array, released after torch's stream once dropped (see above)."""
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor: torch may write it unseen (no version), no twin
+        return
     key = t.data_ptr()
     storage = t.untyped_storage()
     rec = _table.get(key)
     ref = rec.storage if rec is not None and rec.storage() is storage else \
         weakref.ref(storage, functools.partial(_drop, key))
-    _table[key] = TwinRecord(ref, t._version, t.shape, t.dtype, array, device, fenced)
+    _table[key] = TwinRecord(ref, version, t.shape, t.dtype, array, device, fenced)
 
 
 def rebind(t) -> None:
@@ -104,7 +111,10 @@ def rebind(t) -> None:
     key = t.data_ptr()
     rec = _table.get(key)
     if rec is not None and rec.storage() is t.untyped_storage():
-        _table[key] = rec._replace(version=t._version)
+        try:
+            _table[key] = rec._replace(version=t._version)
+        except RuntimeError:  # an inference tensor now: its writes cannot be seen, no twin
+            _table.pop(key, None)
 
 
 def waiting() -> bool:
@@ -158,8 +168,13 @@ def twin(t, device, bump: int = 0):
     """The jax Array on `device` that `t` is the twin of, or None. `bump`: how far the caller
     (AOTAutograd) moved `t`'s version since the record, without writing it."""
     rec = _table.get(t.data_ptr())
-    if (rec is None or rec.device is not device or rec.version + bump != t._version or rec.dtype is not t.dtype
-            or rec.shape != t.shape or not t.is_contiguous()):
+    if (rec is None or rec.device is not device or rec.dtype is not t.dtype or rec.shape != t.shape
+            or not t.is_contiguous()):
+        return None
+    try:
+        if rec.version + bump != t._version:
+            return None
+    except RuntimeError:  # an inference tensor over a result's memory: no version to trust
         return None
     return rec.array
 
