@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import fmt_time, interleaved_medians, timed_call, unsliced, write_json  # noqa: E402
 
 import fx2xla  # noqa: E402
+from fx2xla.metrics import live_graphs  # noqa: E402
 from fx2xla.testing import model_cases  # noqa: E402
 
 
@@ -39,7 +40,8 @@ def tiny(x):
 
 def per_call_overhead(rounds: int) -> dict:
     """fx2xla's whole call on a 4-element graph vs eager, Inductor, Dynamo's own floor (a
-    backend returning `gm.forward`) and raw PJRT executes of fx2xla's executable on a resident
+    backend returning `gm.forward`, and one whose graph computes nothing), fx2xla's compiled
+    graph called directly (its whole per-call path, without Dynamo's frame) and raw PJRT executes of fx2xla's executable on a resident
     buffer: the public `LoadedExecutable.execute` and fx2xla's launcher (the fast path it uses,
     including the DLPack export of the output). Medians of interleaved rounds, in one run."""
     from fx2xla.runtime import default_device, executable_cache
@@ -52,11 +54,16 @@ def per_call_overhead(rounds: int) -> dict:
     compiled = torch.compile(tiny, backend="fx2xla", fullgraph=True)
     inductor = torch.compile(tiny, fullgraph=True)
     floor = torch.compile(tiny, backend=lambda gm, _: gm.forward, fullgraph=True)
-    compiled(x), inductor(x), floor(x)
+    # Dynamo's own cost: a backend whose graph computes nothing (returns its input).
+    empty = torch.compile(tiny, backend=lambda gm, _: (lambda *args: (args[0],)), fullgraph=True)
+    before = {id(g) for g in live_graphs}
+    compiled(x), inductor(x), floor(x), empty(x)
+    graph = next(g for g in live_graphs if id(g) not in before)
     exe = next(iter(executable_cache._entries.values()))
     buf = import_tensor(x, default_device().jax_device)
     launch = make_launcher(exe)
-    contenders = {"eager": tiny, "inductor": inductor, "dynamo_floor": floor, "fx2xla": compiled,
+    contenders = {"eager": tiny, "inductor": inductor, "dynamo_floor": floor, "dynamo_empty_backend": empty,
+                  "fx2xla": compiled, "fx2xla_graph_without_dynamo": graph.call_unboxed,
                   "raw_pjrt_execute": lambda _: exe.execute([buf]), "raw_fx2xla_launch": lambda _: launch([buf])}
     res = {}
     for clock_name, clock in (("wall", time.perf_counter), ("cpu", time.thread_time)):
