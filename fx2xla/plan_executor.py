@@ -406,6 +406,11 @@ class PlanExecutor:
                 if keep is not None:
                     keep(dst, a, device)
             else:
+                if _inplace.consumed(ptr):
+                    raise RuntimeError(
+                        f"fx2xla: XLA took the buffer of written input {i} ({dst.dtype}{list(dst.shape)}) without "
+                        "writing its result there; its memory may be gone. Please report this; FX2XLA_INPLACE=0 "
+                        "avoids it.")
                 if later is None:
                     later = []
                 later.append((i, r))

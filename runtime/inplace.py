@@ -92,6 +92,14 @@ def rehome(ptr: int, a) -> bool:
     return True
 
 
+def consumed(ptr: int) -> bool:
+    """Whether the Array the holder at `ptr` holds was donated away (deleted) although no
+    result landed at its address: PJRT aliases every donated buffer it owns outright, so this
+    is never expected, and the caller refuses to go on over memory that may be freed."""
+    holder = _holders.get(ptr)
+    return holder is not None and holder.array.is_deleted()
+
+
 def written_in_place(dst: torch.Tensor) -> None:
     """`dst`'s memory now holds new contents XLA wrote: its version moves, as an in-place
     write's does (autograd, and twins, see the change). An inference tensor has no version."""

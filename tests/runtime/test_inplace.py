@@ -240,8 +240,9 @@ def test_training_in_threads_matches_eager():
 
 def test_own_view_holds_the_array_and_follows_it():
     """`own_view` makes a tensor over a jax Array's memory for each dtype a written input can
-    have (bfloat16 through a same-width integer view); the tensor keeps the Array alive, and
-    `rehome` moves it to the Array XLA wrote there."""
+    have (bfloat16 through a same-width integer view); the tensor keeps the Array alive,
+    `rehome` moves it to the Array XLA wrote there, and `consumed` tells when the Array was
+    deleted under the view."""
     import jax
     import numpy as np
 
@@ -257,6 +258,14 @@ def test_own_view_holds_the_array_and_follows_it():
         gc.collect()
         torch.testing.assert_close(t, src, rtol=0, atol=0)  # still alive through the view
     assert inplace.rehome(t.data_ptr() + 1, None) is False  # no holder there
+    assert not inplace.consumed(t.data_ptr())
+    with jax.enable_x64(True):
+        b = jax.jit(lambda v: v * 2)(jax.numpy.ones(4))
+    u = inplace.own_view(b, torch.float64)
+    ptr = u.data_ptr()
+    b.delete()  # as a donation that left no result at this address would (never expected)
+    assert inplace.consumed(ptr)
+    del u  # never read: its memory is gone
     assert inplace.viewable(torch.complex64) and inplace.viewable(torch.float64)
 
 
