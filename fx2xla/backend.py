@@ -509,7 +509,12 @@ def _input_name(node: torch.fx.Node) -> str:
 def _check_recompile(gm, example_inputs, opts, name: str) -> None:
     """Raise RecompileError (naming what changed) if this compile is forbidden; else note it."""
     cid = torch._guards.CompileContext.current_compile_id()
-    seen = _compiled_signatures.setdefault(getattr(cid, "frame_id", None), [])
+    frame = getattr(cid, "frame_id", None)
+    if getattr(cid, "frame_compile_id", None) == 0:
+        # A frame's first compile: whatever this table holds under its id is another
+        # function's (frame ids start again from 0 after torch._dynamo.reset()).
+        _compiled_signatures.pop(frame, None)
+    seen = _compiled_signatures.setdefault(frame, [])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     signature = tuple(InputSignature.of(_input_name(n), v) for n, v in zip(placeholders, example_inputs))
     if not compile_allowed(bool(opts["no_recompile"])):

@@ -60,6 +60,19 @@ def test_recompile_error_is_itself_and_names_what_changed():
         compiled(torch.randn(3, 8))
 
 
+def test_recompile_error_after_a_dynamo_reset_ignores_what_came_before():
+    """Signatures compiled before `torch._dynamo.reset()` (whose frame ids start again from 0)
+    do not count for a function compiled after it: the same function, compiled earlier at the
+    very shape that now recompiles, does not turn the message into "the same input signature"."""
+    model = torch.nn.Linear(8, 4)
+    torch.compile(torch.nn.Linear(8, 4), backend="fx2xla")(torch.randn(3, 8))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fx2xla", options={"no_recompile": True})
+    fx2xla.warmup(compiled, [torch.randn(2, 8)], progress=False)
+    with pytest.raises(fx2xla.RecompileError, match=r"shape float32\[2, 8\] -> float32\[3, 8\]"):
+        compiled(torch.randn(3, 8))
+
+
 def test_recompile_error_of_a_dynamic_graph_names_the_shape():
     compiled = torch.compile(lambda x: x * 2, backend="fx2xla", dynamic=True)
     compiled(torch.randn(3))
