@@ -381,17 +381,20 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             continue
         node = placeholders[i]
         spec = shardings.spec(node) if shardings is not None else None
-        # Replicated ones are not donated: their new contents reach torch as device 0's buffer
-        # itself (zero-copy), which must then outlive the next call.
-        donated = (shardings is not None and layout.kind is InputKind.TENSOR and i not in skipped and node in written
-                   and _same_value_type(node, written[node]) and shardings.spec(written[node]) == spec
-                   and not mesh_by_id(mesh_id).named_sharding(spec).is_fully_replicated)
-        # One CPU device: the executable writes the new contents where the input's buffer is
-        # (runtime/inplace.py), when that buffer is XLA's own (a view torch holds over an
-        # earlier result); torch's memory otherwise.
-        donated = donated or (in_place and layout.kind is InputKind.TENSOR and i not in skipped and node in written
-                              and _same_value_type(node, written[node]) and ex.device == torch_device
-                              and i not in host_inputs and ex.numel() > 0 and _inplace.viewable(ex.dtype))
+        # A dense written input whose new contents have its shape and dtype may be written in place.
+        writable = (layout.kind is InputKind.TENSOR and i not in skipped and node in written
+                    and _same_value_type(node, written[node]))
+        if shardings is not None:
+            # Replicated ones are not donated: their new contents reach torch as device 0's
+            # buffer itself (zero-copy), which must then outlive the next call.
+            donated = (writable and shardings.spec(written[node]) == spec
+                       and not mesh_by_id(mesh_id).named_sharding(spec).is_fully_replicated)
+        else:
+            # One CPU device: the executable writes the new contents where the input's buffer is
+            # (runtime/inplace.py), when that buffer is XLA's own (a view torch holds over an
+            # earlier result); torch's memory otherwise.
+            donated = (writable and in_place and ex.device == torch_device and i not in host_inputs
+                       and ex.numel() > 0 and _inplace.viewable(ex.dtype))
         # A donated buffer is consumed by each call: never kept resident.
         inputs.append(InputPlan(layout.kind, layout.perm, ex.device, _move(ex.device, device, torch_device),
                                 resident=i in resident and not donated, passed=i not in skipped,
