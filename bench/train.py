@@ -10,7 +10,9 @@ fx2xla ÷ Inductor) and each compiler's first step (compiles forward, backward a
 step; Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR, fx2xla with a cold disk cache),
 for the CNN also fx2xla with options={"torch_kernels": False} (XLA's own convolutions: the
 column `tk` is fx2xla ÷ that) and the same fx2xla step with torch's kernels on whole batches
-(fx2xla.torch_kernels.batch_slicing(False); the column `sl` is fx2xla ÷ that),
+(fx2xla.torch_kernels.batch_slicing(False); the column `sl` is fx2xla ÷ that) and with
+options={"channels_last": False} (batch norm, ReLU and pooling on NCHW values: `cl` is fx2xla ÷
+that),
 |dloss1| = |fx2xla - eager| first-step loss (rounding only without dropout; with dropout the
 random bits differ), and the 1-minute load average after timing (above the core count, other
 processes are skewing the figures). Raw numbers go to bench/results/train.json.
@@ -76,16 +78,16 @@ def loss_fn(out, target):
 
 
 def make_step(model, backend: str | None, x, y, foreach: bool | None = None, loss=loss_fn, lr: float = 1e-4,
-              options: dict | None = None):
+              options: dict | None = None, optimizer_options: dict | None = None):
     """A training step closure for one contender (backend None: eager). foreach None is
     torch's default, which on CPU is the single-tensor AdamW. `options`: the backend's, for the
-    model (the optimizer step is compiled without them)."""
+    model; `optimizer_options`: for the optimizer step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
     if backend is None:
         forward, opt_step = model, opt.step
     else:
         forward = torch.compile(model, backend=backend, options=options)
-        opt_step = torch.compile(opt.step, backend=backend)
+        opt_step = torch.compile(opt.step, backend=backend, options=optimizer_options)
 
     def step():
         value = loss(forward(x), y)
@@ -106,14 +108,20 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
     res: dict = {"description": CASES[name][0],
                  "parameters": sum(p.numel() for p in model.parameters()),
                  "foreach": None}
+    # A contender that differs from "fx2xla" only by an environment variable passes options all
+    # the same (the default "fallback"): with none, Dynamo would find the graphs "fx2xla" compiled
+    # for the model's class, guarded on the parameters' shapes only, and time those again.
     contenders = [("eager", None, None, {}), ("inductor", "inductor", None, {}), ("fx2xla", "fx2xla", None, {}),
                   # written inputs (parameters, moments) in fresh buffers each step, not in place
-                  ("fx2xla_not_in_place", "fx2xla", None, {"FX2XLA_INPLACE": "0"})]
+                  ("fx2xla_not_in_place", "fx2xla", {"fallback": "eager"}, {"FX2XLA_INPLACE": "0"})]
     if name == "cnn":
         contenders.append(("fx2xla_xla_kernels", "fx2xla", {"torch_kernels": False}, {}))
+        # batch norm, ReLU and pooling on NCHW values, transposed around each convolution
+        contenders.append(("fx2xla_not_channels_last", "fx2xla", {"channels_last": False}, {}))
     for contender, backend, options, env in contenders:
         torch.manual_seed(1)  # the same dropout seed for each first step (bits differ per compiler)
-        steps[contender], opt = make_step(copy.deepcopy(model), backend, x, y, foreach, options=options)
+        steps[contender], opt = make_step(copy.deepcopy(model), backend, x, y, foreach, options=options,
+                                          optimizer_options=options)
         first = {}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # read when the first step plans its graphs
@@ -145,6 +153,8 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
         res["torch_kernels_ratio"] = med["fx2xla"] / med["fx2xla_xla_kernels"]
     if "fx2xla_unsliced" in med:
         res["batch_slicing_ratio"] = med["fx2xla"] / med["fx2xla_unsliced"]
+    if "fx2xla_not_channels_last" in med:
+        res["channels_last_ratio"] = med["fx2xla"] / med["fx2xla_not_channels_last"]
     # Steady state must not recompile or fall back to eager: report it if it does.
     res["fx2xla_graphs_compiled_while_timing"] = after["graphs"] - before["graphs"]
     res["fx2xla_fallback_ops"] = after["fallback_ops"]
@@ -183,6 +193,8 @@ def main() -> None:
             print(f"{'':15s} tk (fx2xla ÷ fx2xla with XLA's own convolutions): {r['torch_kernels_ratio']:.2f}")
         if "batch_slicing_ratio" in r:
             print(f"{'':15s} sl (fx2xla ÷ fx2xla with torch's kernels on whole batches): {r['batch_slicing_ratio']:.2f}")
+        if "channels_last_ratio" in r:
+            print(f"{'':15s} cl (fx2xla ÷ fx2xla transposing around each convolution): {r['channels_last_ratio']:.2f}")
         if r["fx2xla_graphs_compiled_while_timing"] or r["fx2xla_fallback_ops"]:
             print(f"{'':15s} note: fx2xla compiled {r['fx2xla_graphs_compiled_while_timing']} graphs while timing; "
                   f"{r['fx2xla_fallback_ops']} ops fell back to eager")

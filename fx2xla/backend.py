@@ -62,6 +62,10 @@ OPTIONS = {
                       "convolutions run torch's own kernels (oneDNN), and bf16 matmuls of one row the library's "
                       "streaming kernel; False: XLA's own kernels; "
                       "\"convolution\" or \"skinny_matmul\" (or a list): only those"),
+    "channels_last": (True, "on the CPU, batch norm, pooling and pointwise ops between 2-D convolutions run on "
+                      "channels-last values, and a training step's activations cross to its backward "
+                      "channels-last; False: NCHW values, transposed around each convolution "
+                      "(FX2XLA_CHANNELS_LAST=0 turns it off everywhere)"),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -74,6 +78,8 @@ def _check_options(options: dict | None) -> dict:
         raise ValueError(f"fx2xla: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
     opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
     opts["torch_kernels"] = torch_kernels.kinds(opts["torch_kernels"])  # a ValueError names a bad kind
+    if not isinstance(opts["channels_last"], bool):
+        raise ValueError(f"fx2xla: option channels_last={opts['channels_last']!r}; expected True or False")
     if opts["fallback"] not in ("eager", "error"):
         raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
     if opts["partitioner"] not in ("min_cut", "default"):
@@ -102,6 +108,32 @@ def _fw_metadata():
         return ctx.fw_metadata if ctx is not None else None
     except AttributeError:
         return None
+
+
+def _saved_for_backward(gm) -> tuple[frozenset, list] | None:
+    """(positions of the forward graph `gm`'s outputs that only its backward reads, the list
+    AOTAutograd collects the forward's output strides in, restriding the backward's inputs to
+    match), from AOTAutograd's private state; None where either is missing or the outputs do not
+    line up (tensor subclasses), or with FX2XLA_PUBLIC_STRIDES=1: those outputs then keep
+    torch's strides."""
+    if os.environ.get("FX2XLA_PUBLIC_STRIDES", "") not in ("", "0"):
+        return None
+    try:
+        from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
+
+        ctx = torch._guards.TracingContext.try_get()
+        if ctx is None or ctx.fw_metadata is None or ctx.output_strides is None:
+            return None
+        meta, strides = ctx.fw_metadata, ctx.output_strides
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        saved = range(*meta.tensors_saved_for_backwards_slice.indices(len(outputs)))
+        # Subclass outputs are flattened in the graph, and AOTAutograd's positions are not its.
+        if strides or saved.start != meta.num_forward or any(isinstance(m, SubclassCreationMeta)
+                                                             for m in meta.subclass_fw_graph_out_meta or ()):
+            return None
+    except (ImportError, AttributeError, AssertionError, TypeError):
+        return None
+    return frozenset(saved), strides
 
 
 def aot_wrappers_needed(meta, graph_inputs: int, dynamo_inputs: int) -> bool:
@@ -159,18 +191,23 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
             lambda sub, examples, sub_name, resident: CompiledGraph(
                 sub, examples, device, f"{name}_{sub_name}", resident_inputs=resident,
                 no_recompile=bool(options["no_recompile"]), check_indices=bool(options["check_indices"]),
-                torch_kernels=options["torch_kernels"],
+                torch_kernels=options["torch_kernels"], channels_last=options["channels_last"],
             ),
             static_input_indices(len(example_inputs)),
         )
     buckets = options["batch_buckets"] if kind == "inference" else None  # never pad training
+    saved = _saved_for_backward(gm) if kind == "forward" else None
     compiled = CompiledGraph(gm, example_inputs, device, name, no_recompile=bool(options["no_recompile"]),
                              batch_buckets=tuple(buckets) if buckets else None,
                              check_indices=bool(options["check_indices"]), annotations=annotations,
                              solution=solution,
                              # Training graphs' outputs feed autograd and the backward: kept whole.
                              sharded_outputs=kind == "inference" and options["outputs"] == "sharded",
-                             offload=offload, input_names=names, torch_kernels=options["torch_kernels"])
+                             offload=offload, input_names=names, torch_kernels=options["torch_kernels"],
+                             saved_outputs=saved[0] if saved is not None else frozenset(),
+                             channels_last=options["channels_last"])
+    if saved is not None:
+        saved[1].extend(compiled.output_strides())
     if kind == "forward" and offload is not None:
         note_forward(gm, compiled.plan, _compile_key())
     if made is not None:

@@ -15,6 +15,7 @@ import torch
 
 from . import dump
 from . import offload as _offload
+from .lowering.channels_last import TO_FIRST, saved_strides
 from .lowering.graph import check_rules, lower_graph
 from .lowering.nn import CUDNN_MARKER, cudnn_attention_disabled
 from .metrics import counters, live_graphs
@@ -89,11 +90,14 @@ class CompiledGraph:
                  resident_inputs: set[int] | None = None, no_recompile: bool = False,
                  batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True,
                  annotations=None, solution=None, sharded_outputs: bool = False, offload=None,
-                 input_names: list[str] | None = None, torch_kernels=True):
+                 input_names: list[str] | None = None, torch_kernels=True, saved_outputs=frozenset(),
+                 channels_last: bool = True):
         """`offload`: host offloading (offload.py): (input positions, output positions) whose
         values live in host memory, or None. `solution`: auto-sharding's, kept as
         `auto_sharding` for reports. `input_names`: the user's names of the inputs (`L['x']`),
-        for explain_sharding. `torch_kernels`: the option of that name (lower_graph)."""
+        for explain_sharding. `torch_kernels`: the option of that name (lower_graph).
+        `saved_outputs`: a forward graph's outputs only its backward reads (plan.build_plan).
+        `channels_last`: the option of that name (lowering/channels_last.py)."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -113,7 +117,8 @@ class CompiledGraph:
         n = len(self.example_inputs)
         resident = resident_inputs if resident_inputs is not None else static_input_indices(n)
         self.plan = plan = build_plan(gm, self.example_inputs, device, resident, annotations, solution,
-                                      None if offload is None else (*offload, _offload.HOST_KIND), version_bumps(n))
+                                      None if offload is None else (*offload, _offload.HOST_KIND), version_bumps(n),
+                                      saved_outputs, channels_last)
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:
@@ -137,6 +142,21 @@ class CompiledGraph:
                          if self.dynamic and batch_buckets and not input_mutations(gm) else None)
         if not self.dynamic:
             self.static = self._specialize(None)
+
+    def output_strides(self) -> list[tuple[int, ...] | None]:
+        """Per graph output, the strides of the tensor a call returns where the plan leaves it
+        in another layout than the graph's own (channels-last activations); None elsewhere."""
+        strides = []
+        for o, meta in zip(self.plan.outputs, self._output_metas()):
+            laid = (o.kind == "tensor" and o.inv_perm == TO_FIRST and isinstance(meta, torch.Tensor)
+                    and meta.is_contiguous())
+            strides.append(saved_strides(tuple(meta.shape)) if laid else None)
+        return strides
+
+    def _output_metas(self) -> list:
+        output = next(n for n in self.gm.graph.nodes if n.op == "output").args[0]
+        output = output if isinstance(output, (list, tuple)) else [output]
+        return [v.meta.get("val") if isinstance(v, torch.fx.Node) else v for v in output]
 
     def resident_buffers(self) -> list[ResidentInput | None]:
         """Per resident input slot, a ResidentInput as last imported (the device buffer is None

@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from .layouts import dense_permutation, inverse, is_identity, symbolic
+from .lowering import channels_last as _channels_last
 from .lowering.registry import PYTHON_OPS, graph_uses_randomness, lowering_for
 from .passes.sharding import graph_mesh, propagate
 from .runtime import inplace as _inplace
@@ -178,6 +179,8 @@ class GraphPlan:
     # node -> {operand node: spec}: the layout the solver priced the node's read of an operand
     # in, where it differs from the operand's own (the reshard happens there, as priced).
     operand_constraints: dict = field(default_factory=dict)
+    # The values computed channels-last between convolutions on the CPU (lowering/channels_last.py).
+    channels_last: Any = _channels_last.NONE
 
     @property
     def platform(self) -> str:
@@ -344,7 +347,8 @@ def _move(device: torch.device | None, target: Device, torch_target: torch.devic
 
 def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                resident: set[int] | None = None, annotations=None, solution=None, offload=None,
-               bumps: frozenset[int] = frozenset()) -> GraphPlan:
+               bumps: frozenset[int] = frozenset(), saved: frozenset[int] = frozenset(),
+               channels_last: bool = True) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -353,7 +357,10 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     `offload`: host offloading (offload.py), (input positions, output positions, memory kind):
     those inputs arrive in, and those outputs' results (and the written inputs' new contents)
     are left in, that memory kind. `bumps`: the inputs whose version AOTAutograd bumps before
-    each call (see InputPlan.bump)."""
+    each call (see InputPlan.bump). `saved`: positions of a forward graph's outputs that only
+    its backward reads, whose strides the compiler chooses: a channels-last value among them
+    leaves the executable channels-last. `channels_last`: whether values between convolutions
+    may be computed channels-last at all (the option of that name)."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -403,6 +410,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                                 bump=int(i in bumps)))
     seed = graph_uses_randomness(gm)
     seed_device = torch_device if torch_device is not None else torch.device("cpu")
+    laid = (_channels_last.plan_channels_last(gm, example_inputs, device.platform, mesh_id) if channels_last
+            else _channels_last.NONE)
 
     constants = constant_values(gm)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -457,6 +466,13 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                 base_result[(base, memory)] = result(base, home=base_meta.device, memory=memory)
             outputs.append(OutputPlan(OutputKind.TENSOR, index=base_result[(base, memory)], views=views, device=meta.device))
             continue
+        if j in saved and v in laid.physical and meta.dim() == 4 and not symbolic(meta.shape) \
+                and meta.numel() > 1 and meta.is_contiguous() and memory is None:
+            # An activation the backward reads, left as XLA computed it (NHWC); the backward
+            # takes it so (AOTAutograd hands it the strides reported for it).
+            outputs.append(OutputPlan(OutputKind.TENSOR, index=result(v, _channels_last.TO_LAST, meta.device),
+                                      inv_perm=_channels_last.TO_FIRST, device=meta.device))
+            continue
         if meta.dim() > 1 and not symbolic(meta.shape) and meta.numel() > 1 and not meta.is_contiguous():
             shape, stride = tuple(meta.shape), tuple(meta.stride())
             perm = dense_permutation(shape, stride)
@@ -473,7 +489,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         position = placeholders.index(dst)
         mutations.append(Mutation(position, result(node, home=inputs[position].device, memory=inputs[position].memory_kind)))
     return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
-                     mesh_id, shardings, constraints, operand_constraints)
+                     mesh_id, shardings, constraints, operand_constraints, laid)
 
 
 def _reshape_of(meta, base_meta) -> bool:

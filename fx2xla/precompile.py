@@ -119,13 +119,15 @@ class PrecompiledGraph(SerializableCallable):
                             options.get("device_index"))
         graph = CompiledGraph(gm, fakes, device, state["name"], resident_inputs=set(state["resident"]),
                               check_indices=bool(options.get("check_indices", True)),
-                              torch_kernels=options.get("torch_kernels", True))
+                              torch_kernels=options.get("torch_kernels", True),
+                              channels_last=options.get("channels_last", True))
         return cls(graph, options)
 
 
 def precompiled(graph, options: dict) -> PrecompiledGraph:
     """The serializable result of an inference graph compiled under torch's aot_compile."""
-    return PrecompiledGraph(graph, {k: options[k] for k in ("device_index", "check_indices", "torch_kernels")})
+    kept = {k: options[k] for k in ("device_index", "check_indices", "torch_kernels")}
+    return PrecompiledGraph(graph, {**kept, "channels_last": options.get("channels_last", True)})
 
 
 def refused() -> Fx2XlaError:

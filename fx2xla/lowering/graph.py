@@ -15,7 +15,7 @@ import torch.fx
 from ..errors import InvalidInputError, LoweringError, UnsupportedOpError
 from .dtypes import to_jax_dtype
 from .checks import CheckVerdict, RuntimeChecks
-from . import memory
+from . import channels_last, memory
 from ..layouts import inverse
 from ..plan import GraphPlan, OutputPlan
 from ..sharding import mesh_by_id
@@ -173,7 +173,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         seed = next(it) if plan.seed else None
         _bind_constants(plan.constants, env)
         checks = RuntimeChecks() if check_indices else None
-        run_nodes(gm, gm.graph.nodes, env, sizes, seed, checks, pinned, reads)
+        run_nodes(gm, gm.graph.nodes, env, sizes, seed, checks, pinned, reads, plan.channels_last.nodes)
         results = []
         for r in plan.results:
             value = env[r.node]
@@ -256,14 +256,16 @@ def spmd_shardings(plan: GraphPlan) -> dict:
 
 
 def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=None, pinned=None,
-              reads=None) -> dict:
+              reads=None, laid=frozenset()) -> dict:
     """Evaluate `nodes` (call_function / get_attr nodes of `gm`, in order) with their rules, on
     the traced jax values in `env` (updated and returned). Placeholders and the output node are
     skipped: the caller binds the first and reads the second. `seed` is the per-call int64 seed
     or a PRNG key (inside loop bodies: a key folded with the iteration), or None. `checks`: the
     RuntimeChecks of this trace level, where rules record index checks (None: no checks).
     `pinned`: node -> jax sharding each such value is constrained to (the plan's constraints).
-    `reads`: node -> {operand node: jax sharding}: the layouts the node reads those operands in."""
+    `reads`: node -> {operand node: jax sharding}: the layouts the node reads those operands in.
+    `laid`: the nodes lowered on channels-last values (channels_last.py); every value in `env`
+    is in torch's layout all the same."""
     for index, node in enumerate(nodes):
         if node.op in ("placeholder", "output") or node in env:  # bound by the caller
             continue
@@ -288,11 +290,16 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
         rule = lowering_for(node.target, current_platform())
         if rule is None:
             raise UnsupportedOpError(node)
+        nhwc = node in laid
         ctx = LoweringContext(node, sizes, seed if (rule.draws(node) or rule.subgraphs) else None, index, gm,
-                              env if rule.subgraphs else None, checks)
+                              env if rule.subgraphs else None, checks, nhwc)
         try:
-            args, kwargs = prepare_args(rule, ctx, list(args), dict(kwargs))
-            out = rule.fn(ctx, *args, **kwargs)
+            if nhwc:
+                out = channels_last.lower(rule, ctx, list(args), dict(kwargs),
+                                          lambda a, k, ctx=ctx, rule=rule: prepare_args(rule, ctx, a, k))
+            else:
+                args, kwargs = prepare_args(rule, ctx, list(args), dict(kwargs))
+                out = rule.fn(ctx, *args, **kwargs)
             env[node] = _check_result(ctx, out)
             if pinned is not None and node in pinned:
                 env[node] = jax.lax.with_sharding_constraint(env[node], pinned[node])

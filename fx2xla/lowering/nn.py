@@ -471,29 +471,41 @@ def _window_pad(out_size, in_size, k, s, p, d=1):
     return p, max((out_size - 1) * s + (k - 1) * d + 1 - p - in_size, 0)
 
 
-def _strided_window(xp, offset, out_size, s, d):
+def _strided_window(xp, offset, out_size, s, d, trail=0):
     """The element at kernel offset `offset` (one int per spatial dim) of every window of the
-    padded input `xp`."""
-    lead = xp.ndim - len(offset)
-    start = (0,) * lead + tuple(o * dd for o, dd in zip(offset, d))
-    limit = xp.shape[:lead] + tuple(st + (o - 1) * ss + 1 for st, o, ss in zip(start[lead:], out_size, s))
-    return lax.slice(xp, start, limit, (1,) * lead + tuple(s))
+    padded input `xp`, whose spatial dims are followed by `trail` others (channels-last: 1)."""
+    nd = len(offset)
+    lead = xp.ndim - nd - trail
+    start = (0,) * lead + tuple(o * dd for o, dd in zip(offset, d)) + (0,) * trail
+    limit = (xp.shape[:lead] + tuple(st + (o - 1) * ss + 1 for st, o, ss in zip(start[lead:lead + nd], out_size, s))
+             + xp.shape[lead + nd:])
+    return lax.slice(xp, start, limit, (1,) * lead + tuple(s) + (1,) * trail)
 
 
-def _outer(vectors, combine):
-    """Combine one numpy vector per spatial dim over their grid (outer sum, product, and)."""
+def _outer(vectors, combine, trail=0):
+    """Combine one numpy vector per spatial dim over their grid (outer sum, product, and),
+    with `trail` dims of 1 after them (channels-last: 1)."""
     nd = len(vectors)
-    return functools.reduce(combine, [np.asarray(v).reshape((-1,) + (1,) * (nd - 1 - i))
+    return functools.reduce(combine, [np.asarray(v).reshape((-1,) + (1,) * (nd - 1 - i + trail))
                                       for i, v in enumerate(vectors)])
+
+
+def _spatial(ctx, ndim: int, nd: int) -> tuple[int, int]:
+    """(dims before, dims after) the `nd` spatial dims of a pooling operand of `ndim` dims: on
+    channels-last values (channels_last.py) the channel dim follows them."""
+    trail = 1 if ctx.channels_last else 0
+    return ndim - nd - trail, trail
 
 
 @register_lowering(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
 def _max_pool_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     nd = _spatial_nd(ctx)
     k, s, p, d = _pool_args(kernel_size, stride, padding, dilation, nd)
-    size, out = x.shape[-nd:], ctx.out_shape[-nd:]
+    lead, trail = _spatial(ctx, x.ndim, nd)
+    size, out = x.shape[lead:lead + nd], ctx.out_shape[lead:lead + nd]
     pads = [_window_pad(o, n, kk, ss, pp, dd) for o, n, kk, ss, pp, dd in zip(out, size, k, s, p, d)]
-    xp = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - nd) + [(lo, hi, 0) for lo, hi in pads])
+    xp = lax.pad(x, jnp.zeros((), x.dtype),
+                 [(0, 0, 0)] * lead + [(lo, hi, 0) for lo, hi in pads] + [(0, 0, 0)] * trail)
     starts = [np.arange(o) * ss - pp for o, ss, pp in zip(out, s, p)]
     strides = [math.prod(size[i + 1:]) for i in range(nd)]  # indices are flat over spatial dims
     # torch scans each window in row-major order from its first in-bounds element (the
@@ -503,18 +515,18 @@ def _max_pool_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1
     lowest = -jnp.inf if floating else jnp.iinfo(x.dtype).min
     best = jnp.full(ctx.out_shape, lowest, x.dtype)
     best_idx = jnp.broadcast_to(
-        jnp.asarray(_outer([f * m for f, m in zip(firsts, strides)], np.add)), ctx.out_shape)
+        jnp.asarray(_outer([f * m for f, m in zip(firsts, strides)], np.add, trail)), ctx.out_shape)
     for offset in itertools.product(*(range(kk) for kk in k)):
         pos = [st + o * dd for st, o, dd in zip(starts, offset, d)]
-        v = _strided_window(xp, offset, out, s, d)
+        v = _strided_window(xp, offset, out, s, d, trail)
         take = v > best
         if floating:
             take = take | jnp.isnan(v)
-        valid = _outer([(q >= 0) & (q < n) for q, n in zip(pos, size)], np.logical_and)
+        valid = _outer([(q >= 0) & (q < n) for q, n in zip(pos, size)], np.logical_and, trail)
         if not valid.all():
             take = take & valid
         best = jnp.where(take, v, best)
-        flat = _outer([q * m for q, m in zip(pos, strides)], np.add)
+        flat = _outer([q * m for q, m in zip(pos, strides)], np.add, trail)
         best_idx = jnp.where(take, jnp.asarray(flat), best_idx)
     return best, best_idx
 
@@ -531,12 +543,12 @@ def _max_pool_with_indices_backward(ctx, grad, x, kernel_size, stride, padding, 
     # (plane, index) pairs (docs/benchmarks.md: SmallCNN's training step).
     nd = _spatial_nd(ctx)
     k, s, p, d = _pool_args(kernel_size, stride, padding, dilation, nd)
-    size, out = x.shape[-nd:], grad.shape[-nd:]
-    lead = x.ndim - nd
+    lead, trail = _spatial(ctx, x.ndim, nd)
+    size, out = x.shape[lead:lead + nd], grad.shape[lead:lead + nd]
     g = _opmath(grad)
     strides = [math.prod(size[i + 1:]) for i in range(nd)]  # indices are flat over spatial dims
     if all(kk == ss and dd == 1 for kk, ss, dd in zip(k, s, d)):
-        return _tiled_pool_backward(g, indices, k, p, size, strides)
+        return _tiled_pool_backward(g, indices, k, p, size, strides, trail)
     zero = np.zeros((), g.dtype)
     starts = [np.arange(o) * ss - pp for o, ss, pp in zip(out, s, p)]
     total = None
@@ -546,31 +558,32 @@ def _max_pool_with_indices_backward(ctx, grad, x, kernel_size, stride, padding, 
             continue  # this offset lies in the padding of every window
         # Out-of-range positions may share a flat value with an in-range one; the padding
         # below crops them, so their terms never land.
-        flat = jnp.asarray(_outer([q * m for q, m in zip(pos, strides)], np.add), indices.dtype)
+        flat = jnp.asarray(_outer([q * m for q, m in zip(pos, strides)], np.add, trail), indices.dtype)
         term = jnp.where(indices == flat, g, zero)
         edges = [(int(q[0]), n - int(q[0]) - (o - 1) * ss - 1, ss - 1)
                  for q, n, o, ss in zip(pos, size, out, s)]
-        term = lax.pad(term, zero, [(0, 0, 0)] * lead + edges)
+        term = lax.pad(term, zero, [(0, 0, 0)] * lead + edges + [(0, 0, 0)] * trail)
         total = term if total is None else total + term
     return jnp.zeros(x.shape, g.dtype) if total is None else total
 
 
-def _tiled_pool_backward(g, indices, k, p, size, strides):
+def _tiled_pool_backward(g, indices, k, p, size, strides, trail=0):
     """The max-pool backward where windows tile the input (stride = kernel, no dilation): each
     input element belongs to at most one window, so one select per element, reading its
-    window's gradient and index, does it."""
+    window's gradient and index, does it. `trail`: dims after the spatial ones (channels-last: 1)."""
     nd = len(k)
-    lead = g.ndim - nd
+    lead = g.ndim - nd - trail
 
     def spread(a, fill):  # a window's value on each of its elements, cut/padded to the input
         shape = a.shape
-        a = a.reshape(shape[:lead] + tuple(v for o in shape[lead:] for v in (o, 1)))
-        a = jnp.broadcast_to(a, shape[:lead] + tuple(v for o, kk in zip(shape[lead:], k) for v in (o, kk)))
-        a = a.reshape(shape[:lead] + tuple(o * kk for o, kk in zip(shape[lead:], k)))
-        edges = [(-pp, n - o * kk + pp, 0) for pp, n, o, kk in zip(p, size, shape[lead:], k)]
-        return lax.pad(a, np.asarray(fill, a.dtype), [(0, 0, 0)] * lead + edges)
+        head, spatial, tail = shape[:lead], shape[lead:lead + nd], shape[lead + nd:]
+        a = a.reshape(head + tuple(v for o in spatial for v in (o, 1)) + tail)
+        a = jnp.broadcast_to(a, head + tuple(v for o, kk in zip(spatial, k) for v in (o, kk)) + tail)
+        a = a.reshape(head + tuple(o * kk for o, kk in zip(spatial, k)) + tail)
+        edges = [(-pp, n - o * kk + pp, 0) for pp, n, o, kk in zip(p, size, spatial, k)]
+        return lax.pad(a, np.asarray(fill, a.dtype), [(0, 0, 0)] * lead + edges + [(0, 0, 0)] * trail)
 
-    flat = jnp.asarray(_outer([np.arange(n) * m for n, m in zip(size, strides)], np.add), indices.dtype)
+    flat = jnp.asarray(_outer([np.arange(n) * m for n, m in zip(size, strides)], np.add, trail), indices.dtype)
     return jnp.where(spread(indices, -1) == flat, spread(g, 0), np.zeros((), g.dtype))
 
 

@@ -201,7 +201,8 @@ class LoweringContext:
         v = self.out
         if isinstance(v, (tuple, list)):
             v = v[0]
-        return concrete_shape(v.shape, self.sizes)
+        shape = concrete_shape(v.shape, self.sizes)
+        return (shape[0], shape[2], shape[3], shape[1]) if self.channels_last and len(shape) == 4 else shape
 
     def arg_meta(self, i: int):
         """The meta value of positional argument `i` (FakeTensor), or the literal argument."""
@@ -218,6 +219,9 @@ class LoweringContext:
     # The run-time checks of the computation being traced (checks.RuntimeChecks), or None
     # when checks are off (options={"check_indices": False}).
     checks: Any = None
+    # The node is lowered on channels-last values (channels_last.py): its 4-D operands and
+    # results are NHWC, and out_shape says so.
+    channels_last: bool = False
 
     def check_index(self, index, size: int, *, negative: bool, dim: int | None = None,
                     what: str = "index") -> None:
