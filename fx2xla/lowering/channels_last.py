@@ -8,8 +8,8 @@ changes took as long as the convolutions themselves (docs/benchmarks.md).
 
 `plan_channels_last` decides, from the graph alone and before anything is traced, which values
 are computed channels-last: the ops between convolutions that can run on NHWC values as well
-(pointwise ops, batch norm, max pooling and its backward, reductions) and read a value that is
-channels-last already. `run_nodes` lowers such a node on NHWC operands and transposes its 4-D
+(pointwise ops, batch norm, max pooling and its backward, reductions, concatenation and
+slicing) and read a value that is channels-last already. `run_nodes` lowers such a node on NHWC operands and transposes its 4-D
 results back to torch's NCHW; XLA's algebraic simplifier folds each transpose pair that meets,
 so only the transposes where a channels-last value reaches an op that is not here are left.
 
@@ -48,6 +48,10 @@ _POOLS = {aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_bac
 # Reductions over a dim list: (position of the dims argument, position of keepdim).
 _REDUCTIONS = {aten.sum.dim_IntList: (1, 2), aten.mean.dim: (1, 2), aten.amax.default: (1, 2),
                aten.amin.default: (1, 2)}
+# Concatenation of 4-D values (the channels of a UNet's skip connection, an Inception block),
+# and slices of one (a concatenation's backward): ops with one dim argument, at position 1.
+_CATS = {aten.cat.default}
+_SLICES = {aten.slice.Tensor}
 # Elementwise ops torch does not tag pointwise.
 _IDENTITIES = {aten.alias.default, aten.clone.default, aten.detach.default, aten._to_copy.default}
 
@@ -161,6 +165,11 @@ def _lowerable(node):
         if isinstance(out, (tuple, list)):
             return frozenset(i for i, o in enumerate(out) if _static_4d(o)) or None
         return None
+    if target in _CATS:
+        parts = node.args[0]
+        return "tensor" if _static_4d(out) and all(_static_4d(_meta(t)) for t in parts) else None
+    if target in _SLICES:
+        return "tensor" if _static_4d(out) and _static_4d(_meta(node.args[0])) else None
     if target in _REDUCTIONS:
         if _reduced_dims(node) is None:  # every dim (or none): not worth a layout
             return None
@@ -217,6 +226,11 @@ def lower(rule, ctx, args: list, kwargs: dict, prepare):
         return (first, *out[1:]) if isinstance(out, (tuple, list)) else first
     if node.target in _REDUCTIONS:
         args, kwargs = _reduction_args(node, [jnp.transpose(args[0], TO_LAST), *args[1:]], kwargs)
+    elif node.target in _CATS or node.target in _SLICES:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        first = ([jnp.transpose(t, TO_LAST) for t in args[0]] if node.target in _CATS
+                 else jnp.transpose(args[0], TO_LAST))
+        args, kwargs = [first, POSITION[dim % 4], *args[2:]], {k: v for k, v in kwargs.items() if k != "dim"}
     else:
         pointwise = node.target not in _POOLS
         args = [_to_last(a, pointwise) for a in args]

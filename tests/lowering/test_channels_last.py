@@ -14,7 +14,8 @@ The ops covered on NHWC values: pointwise ops with operands of 0 to 4 dims (a pe
 [C, 1, 1], a trailing [W], a 0-d tensor, a Python scalar, a bool mask, a dtype cast), batch
 norm in training and eval, max pooling (windows that tile the input; stride, padding and
 dilation; ceil_mode) with its backward, and reductions over dim lists (kept dims; dropped dims
-whose order NHWC keeps; dropped dims whose order it does not, which read NCHW).
+whose order NHWC keeps; dropped dims whose order it does not, which read NCHW), and
+concatenation along channels with the slices of its backward (the Shapes model).
 
 Under Dynamo a training step's forward leaves its activations channels-last and the backward's
 executable takes them NHWC (AOTAutograd hands it the strides fx2xla reported); with
@@ -184,10 +185,15 @@ class Shapes(torch.nn.Module):
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_convolution_forms_match_eager(train, layout):
     """Grouped, depthwise, strided and transposed convolutions, with ops that read NCHW values
-    between them, equal eager forward and backward."""
+    between them, equal eager forward and backward; the concatenation along channels (and, in
+    training, the slices of its backward) run on NHWC values when the layout is on."""
     torch.manual_seed(0)
     model = Shapes().train(train)
+    before = {id(g) for g in live_graphs}
     _compare(model, copy.deepcopy(model), torch.randn(2, 3, 16, 16), torch.float32, train, layout)
+    laid = {n.target for g in _graphs_since(before) for n in g.plan.channels_last.nodes}
+    covered = {torch.ops.aten.cat.default} | ({torch.ops.aten.slice.Tensor} if train else set())
+    assert covered <= laid if _on(layout) else not laid, laid
 
 
 def test_resnet_training_step_matches_eager(layout):
