@@ -192,6 +192,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                 sub, examples, device, f"{name}_{sub_name}", resident_inputs=resident,
                 no_recompile=bool(options["no_recompile"]), check_indices=bool(options["check_indices"]),
                 torch_kernels=options["torch_kernels"], channels_last=options["channels_last"],
+                relaid_weights=kind == "inference",
             ),
             static_input_indices(len(example_inputs)),
         )
@@ -205,7 +206,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              sharded_outputs=kind == "inference" and options["outputs"] == "sharded",
                              offload=offload, input_names=names, torch_kernels=options["torch_kernels"],
                              saved_outputs=saved[0] if saved is not None else frozenset(),
-                             channels_last=options["channels_last"])
+                             channels_last=options["channels_last"], relaid_weights=kind == "inference")
     if saved is not None:
         saved[1].extend(compiled.output_strides())
     if kind == "forward" and offload is not None:

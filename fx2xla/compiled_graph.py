@@ -91,13 +91,14 @@ class CompiledGraph:
                  batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True,
                  annotations=None, solution=None, sharded_outputs: bool = False, offload=None,
                  input_names: list[str] | None = None, torch_kernels=True, saved_outputs=frozenset(),
-                 channels_last: bool = True):
+                 channels_last: bool = True, relaid_weights: bool = False):
         """`offload`: host offloading (offload.py): (input positions, output positions) whose
         values live in host memory, or None. `solution`: auto-sharding's, kept as
         `auto_sharding` for reports. `input_names`: the user's names of the inputs (`L['x']`),
         for explain_sharding. `torch_kernels`: the option of that name (lower_graph).
         `saved_outputs`: a forward graph's outputs only its backward reads (plan.build_plan).
-        `channels_last`: the option of that name (lowering/channels_last.py)."""
+        `channels_last`: the option of that name (lowering/channels_last.py); `relaid_weights`:
+        resident convolution weights imported channels-last (plan.build_plan)."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -118,7 +119,7 @@ class CompiledGraph:
         resident = resident_inputs if resident_inputs is not None else static_input_indices(n)
         self.plan = plan = build_plan(gm, self.example_inputs, device, resident, annotations, solution,
                                       None if offload is None else (*offload, _offload.HOST_KIND), version_bumps(n),
-                                      saved_outputs, channels_last)
+                                      saved_outputs, channels_last, channels_last and relaid_weights)
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:

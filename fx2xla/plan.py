@@ -42,6 +42,9 @@ class InputKind(_Named):
     TENSOR = "tensor"  # passed as it is (row-major)
     PERMUTED = "permuted"  # passed as `t.permute(perm)`, a dense view, and permuted back in the graph
     CONTIGUOUS = "contiguous"  # copied dense first (sliced, expanded or symbolic strides)
+    # copied in `perm` order when imported, and permuted back in the graph: a resident
+    # convolution weight of an inference graph, kept channels-last (lowering/channels_last.py)
+    RELAID = "relaid"
     SYMINT = "symint"  # a size: specialises the executable, not passed
 
 
@@ -87,7 +90,7 @@ class Concat(NamedTuple):
 class InputPlan:
     """How one graph input reaches the executable.
 
-    `kind` (InputKind) and, for PERMUTED, `perm` say the layout it is passed in.
+    `kind` (InputKind) and, for PERMUTED and RELAID, `perm` say the layout it is passed in.
     """
 
     kind: InputKind
@@ -348,7 +351,7 @@ def _move(device: torch.device | None, target: Device, torch_target: torch.devic
 def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                resident: set[int] | None = None, annotations=None, solution=None, offload=None,
                bumps: frozenset[int] = frozenset(), saved: frozenset[int] = frozenset(),
-               channels_last: bool = True) -> GraphPlan:
+               channels_last: bool = True, relaid_weights: bool = False) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -360,7 +363,9 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     each call (see InputPlan.bump). `saved`: positions of a forward graph's outputs that only
     its backward reads, whose strides the compiler chooses: a channels-last value among them
     leaves the executable channels-last. `channels_last`: whether values between convolutions
-    may be computed channels-last at all (the option of that name)."""
+    may be computed channels-last at all (the option of that name). `relaid_weights`: resident
+    convolution weights are imported channels-last, once while unchanged (inference graphs:
+    their weights rarely change; a training step's change every step)."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -381,6 +386,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     skipped = _read_only_by(placeholders, concats)
     written = input_mutations(gm)
     in_place = mesh_id is None and device.platform == "cpu" and torch_device is not None and _inplace.enabled()
+    laid = (_channels_last.plan_channels_last(gm, example_inputs, device.platform, mesh_id) if channels_last
+            else _channels_last.NONE)
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
         if layout.kind is InputKind.SYMINT:
@@ -402,6 +409,11 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             # earlier result); torch's memory otherwise.
             donated = (writable and in_place and ex.device == torch_device and i not in host_inputs
                        and ex.numel() > 0 and _inplace.viewable(ex.dtype))
+        if (relaid_weights and i in resident and not donated and layout.kind is InputKind.TENSOR
+                and node in laid.weights and node not in written and ex.device == torch_device):
+            # Converted to the layout torch's convolution reads once, not by the executable on
+            # every call.
+            layout = InputPlan(InputKind.RELAID, _channels_last.TO_LAST)
         # A donated buffer is consumed by each call: never kept resident.
         inputs.append(InputPlan(layout.kind, layout.perm, ex.device, _move(ex.device, device, torch_device),
                                 resident=i in resident and not donated, passed=i not in skipped,
@@ -410,8 +422,6 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                                 bump=int(i in bumps)))
     seed = graph_uses_randomness(gm)
     seed_device = torch_device if torch_device is not None else torch.device("cpu")
-    laid = (_channels_last.plan_channels_last(gm, example_inputs, device.platform, mesh_id) if channels_last
-            else _channels_last.NONE)
 
     constants = constant_values(gm)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")

@@ -37,7 +37,7 @@ _team_running, _run_parked = torch_kernels.torch_team_running, torch_kernels.run
 _recording = make_recording()
 # The kinds the call path tests, as module globals: reading an enum member through its class
 # costs ~60 ns on Python 3.11, a global ~8 ns, and a call tests several per input.
-_TENSOR, _PERMUTED = InputKind.TENSOR, InputKind.PERMUTED
+_TENSOR, _PERMUTED, _RELAID = InputKind.TENSOR, InputKind.PERMUTED, InputKind.RELAID
 _NO_MOVE, _TORCH_MOVE, _PLACED = Move.NONE, Move.TORCH, Move.PLACED
 _CONST, _INPUT, _CONCAT = OutputKind.CONST, OutputKind.INPUT, OutputKind.CONCAT
 _TENSOR_OUT = OutputKind.TENSOR
@@ -59,7 +59,7 @@ class ImportStep(NamedTuple):
     position: int  # the input's position in the call's arguments
     slot: int  # its resident slot (a parameter/buffer whose device buffer is kept), or -1
     kind: InputKind
-    perm: tuple[int, ...] | None  # InputKind.PERMUTED: passed as `t.permute(perm)`
+    perm: tuple[int, ...] | None  # InputKind.PERMUTED: passed as `t.permute(perm)`; RELAID: a copy in that order
     move: Move
     placement: Any  # Move.PLACED: the jax sharding it is handed over with, else None
     twin: TwinUse | None  # Move.PLACED: see TwinUse
@@ -274,7 +274,8 @@ class PlanExecutor:
                     twinned, twinned_pos = step, len(bufs)
                     bufs.append(buf)
                     continue
-            dense = t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED else t.contiguous()
+            dense = (t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED
+                     else t.permute(perm).contiguous() if kind is _RELAID else t.contiguous())
             if move is _TORCH_MOVE:  # a CPU scalar beside CUDA tensors, moved before the order below.
                 # Not pinned: a copy of pageable memory returns once the bytes are staged, with
                 # no device sync (CUDA's documented behaviour); pinning would allocate per call.

@@ -120,7 +120,7 @@ class PrecompiledGraph(SerializableCallable):
         graph = CompiledGraph(gm, fakes, device, state["name"], resident_inputs=set(state["resident"]),
                               check_indices=bool(options.get("check_indices", True)),
                               torch_kernels=options.get("torch_kernels", True),
-                              channels_last=options.get("channels_last", True))
+                              channels_last=options.get("channels_last", True), relaid_weights=True)
         return cls(graph, options)
 
 

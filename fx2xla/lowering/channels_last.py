@@ -65,10 +65,12 @@ class ChannelsLast:
     """`nodes`: lowered on NHWC values (run_nodes). `physical`: every node whose value is a
     transpose of an NHWC array in the module (those nodes, the convolutions, the input
     gradients of convolutions, channels-last inputs): one of them may leave the executable
-    channels-last at no cost."""
+    channels-last at no cost. `weights`: inputs read only as 2-D convolutions' weights."""
 
     nodes: frozenset = frozenset()
     physical: frozenset = frozenset()
+    # Placeholders read only as the weight of 2-D convolutions, which take them channels-last.
+    weights: frozenset = frozenset()
 
 
 NONE = ChannelsLast()
@@ -135,7 +137,10 @@ def plan_channels_last(gm: torch.fx.GraphModule, example_inputs, platform: str, 
             physical.add(node)
         else:
             items[node] = result
-    return ChannelsLast(frozenset(nodes), frozenset(physical))
+    weights = frozenset(p for p in placeholders if p.users and all(
+        u.target in _CONVOLUTIONS and _float_conv(u) and u.args[1] is p and p not in (u.args[0], *u.args[2:])
+        for u in p.users))
+    return ChannelsLast(frozenset(nodes), frozenset(physical), weights)
 
 
 def _float_conv_backward(node) -> bool:

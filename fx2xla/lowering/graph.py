@@ -140,7 +140,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         if not plan_in.passed:
             continue
         shape = tuple(real.shape) if concrete_args is not None else concrete_shape(ex.shape, sizes)
-        if plan_in.kind == "permuted":
+        if plan_in.kind in ("permuted", "relaid"):
             shape = tuple(shape[d] for d in plan_in.perm)
         dtype = to_jax_dtype(ex.dtype)
         avals.append(jax.ShapeDtypeStruct(shape, dtype))
@@ -167,7 +167,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
                 a = next(it)
                 if plan_in.memory_kind is not None:  # host offloading: XLA brings it to the device
                     a = memory.to_device(a)
-                env[node] = jnp.transpose(a, inverse(plan_in.perm)) if plan_in.kind == "permuted" else a
+                env[node] = jnp.transpose(a, inverse(plan_in.perm)) if plan_in.kind in ("permuted", "relaid") else a
         for node, _ in plan.concats:
             env[node] = next(it)
         seed = next(it) if plan.seed else None

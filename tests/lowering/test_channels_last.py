@@ -20,8 +20,9 @@ concatenation along channels with the slices of its backward (the Shapes model).
 Under Dynamo a training step's forward leaves its activations channels-last and the backward's
 executable takes them NHWC (AOTAutograd hands it the strides fx2xla reported); with
 FX2XLA_PUBLIC_STRIDES=1, or the backend called without Dynamo (no tracing context to report
-strides to), they leave in torch's layout. Turned off, nothing is planned channels-last; a
-user's channels-last input is read as it is."""
+strides to), they leave in torch's layout. An inference graph imports its convolution weights
+channels-last once while they are unchanged, and again after they change. Turned off, nothing
+is planned channels-last; a user's channels-last input is read as it is."""
 from __future__ import annotations
 
 import copy
@@ -204,6 +205,63 @@ def test_resnet_training_step_matches_eager(layout):
     torch.manual_seed(0)
     model = ImageLogits(resnet(hidden=(8, 16, 16, 32), depths=(1, 1, 1, 1)))
     _compare(model, copy.deepcopy(model), torch.randn(2, 3, 32, 32), torch.float32, True, layout)
+
+
+def test_inference_weights_are_imported_channels_last_and_follow_changes(layout):
+    """An inference graph takes each convolution weight (a parameter read by convolutions only)
+    channels-last, converted once when imported: the results equal eager's, before and after
+    the weights change in place (the next call imports the new values), and after a weight is
+    replaced. A weight read elsewhere too stays as it is, and training graphs convert none."""
+    from fx2xla.plan import InputKind
+
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = torch.randn(2, 3, 32, 32)
+    before = {id(g) for g in live_graphs}
+    compiled = torch.compile(model, backend="fx2xla", options=layout)
+    with torch.no_grad():
+        _close(compiled(x), model(x), torch.float32, "output", loosen=1)
+        (graph,) = _graphs_since(before)
+        relaid = sum(p.kind is InputKind.RELAID for p in graph.plan.inputs)
+        assert relaid == (3 if _on(layout) else 0), graph.plan.inputs
+        model.features[0].weight.mul_(-2.0)  # in place: the version moves
+        _close(compiled(x), model(x), torch.float32, "output after an in-place change", loosen=1)
+        model.features[4].weight = torch.nn.Parameter(torch.randn_like(model.features[4].weight))
+        _close(compiled(x), model(x), torch.float32, "output after a new weight", loosen=1)
+
+
+class SharedWeight(torch.nn.Module):
+    """A weight a convolution reads, and a sum reads too."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) + self.conv.weight.sum()
+
+
+def test_weight_read_elsewhere_is_not_relaid():
+    from fx2xla.plan import InputKind
+
+    torch.manual_seed(0)
+    model = SharedWeight().eval()
+    x = torch.randn(2, 3, 8, 8)
+    before = {id(g) for g in live_graphs}
+    with torch.no_grad():
+        _close(torch.compile(model, backend="fx2xla")(x), model(x), torch.float32, "output", loosen=1)
+    (graph,) = _graphs_since(before)
+    assert not any(p.kind is InputKind.RELAID for p in graph.plan.inputs)
+
+
+def test_training_graphs_do_not_relay_weights():
+    from fx2xla.plan import InputKind
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    before = {id(g) for g in live_graphs}
+    _compare(model, copy.deepcopy(model), torch.randn(2, 3, 32, 32), torch.float32, True)
+    assert not any(p.kind is InputKind.RELAID for g in _graphs_since(before) for p in g.plan.inputs)
 
 
 def test_bf16_model_matches_eager(layout):
