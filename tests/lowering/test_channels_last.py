@@ -22,7 +22,8 @@ executable takes them NHWC (AOTAutograd hands it the strides fx2xla reported); w
 FX2XLA_PUBLIC_STRIDES=1, or the backend called without Dynamo (no tracing context to report
 strides to), they leave in torch's layout. An inference graph imports its convolution weights
 channels-last once while they are unchanged, and again after they change. Turned off, nothing
-is planned channels-last; a user's channels-last input is read as it is."""
+is planned channels-last; a user's channels-last input is read as it is. Four threads calling
+one compiled CNN get eager's results."""
 from __future__ import annotations
 
 import copy
@@ -37,7 +38,7 @@ import fx2xla
 from fx2xla.metrics import live_graphs
 from fx2xla.testing import SmallCNN
 
-from tests.conftest import tolerance
+from tests.conftest import calls_in_threads, tolerance
 
 
 @pytest.fixture(autouse=True)
@@ -228,6 +229,24 @@ def test_inference_weights_are_imported_channels_last_and_follow_changes(layout)
         _close(compiled(x), model(x), torch.float32, "output after an in-place change", loosen=1)
         model.features[4].weight = torch.nn.Parameter(torch.randn_like(model.features[4].weight))
         _close(compiled(x), model(x), torch.float32, "output after a new weight", loosen=1)
+
+
+def test_threads_share_one_compiled_cnn():
+    """Four threads calling one compiled ResNet (channels-last values and weights) at once, 5
+    calls each on inputs of their own, get eager's results."""
+    from fx2xla.testing import ImageLogits, resnet
+
+    torch.manual_seed(0)
+    model = ImageLogits(resnet(hidden=(8, 16, 16, 32), depths=(1, 1, 1, 1))).eval()
+    compiled = torch.compile(model, backend="fx2xla")
+    inputs = [torch.randn(2, 3, 32, 32) for _ in range(4)]
+    with torch.no_grad():
+        compiled(inputs[0])  # compiled once, before the threads
+        expected = [model(x) for x in inputs]
+    results = calls_in_threads(compiled, inputs, calls=5)
+    for i, outs in results.items():
+        for out in outs:
+            _close(out, expected[i], torch.float32, f"thread {i}", loosen=1)
 
 
 class SharedWeight(torch.nn.Module):
