@@ -8,8 +8,8 @@ changes took as long as the convolutions themselves (docs/benchmarks.md).
 
 `plan_channels_last` decides, from the graph alone and before anything is traced, which values
 are computed channels-last: the ops between convolutions that can run on NHWC values as well
-(pointwise ops, batch norm, max pooling and its backward, reductions, concatenation and
-slicing) and read a value that is channels-last already. `run_nodes` lowers such a node on NHWC operands and transposes its 4-D
+(pointwise ops, batch norm, max and average pooling and their backward, reductions,
+concatenation and slicing) and read a value that is channels-last already. `run_nodes` lowers such a node on NHWC operands and transposes its 4-D
 results back to torch's NCHW; XLA's algebraic simplifier folds each transpose pair that meets,
 so only the transposes where a channels-last value reaches an op that is not here are left.
 
@@ -44,7 +44,8 @@ _BATCH_NORMS = {
     aten._native_batch_norm_legit_no_training.default, aten._native_batch_norm_legit.no_stats,
     aten.native_batch_norm.default,
 }
-_POOLS = {aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default}
+_POOLS = {aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
+          aten.avg_pool2d.default, aten.avg_pool2d_backward.default}
 # Reductions over a dim list: (position of the dims argument, position of keepdim).
 _REDUCTIONS = {aten.sum.dim_IntList: (1, 2), aten.mean.dim: (1, 2), aten.amax.default: (1, 2),
                aten.amin.default: (1, 2)}

@@ -587,19 +587,20 @@ def _tiled_pool_backward(g, indices, k, p, size, strides, trail=0):
     return jnp.where(spread(indices, -1) == flat, spread(g, 0), np.zeros((), g.dtype))
 
 
-def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, out_size):
-    """avg_pool over the last len(out_size) dims."""
+def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, out_size,
+              trail=0):
+    """avg_pool over the len(out_size) dims before the last `trail` (channels-last: 1)."""
     nd = len(out_size)
     k, s, p, _ = _pool_args(kernel_size, stride, padding, nd=nd)
-    size = x.shape[-nd:]
+    lead = x.ndim - nd - trail
+    size = x.shape[lead:lead + nd]
     y = _opmath(x)
     pads = [_window_pad(o, n, kk, ss, pp) for o, n, kk, ss, pp in zip(out_size, size, k, s, p)]
-    lead = x.ndim - nd
-    total = lax.reduce_window(y, np.zeros((), y.dtype), lax.add, (1,) * lead + tuple(k),
-                              (1,) * lead + tuple(s), [(0, 0)] * lead + pads)
-    total = total[(...,) + tuple(slice(0, o) for o in out_size)]
+    total = lax.reduce_window(y, np.zeros((), y.dtype), lax.add, (1,) * lead + tuple(k) + (1,) * trail,
+                              (1,) * lead + tuple(s) + (1,) * trail, [(0, 0)] * lead + pads + [(0, 0)] * trail)
+    total = total[(slice(None),) * lead + tuple(slice(0, o) for o in out_size)]
     if divisor_override:
-        divisor = np.full(out_size, divisor_override)
+        divisor = np.full(tuple(out_size) + (1,) * trail, divisor_override)
     else:
         # torch: windows are clipped to the padded input; without count_include_pad, also
         # to the input itself.
@@ -609,7 +610,7 @@ def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, div
             if count_include_pad:
                 return end - start
             return np.minimum(end, n) - np.maximum(start, 0)
-        divisor = _outer([extent(*a) for a in zip(out_size, size, k, s, p)], np.multiply)
+        divisor = _outer([extent(*a) for a in zip(out_size, size, k, s, p)], np.multiply, trail)
     divisor = jnp.asarray(divisor, y.dtype)
     if jnp.issubdtype(y.dtype, jnp.integer):
         return lax.div(total, jnp.broadcast_to(divisor, total.shape))  # truncates, like C++
@@ -619,16 +620,21 @@ def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, div
 @register_lowering(aten.avg_pool2d.default, aten.avg_pool3d.default)
 def _avg_pool_rule(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False,
                    count_include_pad=True, divisor_override=None):
+    nd = _spatial_nd(ctx)
+    lead, trail = _spatial(ctx, x.ndim, nd)
     return _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                     divisor_override, ctx.out_shape[-_spatial_nd(ctx):])
+                     divisor_override, ctx.out_shape[lead:lead + nd], trail)
 
 
 @register_lowering(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
 def _avg_pool_backward(ctx, grad, x, kernel_size, stride, padding, ceil_mode,
                        count_include_pad, divisor_override):
+    nd = _spatial_nd(ctx)
+    lead, trail = _spatial(ctx, x.ndim, nd)
+
     def fwd(y):
         return _avg_pool(y, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                         divisor_override, grad.shape[-_spatial_nd(ctx):])
+                         divisor_override, grad.shape[lead:lead + nd], trail)
     return _vjp(fwd, (x,), grad)[0]
 
 

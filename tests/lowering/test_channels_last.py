@@ -15,7 +15,8 @@ The ops covered on NHWC values: pointwise ops with operands of 0 to 4 dims (a pe
 norm in training and eval, max pooling (windows that tile the input; stride, padding and
 dilation; ceil_mode) with its backward, and reductions over dim lists (kept dims; dropped dims
 whose order NHWC keeps; dropped dims whose order it does not, which read NCHW), and
-concatenation along channels with the slices of its backward (the Shapes model).
+concatenation along channels with the slices of its backward, and average pooling with its
+backward (the Shapes model).
 
 Under Dynamo a training step's forward leaves its activations channels-last and the backward's
 executable takes them NHWC (AOTAutograd hands it the strides fx2xla reported); with
@@ -163,8 +164,9 @@ def test_mixed_model_matches_eager(pool, train, layout):
 
 
 class Shapes(torch.nn.Module):
-    """Convolution forms and ops around them that read NCHW values (concatenation, upsampling,
-    average pooling, a flatten): grouped and depthwise, strided, transposed."""
+    """Convolution forms and the ops around them (concatenation, upsampling, which reads NCHW
+    values, average pooling with and without padding counted, a flatten): grouped and
+    depthwise, strided, transposed."""
 
     def __init__(self):
         super().__init__()
@@ -180,21 +182,25 @@ class Shapes(torch.nn.Module):
         z = F.hardswish(self.grouped(self.depthwise(y) + y))
         u = self.up(z)  # back to the stem's input size
         cat = torch.cat([u, F.interpolate(y, scale_factor=2.0, mode="nearest")], dim=1)
-        h = F.avg_pool2d(self.head(cat), 2)
+        h = self.head(cat)
+        h = F.avg_pool2d(h, 2) + F.avg_pool2d(h, 3, stride=2, padding=1, count_include_pad=False)
         return h.flatten(1)
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_convolution_forms_match_eager(train, layout):
     """Grouped, depthwise, strided and transposed convolutions, with ops that read NCHW values
-    between them, equal eager forward and backward; the concatenation along channels (and, in
-    training, the slices of its backward) run on NHWC values when the layout is on."""
+    between them, equal eager forward and backward; the concatenation along channels and the
+    average pooling (and, in training, their backward's slices and pooling) run on NHWC values
+    when the layout is on."""
     torch.manual_seed(0)
     model = Shapes().train(train)
     before = {id(g) for g in live_graphs}
     _compare(model, copy.deepcopy(model), torch.randn(2, 3, 16, 16), torch.float32, train, layout)
     laid = {n.target for g in _graphs_since(before) for n in g.plan.channels_last.nodes}
-    covered = {torch.ops.aten.cat.default} | ({torch.ops.aten.slice.Tensor} if train else set())
+    covered = {torch.ops.aten.cat.default, torch.ops.aten.avg_pool2d.default}
+    if train:
+        covered |= {torch.ops.aten.slice.Tensor, torch.ops.aten.avg_pool2d_backward.default}
     assert covered <= laid if _on(layout) else not laid, laid
 
 
