@@ -9,9 +9,10 @@ changes took as long as the convolutions themselves (docs/benchmarks.md).
 `plan_channels_last` decides, from the graph alone and before anything is traced, which values
 are computed channels-last: the ops between convolutions that can run on NHWC values as well
 (pointwise ops, batch norm, max and average pooling and their backward, reductions,
-concatenation and slicing) and read a value that is channels-last already. `run_nodes` lowers such a node on NHWC operands and transposes its 4-D
-results back to torch's NCHW; XLA's algebraic simplifier folds each transpose pair that meets,
-so only the transposes where a channels-last value reaches an op that is not here are left.
+concatenation and slicing) and read a value that is channels-last already. `run_nodes` lowers
+such a node on NHWC operands and transposes its 4-D results back to torch's NCHW; XLA's
+algebraic simplifier folds each transpose pair that meets, so only the transposes where a
+channels-last value reaches an op that is not here are left.
 
 The plan reads `physical` as well: a forward graph's activations that only the backward reads
 leave the executable channels-last (as Inductor leaves them), and the backward takes them so.
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import torch
 import torch.fx
 
+from ..layouts import dense_permutation
 from .registry import PYTHON_OPS, is_array, lowering_for
 
 aten = torch.ops.aten
@@ -70,7 +72,6 @@ class ChannelsLast:
 
     nodes: frozenset = frozenset()
     physical: frozenset = frozenset()
-    # Placeholders read only as the weight of 2-D convolutions, which take them channels-last.
     weights: frozenset = frozenset()
 
 
@@ -94,9 +95,9 @@ def _float_conv(node) -> bool:
 
 
 def channels_last_input(v) -> bool:
-    """A 4-D example input laid out channels-last (passed to the executable as NHWC)."""
-    return (_static_4d(v) and v.numel() > 1 and not v.is_contiguous()
-            and v.is_contiguous(memory_format=torch.channels_last))
+    """A 4-D example input laid out channels-last: the plan passes it as NHWC (a PERMUTED input
+    by the same dense-permutation test)."""
+    return _static_4d(v) and v.numel() > 1 and dense_permutation(tuple(v.shape), tuple(v.stride())) == TO_LAST
 
 
 def plan_channels_last(gm: torch.fx.GraphModule, example_inputs, platform: str, mesh_id) -> ChannelsLast:
