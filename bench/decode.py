@@ -23,7 +23,9 @@ step against eager's (one untimed call with output_logits=True).
 one-row bf16 matmul (option torch_kernels="convolution"), which gives such a matmul to XLA's dot
 as two rows instead. `--not-in-place` adds "fx2xla:not-in-place": fx2xla with FX2XLA_INPLACE=0
 while it compiles, so each step writes the whole KV cache to a new buffer instead of updating
-it where it is (runtime/inplace.py).
+it where it is (runtime/inplace.py). `--decomposed-attention` adds "fx2xla:decomposed-attention":
+fx2xla with options={"attention_op": False}: torch's math decomposition of attention, which
+scales the whole K cache and copies K and V once per query head every step.
 
 Writes bench/results/decode.json.
 """
@@ -64,7 +66,8 @@ def compile_config(backend: str, options: dict | None = None):
 
 def contenders(args) -> tuple:
     return (CONTENDERS + (("fx2xla:no-skinny",) if args.no_skinny else ())
-            + (("fx2xla:not-in-place",) if args.not_in_place else ()))
+            + (("fx2xla:not-in-place",) if args.not_in_place else ())
+            + (("fx2xla:decomposed-attention",) if args.decomposed_attention else ()))
 
 
 def make_generate(model, name: str, ids, new_tokens: int):
@@ -75,7 +78,8 @@ def make_generate(model, name: str, ids, new_tokens: int):
     else:
         # Options make Dynamo keep this contender's compiled step apart from fx2xla's.
         options = ({"torch_kernels": "convolution"} if name == "fx2xla:no-skinny"
-                   else {"fallback": "eager"} if name == "fx2xla:not-in-place" else None)
+                   else {"fallback": "eager"} if name == "fx2xla:not-in-place"
+                   else {"attention_op": False} if name == "fx2xla:decomposed-attention" else None)
         kw["compile_config"] = compile_config(name.split(":")[0], options)
 
     def generate(**extra):
@@ -138,6 +142,9 @@ def bench_batch(batch: int, args) -> dict:
                fx2xla_vs_inductor_cpu=cmed["inductor"] / cmed["fx2xla"], load=load())
     if "fx2xla:not-in-place" in med:
         res["fx2xla_vs_not_in_place_tokens_per_s"] = med["fx2xla:not-in-place"] / med["fx2xla"]
+    if "fx2xla:decomposed-attention" in med:
+        res["fx2xla_vs_decomposed_attention_tokens_per_s"] = med["fx2xla:decomposed-attention"] / med["fx2xla"]
+        res["fx2xla_vs_decomposed_attention_cpu"] = cmed["fx2xla:decomposed-attention"] / cmed["fx2xla"]
     if "fx2xla:no-skinny" in med:
         res["fx2xla_vs_no_skinny_tokens_per_s"] = med["fx2xla:no-skinny"] / med["fx2xla"]
     return res
@@ -155,6 +162,8 @@ def main() -> None:
     p.add_argument("--no-skinny", action="store_true", help="also time fx2xla without its one-row bf16 matmul kernel")
     p.add_argument("--not-in-place", action="store_true",
                    help="also time fx2xla writing the KV cache to new buffers (FX2XLA_INPLACE=0)")
+    p.add_argument("--decomposed-attention", action="store_true",
+                   help="also time fx2xla with torch's math decomposition of attention (option attention_op=False)")
     p.add_argument("--gap-ms", type=float, default=50.0, help="sleep before each timed call")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     a = p.parse_args()
@@ -178,6 +187,9 @@ def main() -> None:
               f"load {r['load']}")
         if "fx2xla_vs_no_skinny_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:no-skinny tokens/s {r['fx2xla_vs_no_skinny_tokens_per_s']:.2f}")
+        if "fx2xla_vs_decomposed_attention_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:decomposed-attention tokens/s {r['fx2xla_vs_decomposed_attention_tokens_per_s']:.2f}"
+                  f" (cpu time: {r['fx2xla_vs_decomposed_attention_cpu']:.2f})")
         if "fx2xla_vs_not_in_place_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:not-in-place tokens/s {r['fx2xla_vs_not_in_place_tokens_per_s']:.2f}")
     results["load_after"] = load()

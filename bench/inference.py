@@ -12,7 +12,8 @@ Column `tk`: fx2xla ÷ fx2xla with XLA's own CPU kernels (options={"torch_kernel
 (models with convolutions): fx2xla ÷ the same executable with torch's kernels on whole batches
 (fx2xla.torch_kernels.batch_slicing(False)); `cl` (the same models): fx2xla ÷ fx2xla with
 options={"channels_last": False} (batch norm, ReLU and pooling on NCHW values, transposed around
-each convolution).
+each convolution); `at` (models with attention): fx2xla ÷ fx2xla with options={"attention_op":
+False} (torch's math decomposition of attention instead of fx2xla's rule on the one op).
 """
 from __future__ import annotations
 
@@ -100,6 +101,11 @@ def has_convolutions(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
 
 
+def has_attention(model: torch.nn.Module) -> bool:
+    """A transformers model with attention layers (their class names end in "Attention")."""
+    return any(type(m).__name__.endswith("Attention") for m in model.modules())
+
+
 def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
     model = case.build().eval().to(dtype)
@@ -124,6 +130,11 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
             nchw = torch.compile(model, backend="fx2xla", fullgraph=True, options={"channels_last": False})
             nchw(*args)
             contenders["fx2xla_not_channels_last"] = nchw
+        if has_attention(model):
+            # torch's math decomposition of attention instead of fx2xla's rule on the one op
+            decomposed = torch.compile(model, backend="fx2xla", fullgraph=True, options={"attention_op": False})
+            decomposed(*args)
+            contenders["fx2xla_decomposed_attention"] = decomposed
         med = interleaved_medians(contenders, args, rounds=rounds, budget_s=60)
         checks = index_check_cost(model, args, rounds)
     res.update({f"{k}_s": v for k, v in med.items()})
@@ -136,6 +147,8 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
         res["batch_slicing_ratio"] = med["fx2xla"] / med["fx2xla_unsliced"]
     if "fx2xla_not_channels_last" in med:
         res["channels_last_ratio"] = med["fx2xla"] / med["fx2xla_not_channels_last"]
+    if "fx2xla_decomposed_attention" in med:
+        res["attention_op_ratio"] = med["fx2xla"] / med["fx2xla_decomposed_attention"]
     res["index_checks"] = checks
     return res
 
@@ -160,7 +173,7 @@ def main() -> None:
         e = o["embedding_lookup"]
         print(f"  index checks on an 8-id embedding lookup: {e['delta_s'] * 1e6:+.1f} us per call "
               f"({fmt_time(e['checked_s'])} checked vs {fmt_time(e['unchecked_s'])}; ratio {e['ratio']:.3f})")
-    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'cl':>5s}"
+    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'cl':>5s} {'at':>5s}"
     print(header)
     for dt_name in a.dtypes.split(","):
         dtype = getattr(torch, dt_name)
@@ -179,7 +192,8 @@ def main() -> None:
                   f"{r['fx2xla_vs_eager']:9.2f} {r['fx2xla_vs_inductor']:7.2f} {r['inductor_vs_eager']:9.2f} "
                   f"{fmt_time(r['fx2xla_first_call_s'])} {fmt_time(r['inductor_first_call_s'])} {r['max_abs_err']:9.2e} "
                   f"{r['index_checks']['ratio']:5.2f} {r['torch_kernels_ratio']:5.2f} "
-                  f"{r.get('batch_slicing_ratio', float('nan')):5.2f} {r.get('channels_last_ratio', float('nan')):5.2f}")
+                  f"{r.get('batch_slicing_ratio', float('nan')):5.2f} {r.get('channels_last_ratio', float('nan')):5.2f} "
+                  f"{r.get('attention_op_ratio', float('nan')):5.2f}")
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")
 

@@ -18,7 +18,7 @@ import torch
 
 from . import dump, precompile, torch_kernels
 from .compiled_graph import CompiledGraph, static_input_indices
-from .decompositions import decomposition_table, sharded_decomposition_table
+from .decompositions import attention_op_table, decomposition_table
 from .distributed import process_share
 from .errors import InvalidInputError
 from .metrics import counters, live_graphs
@@ -66,6 +66,9 @@ OPTIONS = {
                       "channels-last values, and a training step's activations cross to its backward "
                       "channels-last; False: NCHW values, transposed around each convolution "
                       "(FX2XLA_CHANNELS_LAST=0 turns it off everywhere)"),
+    "attention_op": (True, "inference graphs keep CPU attention as one op, whose rule scales the scores and reads "
+                     "each kv head once for its group of query heads; False: torch's math decomposition, which "
+                     "scales K and copies K and V per query head (training graphs always decompose it)"),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -78,8 +81,9 @@ def _check_options(options: dict | None) -> dict:
         raise ValueError(f"fx2xla: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
     opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
     opts["torch_kernels"] = torch_kernels.kinds(opts["torch_kernels"])  # a ValueError names a bad kind
-    if not isinstance(opts["channels_last"], bool):
-        raise ValueError(f"fx2xla: option channels_last={opts['channels_last']!r}; expected True or False")
+    for name in ("channels_last", "attention_op"):
+        if not isinstance(opts[name], bool):
+            raise ValueError(f"fx2xla: option {name}={opts[name]!r}; expected True or False")
     if opts["fallback"] not in ("eager", "error"):
         raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
     if opts["partitioner"] not in ("min_cut", "default"):
@@ -641,12 +645,17 @@ def _aot_autograd(gm, example_inputs, opts, inference_graphs: list, dynamo_input
     from torch._dynamo.backends.common import aot_autograd
 
     sharded = dynamo_inputs is not None or any(is_mark(n) for n in gm.graph.nodes)
+    # AOTAutograd's own test for an inference graph: no gradient can flow (decompositions.py
+    # says why those keep attention as one op; training graphs keep the decomposition, whose
+    # backward reuses the saved attention weights instead of recomputing them).
+    keep_attention = opts["attention_op"] and not (
+        torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs))
     return aot_autograd(
         fw_compiler=functools.partial(_compile, kind="forward", options=opts, dynamo_inputs=dynamo_inputs),
         bw_compiler=functools.partial(_compile, kind="backward", options=opts),
         inference_compiler=functools.partial(_compile, kind="inference", options=opts, made=inference_graphs,
                                              dynamo_inputs=dynamo_inputs),
-        decompositions=sharded_decomposition_table() if sharded else decomposition_table(),
+        decompositions=attention_op_table() if sharded or keep_attention else decomposition_table(),
         # Inference graphs (optimizer steps, buffer updates) write their inputs themselves:
         # CompiledGraph swaps the new values' storage in where it can instead of copying.
         keep_inference_input_mutations=True,

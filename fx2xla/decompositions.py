@@ -29,10 +29,14 @@ def decomposition_table() -> dict:
 
 
 @functools.cache
-def sharded_decomposition_table() -> dict:
-    """The table for graphs over a mesh: CPU attention stays one 4-d op (lowered by its rule)
-    instead of torch's math decomposition, whose bmm over batch x heads merged into one dim
-    cannot keep heads sharded (each device's heads are not one block of the merged dim)."""
+def attention_op_table() -> dict:
+    """The table with CPU attention kept as one 4-d op (`_scaled_dot_product_flash_attention_for_cpu`,
+    lowered by its rule in lowering/nn.py) instead of torch's math decomposition. Used for:
+    - graphs over a mesh: the decomposition's bmm over batch x heads merged into one dim cannot
+      keep heads sharded (each device's heads are not one block of the merged dim);
+    - inference graphs: the decomposition scales K by sqrt(scale) and copies K and V once per
+      query head for grouped-query attention, each a pass over the whole KV cache per decode
+      step; the rule scales the scores and reads each KV head once for its group of queries."""
     table = dict(decomposition_table())
     table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     return table

@@ -292,7 +292,7 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
             raise UnsupportedOpError(node)
         nhwc = node in laid
         ctx = LoweringContext(node, sizes, seed if (rule.draws(node) or rule.subgraphs) else None, index, gm,
-                              env if rule.subgraphs else None, checks, nhwc)
+                              env if rule.subgraphs or rule.reads_values else None, checks, nhwc)
         try:
             if nhwc:
                 out = channels_last.lower(rule, ctx, list(args), dict(kwargs),

@@ -784,13 +784,15 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, keep=None, dropout_p=0.0):
     half = _half_gemm(q.dtype)
     if not half:
         q, k, v = _opmath(q), _opmath(k), _opmath(v)
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group
-        k = jnp.repeat(k, q.shape[1] // k.shape[1], axis=1)
-        v = jnp.repeat(v, q.shape[1] // v.shape[1], axis=1)
+    b, heads, length = q.shape[0], q.shape[1], q.shape[2]
+    groups = heads // k.shape[1]  # grouped-query attention: kv head j serves query heads [j*g, (j+1)*g)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     mm = _half_dot if half else dot
-    s = mm(q, k, ((3,), (3,)), ((0, 1), (0, 1)))
-    s = s * jnp.asarray(scale, s.dtype)
+    # Each kv head's group of query heads as one block of rows [g * L, E] (a free reshape of
+    # q's [B, H, L, E]), so every GEMM reads each K and V head once, and no copy of K or V per
+    # query head is made. The scores are [B, H, L, S] again after another free reshape.
+    s = mm(q.reshape(b, k.shape[1], groups * length, q.shape[3]), k, ((3,), (3,)), ((0, 1), (0, 1)))
+    s = s.reshape(b, heads, length, k.shape[2]) * jnp.asarray(scale, s.dtype)
     neg_inf = jnp.asarray(-jnp.inf, s.dtype)
     if attn_mask is not None:
         s = jnp.where(attn_mask, s, neg_inf) if attn_mask.dtype == jnp.bool_ else s + _opmath(attn_mask)
@@ -807,7 +809,9 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, keep=None, dropout_p=0.0):
             return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype), lse
         p = jnp.where(keep, p, jnp.zeros((), p.dtype))
         total = total * jnp.asarray(1.0 - dropout_p, total.dtype)
-    return mm(p.astype(v.dtype), v, ((3,), (2,)), ((0, 1), (0, 1))) / total, lse
+    p = p.astype(v.dtype).reshape(b, v.shape[1], groups * length, p.shape[3])
+    out = mm(p, v, ((3,), (2,)), ((0, 1), (0, 1))).reshape(b, heads, length, v.shape[3])
+    return out / total, lse
 
 
 def _check_no_dropout(dropout_p):
@@ -815,10 +819,43 @@ def _check_no_dropout(dropout_p):
         raise NotImplementedError("fx2xla: attention dropout (dropout_p > 0) is not supported")
 
 
-@register_lowering(aten._scaled_dot_product_flash_attention_for_cpu.default)
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _unrepeated(ctx, i: int, value):
+    """Attention's key or value (node arg `i`) without the model's own grouped-query repeat, or
+    `value` itself. A repeat `x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)`
+    (transformers' repeat_kv; the clone is the reshape's copy) gives each of kv heads n query
+    heads in a row, which is how the rule (`_sdpa`) pairs query heads with fewer kv heads: it
+    then reads x once per group instead of a copy of x per query head."""
+    node = ctx.node.args[i]
+    if ctx.values is None or not isinstance(node, torch.fx.Node) or node.target not in _VIEWS:
+        return value
+    inner = node.args[0]
+    if isinstance(inner, torch.fx.Node) and inner.target is aten.clone.default:
+        inner = inner.args[0]
+    if not (isinstance(inner, torch.fx.Node) and inner.target is aten.expand.default):
+        return value
+    unsq = inner.args[0]
+    if not (isinstance(unsq, torch.fx.Node) and unsq.target is aten.unsqueeze.default and unsq.args[1] in (2, -3)):
+        return value
+    src = unsq.args[0]
+    shapes = [n.meta.get("val") for n in (src, inner, node)] if isinstance(src, torch.fx.Node) else [None]
+    if src not in ctx.values or not all(isinstance(m, torch.Tensor) for m in shapes):
+        return value
+    kv_shape, expanded, out = (tuple(concrete_shape(m.shape, ctx.sizes)) for m in shapes)
+    if len(kv_shape) != 4 or len(expanded) != 5:
+        return value
+    b, kv, length, d = kv_shape
+    if expanded[:2] != (b, kv) or expanded[3:] != (length, d) or out != (b, kv * expanded[2], length, d):
+        return value
+    return ctx.values[src]
+
+
+@register_lowering(aten._scaled_dot_product_flash_attention_for_cpu.default, reads_values=True)
 def _sdpa_flash_cpu(ctx, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     _check_no_dropout(dropout_p)
-    return _sdpa(q, k, v, attn_mask, is_causal, scale)
+    return _sdpa(q, _unrepeated(ctx, 1, k), _unrepeated(ctx, 2, v), attn_mask, is_causal, scale)
 
 
 @register_lowering(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)

@@ -63,6 +63,9 @@ class LoweringRule:
     # For ops that carry subgraphs (scan bodies): fn(gm, node) -> the GraphModules the rule
     # lowers, so graph-wide questions (does it draw random bits?) can look inside.
     subgraphs: Callable | None = None
+    # Reads the values of earlier nodes (ctx.values): peephole rules looking through their
+    # arguments' producers.
+    reads_values: bool = False
 
     def draws(self, node) -> bool:
         """Whether this rule draws random bits for `node`."""
@@ -84,18 +87,19 @@ def _overloads(op) -> list:
 
 
 def register_lowering(*ops, promote: str | None = None, broadcast: bool = False, random: bool | Callable = False,
-                     subgraphs: Callable | None = None, platform: str | None = None):
+                     subgraphs: Callable | None = None, platform: str | None = None, reads_values: bool = False):
     """Register `fn` as the lowering of `ops` (overloads, or packets = all their overloads).
 
     promote: see PROMOTIONS. broadcast: tensor and scalar arguments are broadcast to the
     output shape (after promotion), so rules may use lax ops directly. random: the rule calls
     `ctx.rng_key()`; graphs containing it take a fresh seed from torch's generator per call
-    (a callable `random(node) -> bool`: only for the nodes it says draw).
+    (a callable `random(node) -> bool`: only for the nodes it says draw). reads_values: the rule
+    reads earlier nodes' values (`ctx.values`), as rules with subgraphs do.
     """
     assert promote in PROMOTIONS, promote
 
     def deco(fn):
-        rule = LoweringRule(fn, promote, broadcast, random, subgraphs)
+        rule = LoweringRule(fn, promote, broadcast, random, subgraphs, reads_values)
         for op in ops:
             if platform is not None:
                 for ov in _overloads(op):

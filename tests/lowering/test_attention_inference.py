@@ -1,0 +1,180 @@
+"""CPU attention in inference graphs stays one op (`_scaled_dot_product_flash_attention_for_cpu`,
+decompositions.attention_op_table) and is lowered by its rule, which reads each kv head once for
+its group of query heads, also when the model repeats K and V itself (transformers' repeat_kv).
+
+Turned off (`options={"attention_op": False}`), inference graphs get torch's decomposition.
+Every case runs `torch.compile(..., backend="fx2xla")` and compares with eager on the same
+inputs at tests/conftest.py's tolerance per dtype (float32 rtol 1e-4 / atol 1e-5; bfloat16
+outputs against a float64 eager copy, within 4x eager's own bfloat16 error and at least rtol
+1.6e-2 / atol 1e-2). Checked besides the values:
+- an inference graph holds the attention op and no math decomposition (no bmm, no softmax);
+- a model's own interleaving repeat of K and V leaves no repeated copy in XLA's optimized
+  program, while a tiling repeat (`Tensor.repeat`, which pairs heads differently) is kept and
+  still matches eager;
+- a training graph keeps torch's decomposition, and its gradients match eager's;
+- a transformers LLaMA (grouped-query attention) decodes the same tokens as eager with a
+  static cache."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tolerance
+
+import fx2xla  # noqa: F401  (registers the backend)
+from fx2xla.metrics import live_graphs
+from fx2xla.runtime.executor import optimized_hlo_text
+
+aten = torch.ops.aten
+FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def repeat_kv(x, n):
+    """transformers' repeat_kv: kv head j serves query heads [j*n, (j+1)*n)."""
+    b, kv, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)
+
+
+def compiled_graphs(fn, *args, options=None):
+    """fn compiled by fx2xla and called once: (its output, the graphs it made)."""
+    before = {id(g) for g in live_graphs}
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="fx2xla", fullgraph=True, options=options)(*args)
+    return out, [g for g in live_graphs if id(g) not in before]
+
+
+def targets(graph) -> set:
+    return {n.target for n in graph.gm.graph.nodes if n.op == "call_function"}
+
+
+def qkv(dtype=torch.float32, heads=4, kv_heads=2, lq=5, lk=7, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, heads, lq, d, generator=g).to(dtype), torch.randn(2, kv_heads, lk, d, generator=g).to(dtype),
+            torch.randn(2, kv_heads, lk, d, generator=g).to(dtype))
+
+
+def assert_matches_eager(fn, args, actual):
+    dtype = args[0].dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, fn(*args), **tolerance(dtype))
+        return
+    exact = fn(*[a.double() if a.is_floating_point() else a for a in args])
+    eager_err = float((fn(*args).double() - exact).abs().max())
+    tol = tolerance(dtype)
+    torch.testing.assert_close(actual.double(), exact, rtol=tol["rtol"], atol=max(tol["atol"], 4 * eager_err))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", [None, "bool", "float", "causal"])
+def test_inference_attention_is_one_op_and_matches_eager(dtype, mask):
+    q, k, v = qkv(dtype)
+    g = torch.Generator().manual_seed(3)
+    attn = None
+    if mask == "bool":
+        attn = torch.rand(2, 1, 5, 7, generator=g) > 0.4
+        attn[0, 0, 2] = False  # a fully masked row: eager's output there is 0
+    elif mask == "float":
+        attn = torch.randn(5, 7, generator=g).to(dtype)
+
+    def fn(q, k, v, *attn):  # the mask as an argument: the float64 reference casts it too
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=attn[0] if attn else None,
+                                              is_causal=mask == "causal", scale=0.3)
+
+    args = (q, k, v) if attn is None else (q, k, v, attn)
+    with torch.no_grad():
+        out, graphs = compiled_graphs(fn, *args)
+    assert len(graphs) == 1
+    ops = targets(graphs[0])
+    assert FLASH in ops and aten.bmm.default not in ops and aten._softmax.default not in ops
+    assert_matches_eager(fn, args, out)
+
+
+def test_option_off_decomposes_and_matches_eager():
+    q, k, v = qkv()
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+
+    with torch.no_grad():
+        out, graphs = compiled_graphs(fn, q, k, v, options={"attention_op": False})
+    ops = targets(graphs[0])
+    assert FLASH not in ops and aten.bmm.default in ops
+    assert_matches_eager(fn, (q, k, v), out)
+    with pytest.raises(Exception, match="option attention_op=1; expected True or False"):  # Dynamo wraps it
+        torch.compile(fn, backend="fx2xla", options={"attention_op": 1})(q, k, v)
+
+
+def test_enable_gqa_matches_eager():
+    q, k, v = qkv(heads=6, kv_heads=3)
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    with torch.no_grad():
+        out, graphs = compiled_graphs(fn, q, k, v)
+    assert FLASH in targets(graphs[0])
+    assert_matches_eager(fn, (q, k, v), out)
+
+
+def _broadcasts_to(hlo: str, shape: tuple) -> bool:
+    """Whether XLA's optimized program broadcasts anything to `shape` (f32[...])."""
+    dims = ",".join(map(str, shape))
+    return re.search(rf"= f32\[{dims}\]\{{[0-9,]*\}} broadcast\(", hlo) is not None
+
+
+def test_interleaving_repeat_is_read_in_place_and_tiling_repeat_is_kept():
+    q, k, v = qkv(heads=4, kv_heads=2)
+
+    def interleaved(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2))
+
+    def tiled(q, k, v):  # query head h reads kv head h % 2, not h // 2
+        return F.scaled_dot_product_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))
+
+    with torch.no_grad():
+        out, graphs = compiled_graphs(interleaved, q, k, v)
+        assert_matches_eager(interleaved, (q, k, v), out)
+        hlo = optimized_hlo_text(graphs[0].static.exe)
+        assert not _broadcasts_to(hlo, (2, 2, 2, 7, 8)), hlo
+        out, graphs = compiled_graphs(tiled, q, k, v)
+        assert_matches_eager(tiled, (q, k, v), out)
+        assert not torch.allclose(out, interleaved(q, k, v))  # the two pairings differ
+
+
+def test_training_graph_keeps_decomposition_and_grads_match():
+    q, k, v = (t.clone().requires_grad_() for t in qkv())
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+
+    out, graphs = compiled_graphs(fn, q, k, v)
+    out.square().sum().backward()
+    fn(*ref).square().sum().backward()
+    assert graphs and all(FLASH not in targets(g) for g in graphs)
+    assert any(aten.bmm.default in targets(g) for g in graphs)
+    torch.testing.assert_close(out, fn(*ref), **tolerance(torch.float32))
+    for got, want in zip((q, k, v), ref):
+        torch.testing.assert_close(got.grad, want.grad, **tolerance(torch.float32, 10))
+
+
+def test_llama_decode_with_grouped_query_attention_matches_eager():
+    from fx2xla.testing import llama
+    from transformers import CompileConfig
+
+    torch.manual_seed(0)
+    model = llama(layers=2, hidden=64).eval()
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+              cache_implementation="static", pad_token_id=0)
+    config = CompileConfig(backend="fx2xla", fullgraph=True, mode=None)
+    config._compile_all_devices = True
+    with torch.no_grad():
+        eager = model.generate(ids, disable_compile=True, **kw)
+        before = {id(g) for g in live_graphs}
+        compiled = model.generate(ids, compile_config=config, **kw)
+    assert torch.equal(compiled, eager)
+    assert any(FLASH in targets(g) for g in live_graphs if id(g) not in before)
