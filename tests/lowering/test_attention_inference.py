@@ -13,7 +13,8 @@ outputs against a float64 eager copy, within 4x eager's own bfloat16 error and a
   still matches eager;
 - a training graph keeps torch's decomposition, and its gradients match eager's;
 - a transformers LLaMA (grouped-query attention) decodes the same tokens as eager with a
-  static cache."""
+  static cache, and an 8-layer one folded into a loop keeps the op inside the loop's body;
+- with dynamic shapes, three sequence lengths match eager."""
 from __future__ import annotations
 
 import re
@@ -178,3 +179,31 @@ def test_llama_decode_with_grouped_query_attention_matches_eager():
         compiled = model.generate(ids, compile_config=config, **kw)
     assert torch.equal(compiled, eager)
     assert any(FLASH in targets(g) for g in live_graphs if id(g) not in before)
+
+
+def test_dynamic_lengths_match_eager():
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fx2xla", dynamic=True)
+    with torch.no_grad():
+        for length in (5, 9, 13):
+            q, k, v = qkv(lq=length, lk=length, seed=length)
+            assert_matches_eager(fn, (q, k, v), compiled(q, k, v))
+
+
+def test_folded_layers_keep_attention_in_the_loop():
+    from fx2xla.testing import llama
+
+    torch.manual_seed(0)
+    model = llama(layers=8, hidden=64).eval()
+    ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    folds = fx2xla.metrics()["scan_folds"]
+    with torch.no_grad():
+        out, graphs = compiled_graphs(model, ids)
+    assert fx2xla.metrics()["scan_folds"] > folds
+    bodies = [m for g in graphs for m in g.gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert any(FLASH in {n.target for n in b.graph.nodes if n.op == "call_function"} for b in bodies)
+    with torch.no_grad():
+        torch.testing.assert_close(out.logits, model(ids).logits, **tolerance(torch.float32))
