@@ -85,6 +85,17 @@ def unsliced(fn: Callable) -> Callable:
     return call
 
 
+def unpacked(fn: Callable) -> Callable:
+    """`fn` with torch's convolutions reordering their weights on every call instead of using
+    the packed copies (fx2xla.torch_kernels.weight_packing(False)): the same executable."""
+    from fx2xla import torch_kernels
+
+    def call(*args):
+        with torch_kernels.weight_packing(False):
+            return fn(*args)
+    return call
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

@@ -15,6 +15,7 @@ import torch
 
 from . import dump
 from . import offload as _offload
+from . import torch_kernels as _torch_kernels
 from .lowering.channels_last import TO_FIRST, saved_strides
 from .lowering.graph import check_rules, lower_graph
 from .lowering.nn import CUDNN_MARKER, cudnn_attention_disabled
@@ -119,7 +120,9 @@ class CompiledGraph:
         resident = resident_inputs if resident_inputs is not None else static_input_indices(n)
         self.plan = plan = build_plan(gm, self.example_inputs, device, resident, annotations, solution,
                                       None if offload is None else (*offload, _offload.HOST_KIND), version_bumps(n),
-                                      saved_outputs, channels_last, channels_last and relaid_weights)
+                                      saved_outputs, channels_last, channels_last and relaid_weights,
+                                      channels_last and relaid_weights
+                                      and "convolution" in _torch_kernels.kinds(torch_kernels))
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:

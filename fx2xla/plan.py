@@ -113,6 +113,10 @@ class InputPlan:
     # mesh, a host buffer, or one device's result, runtime/twins.py) is still current at that
     # many versions more.
     bump: int = 0
+    # A resident weight that only 2-D convolutions of an inference graph read and that the graph
+    # does not write: its device buffer is pinned while current, so that torch's convolution
+    # packs it once (torch_kernels.WeightPins).
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -351,7 +355,7 @@ def _move(device: torch.device | None, target: Device, torch_target: torch.devic
 def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                resident: set[int] | None = None, annotations=None, solution=None, offload=None,
                bumps: frozenset[int] = frozenset(), saved: frozenset[int] = frozenset(),
-               channels_last: bool = True, relaid_weights: bool = False) -> GraphPlan:
+               channels_last: bool = True, relaid_weights: bool = False, pinned_weights: bool = False) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -365,7 +369,9 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     leaves the executable channels-last. `channels_last`: whether values between convolutions
     may be computed channels-last at all (the option of that name). `relaid_weights`: resident
     convolution weights are imported channels-last, once while unchanged (inference graphs:
-    their weights rarely change; a training step's change every step)."""
+    their weights rarely change; a training step's change every step). `pinned_weights`: the same
+    weights (whatever layout they arrive in) are pinned for torch's convolutions to pack
+    (InputPlan.pinned; inference graphs whose convolutions may be torch's)."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -409,8 +415,10 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             # earlier result); torch's memory otherwise.
             donated = (writable and in_place and ex.device == torch_device and i not in host_inputs
                        and ex.numel() > 0 and _inplace.viewable(ex.dtype))
-        if (relaid_weights and i in resident and not donated and layout.kind is InputKind.TENSOR
-                and node in laid.weights and node not in written and ex.device == torch_device):
+        weight = (i in resident and not donated and node in laid.weights and node not in written
+                  and ex.device == torch_device)
+        pinned = pinned_weights and weight and i not in skipped
+        if relaid_weights and weight and layout.kind is InputKind.TENSOR:
             # Converted to the layout torch's convolution reads once, not by the executable on
             # every call.
             layout = InputPlan(InputKind.RELAID, _channels_last.TO_LAST)
@@ -419,7 +427,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                                 resident=i in resident and not donated, passed=i not in skipped,
                                 sharding=spec, donated=donated,
                                 memory_kind=host_kind if i in host_inputs and i not in skipped else None,
-                                bump=int(i in bumps)))
+                                bump=int(i in bumps), pinned=pinned))
     seed = graph_uses_randomness(gm)
     seed_device = torch_device if torch_device is not None else torch.device("cpu")
 

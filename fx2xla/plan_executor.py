@@ -200,6 +200,14 @@ class PlanExecutor:
         self._resident_epoch = 0
         self._resident_args = {i for i in tensors if plan.inputs[i].resident}
         self._weakself = weakref.ref(self)
+        # CPU: the buffers of the plan's pinned weights (InputPlan.pinned) are pinned while
+        # current, so that torch's convolution packs each once (torch_kernels.WeightPins);
+        # unpinned when renewed, dropped, or when this executor is freed.
+        self._pins = None
+        self._pinned_slots = frozenset(s.slot for s in steps if s.slot >= 0 and plan.inputs[s.position].pinned)
+        if device.platform == "cpu" and self._pinned_slots and torch_kernels.packing_available():
+            self._pins = torch_kernels.WeightPins()
+            weakref.finalize(self, self._pins.clear)
         self.executions = 0
         self.execute_seconds = 0.0
         self._timed = os.environ.get("FX2XLA_TIME_EXECUTE", "") not in ("", "0")  # opt-in: ~0.2 µs
@@ -275,7 +283,8 @@ class PlanExecutor:
                     bufs.append(buf)
                     continue
             dense = (t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED
-                     else t.permute(perm).contiguous() if kind is _RELAID else t.contiguous())
+                     else t.permute(perm).clone(memory_format=torch.contiguous_format) if kind is _RELAID
+                     else t.contiguous())
             if move is _TORCH_MOVE:  # a CPU scalar beside CUDA tensors, moved before the order below.
                 # Not pinned: a copy of pageable memory returns once the bytes are staged, with
                 # no device sync (CUDA's documented behaviour); pinning would allocate per call.
@@ -319,6 +328,8 @@ class PlanExecutor:
                 if step.slot >= 0:
                     resident[step.slot] = (t, version_of(t), t.data_ptr(), buf)
                     self._hold(t, step.slot)
+                    if self._pins is not None and step.slot in self._pinned_slots:
+                        self._pins.pin(step.slot, buf)
             del claimed  # the imports are ordered after torch's stream, and this execution after them
         if stacks:
             for pos, group, valid, stacked in stacks:
@@ -436,6 +447,8 @@ class PlanExecutor:
         if r is not None and r[0] is t:
             self._resident[slot] = None
             self._resident_epoch = next(_epochs)
+            if self._pins is not None:
+                self._pins.unpin(slot)
 
     def _hold(self, t: torch.Tensor, slot: int) -> None:
         """Record that resident slot `slot` imports `t`'s memory (see install_input)."""

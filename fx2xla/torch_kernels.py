@@ -191,6 +191,12 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_torch_team_running.argtypes = []
         lib.fx2xla_parked_calls.restype = ctypes.c_int64
         lib.fx2xla_skinny_matmul_calls.restype = ctypes.c_int64
+        lib.fx2xla_torch_kernels_pin.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        lib.fx2xla_torch_kernels_unpin.argtypes = [ctypes.c_void_p]
+        lib.fx2xla_torch_kernels_pinned.restype = ctypes.c_int64
+        lib.fx2xla_torch_kernels_set_packing.argtypes = [ctypes.c_int]
+        lib.fx2xla_torch_kernels_packs_made.restype = ctypes.c_int64
+        lib.fx2xla_torch_kernels_packed_calls.restype = ctypes.c_int64
     except (OSError, AttributeError) as e:
         return False, f"{path} did not load: {e}"
     _lib = lib
@@ -205,6 +211,83 @@ def set_batch_slicing(on: bool) -> bool:
     if not load()[0]:
         return True
     return bool(_lib.fx2xla_torch_kernels_set_slicing(int(bool(on))))
+
+
+# Packed convolution weights (csrc/torch_kernels.cc, "Packed weights"). An inference graph's
+# executor pins the device buffer of each weight it imports relaid, a private copy it holds: the
+# convolution handler then reorders that weight into oneDNN's blocked layout once, not on every
+# call and slice. The packed copies live until the buffer is unpinned: when the weight changes and
+# is imported again, and when the executor is freed.
+class WeightPins:
+    """One executor's pinned weights: per resident slot, the pinned buffer's address and its jax
+    array, held here so that the address cannot be reused while it is pinned. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._slots: dict[int, tuple[int, object]] = {}
+
+    def pin(self, slot: int, array) -> None:
+        """Pin `array` (a jax CPU array whose bytes nothing writes) as slot `slot`'s weight, in
+        place of the slot's earlier one."""
+        if _lib is None:
+            return
+        try:
+            ptr = array.unsafe_buffer_pointer()
+        except Exception:  # noqa: BLE001  not a single-device buffer: nothing to pin
+            return
+        with self._lock:
+            old = self._slots.pop(slot, None)
+            if old is not None:
+                _lib.fx2xla_torch_kernels_unpin(old[0])
+            _lib.fx2xla_torch_kernels_pin(ptr, array.nbytes)
+            self._slots[slot] = (ptr, array)
+
+    def unpin(self, slot: int) -> None:
+        with self._lock:
+            old = self._slots.pop(slot, None)
+            if old is not None:
+                _lib.fx2xla_torch_kernels_unpin(old[0])
+
+    def clear(self) -> None:
+        with self._lock:
+            for ptr, _ in self._slots.values():
+                _lib.fx2xla_torch_kernels_unpin(ptr)
+            self._slots.clear()
+
+
+def packing_available() -> bool:
+    """Whether executors pin relaid weights for packing: the library is loaded and the
+    convolution kind is allowed in this context."""
+    return available("convolution")
+
+
+def set_weight_packing(on: bool) -> bool:
+    """Process-wide: whether convolutions run on packed copies of pinned weights (the default).
+    Off, every call reorders the weight, as before packing existed; results are the same bit for
+    bit. Returns the previous setting (True where the library is not loaded)."""
+    if not load()[0]:
+        return True
+    return bool(_lib.fx2xla_torch_kernels_set_packing(int(bool(on))))
+
+
+@contextlib.contextmanager
+def weight_packing(on: bool):
+    """`set_weight_packing(on)` for the block, then the previous setting back (process-wide)."""
+    previous = set_weight_packing(on)
+    try:
+        yield
+    finally:
+        set_weight_packing(previous)
+
+
+def packing_counts() -> dict:
+    """Process-wide counters: buffers pinned now, weights packed and convolution calls (per
+    slice) that ran on a packed weight so far (all 0 where the library is not loaded)."""
+    if not load()[0]:
+        return {"pinned": 0, "packs": 0, "packed_calls": 0}
+    return {"pinned": int(_lib.fx2xla_torch_kernels_pinned()),
+            "packs": int(_lib.fx2xla_torch_kernels_packs_made()),
+            "packed_calls": int(_lib.fx2xla_torch_kernels_packed_calls())}
 
 
 # Parking torch's OpenMP workers (csrc/torch_kernels.cc says why): a long CPU executable launched
