@@ -25,7 +25,9 @@ as two rows instead. `--not-in-place` adds "fx2xla:not-in-place": fx2xla with FX
 while it compiles, so each step writes the whole KV cache to a new buffer instead of updating
 it where it is (runtime/inplace.py). `--decomposed-attention` adds "fx2xla:decomposed-attention":
 fx2xla with options={"attention_op": False}: torch's math decomposition of attention, which
-scales the whole K cache and copies K and V once per query head every step.
+scales the whole K cache and copies K and V once per query head every step. `--linear-as-is` adds
+"fx2xla:linear-as-is": fx2xla with options={"transposed_linear_weights": False}, which reads
+each nn.Linear weight as torch holds it ([out, in]) instead of a copy laid out [in, out].
 
 Writes bench/results/decode.json.
 """
@@ -67,7 +69,8 @@ def compile_config(backend: str, options: dict | None = None):
 def contenders(args) -> tuple:
     return (CONTENDERS + (("fx2xla:no-skinny",) if args.no_skinny else ())
             + (("fx2xla:not-in-place",) if args.not_in_place else ())
-            + (("fx2xla:decomposed-attention",) if args.decomposed_attention else ()))
+            + (("fx2xla:decomposed-attention",) if args.decomposed_attention else ())
+            + (("fx2xla:linear-as-is",) if args.linear_as_is else ()))
 
 
 def make_generate(model, name: str, ids, new_tokens: int):
@@ -79,7 +82,8 @@ def make_generate(model, name: str, ids, new_tokens: int):
         # Options make Dynamo keep this contender's compiled step apart from fx2xla's.
         options = ({"torch_kernels": "convolution"} if name == "fx2xla:no-skinny"
                    else {"fallback": "eager"} if name == "fx2xla:not-in-place"
-                   else {"attention_op": False} if name == "fx2xla:decomposed-attention" else None)
+                   else {"attention_op": False} if name == "fx2xla:decomposed-attention"
+                   else {"transposed_linear_weights": False} if name == "fx2xla:linear-as-is" else None)
         kw["compile_config"] = compile_config(name.split(":")[0], options)
 
     def generate(**extra):
@@ -147,6 +151,9 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_decomposed_attention_cpu"] = cmed["fx2xla:decomposed-attention"] / cmed["fx2xla"]
     if "fx2xla:no-skinny" in med:
         res["fx2xla_vs_no_skinny_tokens_per_s"] = med["fx2xla:no-skinny"] / med["fx2xla"]
+    if "fx2xla:linear-as-is" in med:
+        res["fx2xla_vs_linear_as_is_tokens_per_s"] = med["fx2xla:linear-as-is"] / med["fx2xla"]
+        res["fx2xla_vs_linear_as_is_cpu"] = cmed["fx2xla:linear-as-is"] / cmed["fx2xla"]
     return res
 
 
@@ -164,6 +171,9 @@ def main() -> None:
                    help="also time fx2xla writing the KV cache to new buffers (FX2XLA_INPLACE=0)")
     p.add_argument("--decomposed-attention", action="store_true",
                    help="also time fx2xla with torch's math decomposition of attention (option attention_op=False)")
+    p.add_argument("--linear-as-is", action="store_true",
+                   help="also time fx2xla reading nn.Linear weights as torch holds them "
+                        "(option transposed_linear_weights=False)")
     p.add_argument("--gap-ms", type=float, default=50.0, help="sleep before each timed call")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     a = p.parse_args()
@@ -190,6 +200,9 @@ def main() -> None:
         if "fx2xla_vs_decomposed_attention_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:decomposed-attention tokens/s {r['fx2xla_vs_decomposed_attention_tokens_per_s']:.2f}"
                   f" (cpu time: {r['fx2xla_vs_decomposed_attention_cpu']:.2f})")
+        if "fx2xla_vs_linear_as_is_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:linear-as-is tokens/s {r['fx2xla_vs_linear_as_is_tokens_per_s']:.2f}"
+                  f" (cpu time: {r['fx2xla_vs_linear_as_is_cpu']:.2f})")
         if "fx2xla_vs_not_in_place_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:not-in-place tokens/s {r['fx2xla_vs_not_in_place_tokens_per_s']:.2f}")
     results["load_after"] = load()

@@ -15,7 +15,9 @@ executable with torch's convolutions reordering each weight on every call
 (fx2xla.torch_kernels.weight_packing(False)); `cl` (the same models): fx2xla ÷ fx2xla with
 options={"channels_last": False} (batch norm, ReLU and pooling on NCHW values, transposed around
 each convolution); `at` (models with attention): fx2xla ÷ fx2xla with options={"attention_op":
-False} (torch's math decomposition of attention instead of fx2xla's rule on the one op).
+False} (torch's math decomposition of attention instead of fx2xla's rule on the one op); `lw`
+(float32 models with nn.Linear): fx2xla ÷ fx2xla with options={"transposed_linear_weights":
+False} (each weight read as torch holds it, [out, in], instead of a copy laid out [in, out]).
 """
 from __future__ import annotations
 
@@ -103,6 +105,10 @@ def has_convolutions(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
 
 
+def has_linear(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
 def has_attention(model: torch.nn.Module) -> bool:
     """A transformers model with attention layers (their class names end in "Attention")."""
     return any(type(m).__name__.endswith("Attention") for m in model.modules())
@@ -133,6 +139,11 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
             nchw = torch.compile(model, backend="fx2xla", fullgraph=True, options={"channels_last": False})
             nchw(*args)
             contenders["fx2xla_not_channels_last"] = nchw
+        if dtype == torch.float32 and has_linear(model):
+            # nn.Linear weights read as torch holds them ([out, in]) instead of laid out [in, out]
+            as_is = torch.compile(model, backend="fx2xla", fullgraph=True, options={"transposed_linear_weights": False})
+            as_is(*args)
+            contenders["fx2xla_linear_as_is"] = as_is
         if has_attention(model):
             # torch's math decomposition of attention instead of fx2xla's rule on the one op
             decomposed = torch.compile(model, backend="fx2xla", fullgraph=True, options={"attention_op": False})
@@ -152,6 +163,8 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
         res["packed_weights_ratio"] = med["fx2xla"] / med["fx2xla_unpacked"]
     if "fx2xla_not_channels_last" in med:
         res["channels_last_ratio"] = med["fx2xla"] / med["fx2xla_not_channels_last"]
+    if "fx2xla_linear_as_is" in med:
+        res["linear_layout_ratio"] = med["fx2xla"] / med["fx2xla_linear_as_is"]
     if "fx2xla_decomposed_attention" in med:
         res["attention_op_ratio"] = med["fx2xla"] / med["fx2xla_decomposed_attention"]
     res["index_checks"] = checks
@@ -178,7 +191,7 @@ def main() -> None:
         e = o["embedding_lookup"]
         print(f"  index checks on an 8-id embedding lookup: {e['delta_s'] * 1e6:+.1f} us per call "
               f"({fmt_time(e['checked_s'])} checked vs {fmt_time(e['unchecked_s'])}; ratio {e['ratio']:.3f})")
-    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'cl':>5s} {'at':>5s}"
+    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s}"
     print(header)
     for dt_name in a.dtypes.split(","):
         dtype = getattr(torch, dt_name)
@@ -199,7 +212,7 @@ def main() -> None:
                   f"{r['index_checks']['ratio']:5.2f} {r['torch_kernels_ratio']:5.2f} "
                   f"{r.get('batch_slicing_ratio', float('nan')):5.2f} {r.get('packed_weights_ratio', float('nan')):5.2f} "
                   f"{r.get('channels_last_ratio', float('nan')):5.2f} "
-                  f"{r.get('attention_op_ratio', float('nan')):5.2f}")
+                  f"{r.get('attention_op_ratio', float('nan')):5.2f} {r.get('linear_layout_ratio', float('nan')):5.2f}")
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")
 

@@ -69,6 +69,10 @@ OPTIONS = {
     "attention_op": (True, "inference graphs keep CPU attention as one op, whose rule scales the scores and reads "
                      "each kv head once for its group of query heads; False: torch's math decomposition, which "
                      "scales K and copies K and V per query head (training graphs always decompose it)"),
+    "transposed_linear_weights": (True, "on the CPU, inference graphs import float32 weights that only matmuls of "
+                                  "two rows or more read transposed (nn.Linear's) laid out [in, out], once while "
+                                  "unchanged, which XLA:CPU's dot reads faster; the copy takes those weights' "
+                                  "memory again; False: they are read as torch holds them"),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -81,7 +85,7 @@ def _check_options(options: dict | None) -> dict:
         raise ValueError(f"fx2xla: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
     opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
     opts["torch_kernels"] = torch_kernels.kinds(opts["torch_kernels"])  # a ValueError names a bad kind
-    for name in ("channels_last", "attention_op"):
+    for name in ("channels_last", "attention_op", "transposed_linear_weights"):
         if not isinstance(opts[name], bool):
             raise ValueError(f"fx2xla: option {name}={opts[name]!r}; expected True or False")
     if opts["fallback"] not in ("eager", "error"):
@@ -196,7 +200,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                 sub, examples, device, f"{name}_{sub_name}", resident_inputs=resident,
                 no_recompile=bool(options["no_recompile"]), check_indices=bool(options["check_indices"]),
                 torch_kernels=options["torch_kernels"], channels_last=options["channels_last"],
-                relaid_weights=kind == "inference",
+                relaid_weights=kind == "inference", linear_weights_kn=options["transposed_linear_weights"],
             ),
             static_input_indices(len(example_inputs)),
         )
@@ -210,7 +214,8 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              sharded_outputs=kind == "inference" and options["outputs"] == "sharded",
                              offload=offload, input_names=names, torch_kernels=options["torch_kernels"],
                              saved_outputs=saved[0] if saved is not None else frozenset(),
-                             channels_last=options["channels_last"], relaid_weights=kind == "inference")
+                             channels_last=options["channels_last"], relaid_weights=kind == "inference",
+                             linear_weights_kn=options["transposed_linear_weights"])
     if saved is not None:
         saved[1].extend(compiled.output_strides())
     if kind == "forward" and offload is not None:

@@ -92,14 +92,17 @@ class CompiledGraph:
                  batch_buckets: tuple[int, ...] | None = None, check_indices: bool = True,
                  annotations=None, solution=None, sharded_outputs: bool = False, offload=None,
                  input_names: list[str] | None = None, torch_kernels=True, saved_outputs=frozenset(),
-                 channels_last: bool = True, relaid_weights: bool = False):
+                 channels_last: bool = True, relaid_weights: bool = False,
+                 linear_weights_kn: bool = True):
         """`offload`: host offloading (offload.py): (input positions, output positions) whose
         values live in host memory, or None. `solution`: auto-sharding's, kept as
         `auto_sharding` for reports. `input_names`: the user's names of the inputs (`L['x']`),
         for explain_sharding. `torch_kernels`: the option of that name (lower_graph).
         `saved_outputs`: a forward graph's outputs only its backward reads (plan.build_plan).
         `channels_last`: the option of that name (lowering/channels_last.py); `relaid_weights`:
-        resident convolution weights imported channels-last (plan.build_plan)."""
+        resident convolution weights imported channels-last, and with `linear_weights_kn` (the
+        option transposed_linear_weights) float32 nn.Linear weights laid out [in, out]
+        (plan.build_plan)."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -122,7 +125,8 @@ class CompiledGraph:
                                       None if offload is None else (*offload, _offload.HOST_KIND), version_bumps(n),
                                       saved_outputs, channels_last, channels_last and relaid_weights,
                                       channels_last and relaid_weights
-                                      and "convolution" in _torch_kernels.kinds(torch_kernels))
+                                      and "convolution" in _torch_kernels.kinds(torch_kernels),
+                                      relaid_weights and linear_weights_kn)
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:

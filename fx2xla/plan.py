@@ -23,6 +23,7 @@ import torch.fx
 
 from .layouts import dense_permutation, inverse, is_identity, symbolic
 from .lowering import channels_last as _channels_last
+from .lowering import linalg as _linalg
 from .lowering.registry import PYTHON_OPS, graph_uses_randomness, lowering_for
 from .passes.sharding import graph_mesh, propagate
 from .runtime import inplace as _inplace
@@ -355,7 +356,8 @@ def _move(device: torch.device | None, target: Device, torch_target: torch.devic
 def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                resident: set[int] | None = None, annotations=None, solution=None, offload=None,
                bumps: frozenset[int] = frozenset(), saved: frozenset[int] = frozenset(),
-               channels_last: bool = True, relaid_weights: bool = False, pinned_weights: bool = False) -> GraphPlan:
+               channels_last: bool = True, relaid_weights: bool = False, pinned_weights: bool = False,
+               linear_weights_kn: bool = False) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -371,7 +373,9 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     convolution weights are imported channels-last, once while unchanged (inference graphs:
     their weights rarely change; a training step's change every step). `pinned_weights`: the same
     weights (whatever layout they arrive in) are pinned for torch's convolutions to pack
-    (InputPlan.pinned; inference graphs whose convolutions may be torch's)."""
+    (InputPlan.pinned; inference graphs whose convolutions may be torch's). `linear_weights_kn`:
+    resident float32 weights that only matmuls of several rows read transposed (nn.Linear's) are
+    imported laid out [in, out] (`lowering.linalg.kn_weights`; CPU inference graphs)."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -394,6 +398,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     in_place = mesh_id is None and device.platform == "cpu" and torch_device is not None and _inplace.enabled()
     laid = (_channels_last.plan_channels_last(gm, example_inputs, device.platform, mesh_id) if channels_last
             else _channels_last.NONE)
+    kn = (_linalg.kn_weights(gm, example_inputs)
+          if linear_weights_kn and mesh_id is None and device.platform == "cpu" else frozenset())
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
         if layout.kind is InputKind.SYMINT:
@@ -422,6 +428,10 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             # Converted to the layout torch's convolution reads once, not by the executable on
             # every call.
             layout = InputPlan(InputKind.RELAID, _channels_last.TO_LAST)
+        elif (node in kn and layout.kind is InputKind.TENSOR and i in resident and not donated
+              and node not in written and ex.device == torch_device):
+            # nn.Linear's weight laid out [in, out] once: XLA:CPU's float32 dot is faster so.
+            layout = InputPlan(InputKind.RELAID, (1, 0))
         # A donated buffer is consumed by each call: never kept resident.
         inputs.append(InputPlan(layout.kind, layout.perm, ex.device, _move(ex.device, device, torch_device),
                                 resident=i in resident and not donated, passed=i not in skipped,

@@ -120,14 +120,16 @@ class PrecompiledGraph(SerializableCallable):
         graph = CompiledGraph(gm, fakes, device, state["name"], resident_inputs=set(state["resident"]),
                               check_indices=bool(options.get("check_indices", True)),
                               torch_kernels=options.get("torch_kernels", True),
-                              channels_last=options.get("channels_last", True), relaid_weights=True)
+                              channels_last=options.get("channels_last", True), relaid_weights=True,
+                              linear_weights_kn=options.get("transposed_linear_weights", True))
         return cls(graph, options)
 
 
 def precompiled(graph, options: dict) -> PrecompiledGraph:
     """The serializable result of an inference graph compiled under torch's aot_compile."""
     kept = {k: options[k] for k in ("device_index", "check_indices", "torch_kernels")}
-    return PrecompiledGraph(graph, {**kept, "channels_last": options.get("channels_last", True)})
+    return PrecompiledGraph(graph, {**kept, "channels_last": options.get("channels_last", True),
+                                    "transposed_linear_weights": options.get("transposed_linear_weights", True)})
 
 
 def refused() -> Fx2XlaError:

@@ -117,6 +117,56 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
     return dot(a, b, ((ca,), (cb,)), (batch, batch))
 
 
+# Weight layout for XLA:CPU's float32 dot. nn.Linear stores W as [out, in] and multiplies
+# x @ W.T; XLA:CPU's float32 dot of a few rows is faster with the weight laid out [in, out]
+# (docs/benchmarks.md, "Linear weights laid out [in, out]": 8 x 256 @ 256 x 688 36 against 77 µs,
+# 2-64 rows 0.53-0.96 of the time, from 128 rows on the same). Not for one row (XLA then keeps a
+# transpose of the weight in the program), nor for bf16, whose dot is 1.9-5.9x slower that way.
+_TRANSPOSES = (aten.t.default, aten.permute.default, aten.transpose.int)
+
+
+def _swaps_2d(node) -> bool:
+    """`node` transposes a 2-D tensor: t(W), W.permute(1, 0), W.transpose(0, 1)."""
+    if node.op != "call_function" or node.target not in _TRANSPOSES:
+        return False
+    if node.target is aten.permute.default:
+        return list(node.args[1]) == [1, 0]
+    if node.target is aten.transpose.int:
+        return {d % 2 for d in node.args[1:3]} == {0, 1}
+    return True
+
+
+def kn_weights(gm, example_inputs) -> frozenset:
+    """Placeholders of `gm` that only float32 matmuls of 2 rows or more read, as their
+    transposed right operand (nn.Linear's weight): the CPU plan imports them laid out [in, out]
+    (InputKind.RELAID, perm (1, 0)), once while unchanged."""
+    import torch
+
+    found = set()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, ex in zip(placeholders, example_inputs):
+        if not (isinstance(ex, torch.Tensor) and ex.dim() == 2 and ex.dtype == torch.float32
+                and not any(isinstance(s, torch.SymInt) for s in ex.shape) and ex.numel() > 0 and node.users):
+            continue
+        ok = True
+        for t in node.users:
+            if not _swaps_2d(t) or t.args[0] is not node or not t.users:
+                ok = False
+                break
+            for u in t.users:
+                rhs, lhs = {aten.mm.default: (1, 0), aten.addmm.default: (2, 1)}.get(u.target, (None, None))
+                x = u.args[lhs].meta.get("val") if rhs is not None else None
+                if (rhs is None or u.args[rhs] is not t or t in u.args[:rhs] or x is None or x.dim() != 2
+                        or (not isinstance(x.shape[0], torch.SymInt) and x.shape[0] < 2)):
+                    ok = False
+                    break
+            if not ok:
+                break
+        if ok:
+            found.add(node)
+    return frozenset(found)
+
+
 @register_lowering(aten.mm.default, aten.bmm.default)
 def _mm(ctx, a, b):
     return _matmul(ctx, a, b, 0, 1)
