@@ -200,7 +200,8 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                 sub, examples, device, f"{name}_{sub_name}", resident_inputs=resident,
                 no_recompile=bool(options["no_recompile"]), check_indices=bool(options["check_indices"]),
                 torch_kernels=options["torch_kernels"], channels_last=options["channels_last"],
-                relaid_weights=kind == "inference", linear_weights_kn=options["transposed_linear_weights"],
+                relaid_weights=kind == "inference" and options.get("_steady_weights", True),
+                linear_weights_kn=options["transposed_linear_weights"],
             ),
             static_input_indices(len(example_inputs)),
         )
@@ -214,7 +215,8 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              sharded_outputs=kind == "inference" and options["outputs"] == "sharded",
                              offload=offload, input_names=names, torch_kernels=options["torch_kernels"],
                              saved_outputs=saved[0] if saved is not None else frozenset(),
-                             channels_last=options["channels_last"], relaid_weights=kind == "inference",
+                             channels_last=options["channels_last"],
+                             relaid_weights=kind == "inference" and options.get("_steady_weights", True),
                              linear_weights_kn=options["transposed_linear_weights"])
     if saved is not None:
         saved[1].extend(compiled.output_strides())
@@ -579,6 +581,13 @@ def _observe_pass(graph_name: str, record, gm) -> None:
 def fx2xla_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None):
     """Compile a Dynamo graph for XLA. Registered as the `fx2xla` torch.compile backend."""
     opts = _check_options(options)
+    # Parameters created under torch.inference_mode are inference tensors, which have no version
+    # to tell a change by: imported on every call, so a weight laid out anew (channels-last,
+    # [in, out]) would be copied on every call. Such graphs read their weights as torch holds them.
+    opts["_steady_weights"] = not any(
+        isinstance(v, torch.Tensor) and v.is_inference()
+        and (isinstance(v, torch.nn.Parameter) or getattr(v, "_dynamo_static_input_type", None) is not None)
+        for v in example_inputs)
     name = _graph_name("dynamo")
     if name != "dynamo":  # which torch.compile result these graphs are of: explain_sharding(compiled)
         note_compile_origin(name[: -len("dynamo")])

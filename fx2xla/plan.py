@@ -421,15 +421,14 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             # earlier result); torch's memory otherwise.
             donated = (writable and in_place and ex.device == torch_device and i not in host_inputs
                        and ex.numel() > 0 and _inplace.viewable(ex.dtype))
-        weight = (i in resident and not donated and node in laid.weights and node not in written
-                  and ex.device == torch_device)
+        steady = i in resident and not donated and node not in written and ex.device == torch_device
+        weight = steady and node in laid.weights
         pinned = pinned_weights and weight and i not in skipped
         if relaid_weights and weight and layout.kind is InputKind.TENSOR:
             # Converted to the layout torch's convolution reads once, not by the executable on
             # every call.
             layout = InputPlan(InputKind.RELAID, _channels_last.TO_LAST)
-        elif (node in kn and layout.kind is InputKind.TENSOR and i in resident and not donated
-              and node not in written and ex.device == torch_device):
+        elif steady and node in kn and layout.kind is InputKind.TENSOR:
             # nn.Linear's weight laid out [in, out] once: XLA:CPU's float32 dot is faster so.
             layout = InputPlan(InputKind.RELAID, (1, 0))
         # A donated buffer is consumed by each call: never kept resident.

@@ -197,3 +197,26 @@ def test_threads():
 def test_bad_option_value():
     with pytest.raises(Exception, match="option transposed_linear_weights='yes'; expected True or False"):  # Dynamo wraps it
         torch.compile(mlp(8, 8, 8), backend="fx2xla", options={"transposed_linear_weights": "yes"})(torch.randn(2, 8))
+
+
+def test_weights_created_under_inference_mode_stay_as_they_are():
+    """A model built under torch.inference_mode has inference-tensor parameters, which carry no
+    version: fx2xla imports them on every call, so none is laid out anew (no copy per call),
+    neither the Linear weights nor the convolution weights; results match eager. A model built
+    normally and called under inference_mode (only its input an inference tensor) keeps both."""
+    from fx2xla.testing import SmallCNN
+
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        built_inside = SmallCNN().eval()
+    torch.manual_seed(0)
+    built_outside = SmallCNN().eval()
+    for model, relaid in ((built_inside, 0), (built_outside, 4)):
+        torch._dynamo.reset()
+        before = {id(g) for g in live_graphs}
+        with torch.inference_mode():
+            x = torch.randn(4, 3, 32, 32)
+            out = torch.compile(model, backend="fx2xla")(x)
+            torch.testing.assert_close(out, model(x), **TOL)
+        graphs = _new_graphs(before)
+        assert sum(p.kind is InputKind.RELAID for g in graphs for p in g.plan.inputs) == relaid
