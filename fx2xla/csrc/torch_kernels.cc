@@ -225,8 +225,8 @@ struct PinnedWeight {
   size_t bytes = 0;
   std::vector<Pack> packs;
 };
-// Distinct shapes packed per weight: with more (dynamic shapes), the first pack serves, and
-// oneDNN reorders it where its layout differs, still correct.
+// Distinct shapes packed per weight (a bound on the memory packs take); further shapes take the
+// plain path.
 constexpr size_t kMaxPacksPerWeight = 4;
 
 std::mutex pinned_mu;
@@ -266,8 +266,7 @@ std::optional<at::Tensor> packed_weight(const void* data, size_t bytes, const at
   auto& packs = it->second.packs;
   for (const Pack& p : packs)
     if (p.key == key) return p.weight.defined() ? std::optional<at::Tensor>(p.weight) : std::nullopt;
-  if (packs.size() >= kMaxPacksPerWeight)
-    return packs[0].weight.defined() ? std::optional<at::Tensor>(packs[0].weight) : std::nullopt;
+  if (packs.size() >= kMaxPacksPerWeight) return std::nullopt;
   at::Tensor weight;
   try {
     std::vector<int64_t> no_padding(padding.size(), 0);

@@ -9,11 +9,13 @@ call. What these tests hold it to:
   with the batch cut into slices and whole, for strided, dilated, grouped (depthwise) and
   bias-free convolutions; and equal eager within float32 rtol/atol 1e-5 (bf16: 2e-2);
 - the packed path did run (its counters move), once per weight and shape;
-- a weight changed in place, or replaced, is packed again and the result follows eager; a
-  weight torch holds channels-last is copied, never aliased;
+- a weight changed in place, or replaced, is packed again and the result follows eager, for
+  NCHW weights (relaid copies) and for a model made channels-last (its weights pinned as torch
+  holds them);
 - pins go when the executor is freed; training graphs and options={"torch_kernels": False} pin
   nothing;
-- many batch sizes under dynamic=True stay equal to eager past the cap on packs per weight;
+- batch sizes 2, 5 (uneven slices: two packs per weight) and 8 pack per shape and equal eager;
+  under dynamic=True nothing is pinned;
 - four threads making the first calls at once get eager's results."""
 from __future__ import annotations
 
