@@ -205,7 +205,7 @@ class PlanExecutor:
         # unpinned when renewed, dropped, or when this executor is freed.
         self._pins = None
         self._pinned_slots = frozenset(s.slot for s in steps if s.slot >= 0 and plan.inputs[s.position].pinned)
-        if device.platform == "cpu" and self._pinned_slots and torch_kernels.packing_available():
+        if device.platform == "cpu" and self._pinned_slots and torch_kernels.available("convolution"):
             self._pins = torch_kernels.WeightPins()
             weakref.finalize(self, self._pins.clear)
         self.executions = 0

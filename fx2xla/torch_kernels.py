@@ -214,7 +214,7 @@ def set_batch_slicing(on: bool) -> bool:
 
 
 # Packed convolution weights (csrc/torch_kernels.cc, "Packed weights"). An inference graph's
-# executor pins the device buffer of each weight it imports relaid, a private copy it holds: the
+# executor pins the device buffer of each convolution weight it imports (InputPlan.pinned): the
 # convolution handler then reorders that weight into oneDNN's blocked layout once, not on every
 # call and slice. The packed copies live until the buffer is unpinned: when the weight changes and
 # is imported again, and when the executor is freed.
@@ -253,12 +253,6 @@ class WeightPins:
             for ptr, _ in self._slots.values():
                 _lib.fx2xla_torch_kernels_unpin(ptr)
             self._slots.clear()
-
-
-def packing_available() -> bool:
-    """Whether executors pin relaid weights for packing: the library is loaded and the
-    convolution kind is allowed in this context."""
-    return available("convolution")
 
 
 def set_weight_packing(on: bool) -> bool:

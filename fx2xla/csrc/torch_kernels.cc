@@ -211,8 +211,10 @@ at::Tensor channels_last(const at::Tensor& t) {
 // Packed weights. oneDNN's convolution reads its weight in a blocked layout of its own; handed a
 // plain weight, torch's kernel reorders it into that layout on every call, and with the batch cut
 // into slices, once per slice (for 512 -> 512 3x3 at 2x2, 4.3 ms of a 5.1 ms slice). fx2xla pins
-// the buffer of each resident weight an inference graph imports relaid (a private copy whose jax
-// array it holds while pinned and which nothing writes: its bytes cannot change while pinned). A
+// the buffer of each resident convolution weight of an inference graph while it is current: a
+// relaid copy, or torch's own memory for weights it holds channels-last. The executor holds the
+// jax array while pinned, so the address is not reused, and imports (and pins) a weight again
+// once its version moves, so a pinned buffer's bytes are the weight's current values. A
 // convolution whose weight is a pinned buffer reorders it once per shape, keeps the packed copy
 // until the buffer is unpinned, and runs torch's convolution on it (mkldnn::_convolution_pointwise,
 // the op Inductor calls on weights it packs when freezing): the same oneDNN primitive, bit for bit
@@ -631,11 +633,11 @@ extern "C" int fx2xla_torch_kernels_set_slicing(int on) { return slicing.exchang
 // How many handler calls cut their batch into slices so far, in this process.
 extern "C" int64_t fx2xla_torch_kernels_sliced_calls() { return sliced_calls.load(); }
 
-// Pins the `bytes` bytes at `data`: the buffer of a weight the caller holds and never writes
-// until it unpins it (see packed_weight). Pinning a pinned buffer again drops its packs.
+// Pins the `bytes` bytes at `data`: the buffer of a weight the caller holds, whose bytes stay the
+// weight's while pinned (see packed_weight). Pinning a pinned buffer again drops its packs.
 extern "C" void fx2xla_torch_kernels_pin(const void* data, int64_t bytes) {
   std::lock_guard<std::mutex> lock(pinned_mu);
-  auto [it, added] = pinned.insert_or_assign(data, PinnedWeight{static_cast<size_t>(bytes), {}});
+  pinned.insert_or_assign(data, PinnedWeight{static_cast<size_t>(bytes), {}});
   pinned_count.store(static_cast<int64_t>(pinned.size()));
 }
 
