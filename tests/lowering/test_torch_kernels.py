@@ -381,6 +381,7 @@ def _run_parking_script(**env) -> dict:
 
 
 @needs_kernels
+@pytest.mark.serial  # spinning workers show only while no other process takes their core
 @pytest.mark.skipif(torch.get_num_threads() < 2 or "OpenMP" not in torch.__config__.parallel_info(),
                     reason="parking needs torch on OpenMP with two threads or more")
 def test_parks_spinning_torch_workers():
