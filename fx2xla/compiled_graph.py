@@ -101,7 +101,7 @@ class CompiledGraph:
         `saved_outputs`: a forward graph's outputs only its backward reads (plan.build_plan).
         `channels_last`: the option of that name (lowering/channels_last.py); `relaid_weights`:
         resident convolution weights imported channels-last, and with `linear_weights_kn` (the
-        option transposed_linear_weights) float32 nn.Linear weights laid out [in, out]
+        option transposed_linear_weights) float32 nn.Linear weights laid out [in, out] on the CPU
         (plan.build_plan)."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
@@ -126,7 +126,7 @@ class CompiledGraph:
                                       saved_outputs, channels_last, channels_last and relaid_weights,
                                       channels_last and relaid_weights
                                       and "convolution" in _torch_kernels.kinds(torch_kernels),
-                                      relaid_weights and linear_weights_kn)
+                                      relaid_weights and linear_weights_kn and device.platform == "cpu")
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:

@@ -337,7 +337,7 @@ def _warn_unsharded(model, example_inputs, gm) -> None:
 
 
 def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=None,
-           check_indices: bool = True) -> str:
+           check_indices: bool = True, transposed_linear_weights: bool = True) -> str:
     """Export `model` at `example_inputs` (positional tensors) through `torch.export`, lower it
     with fx2xla's rules for the device its parameters live on, compile it, and write a package
     to the folder `path` (created; an existing package there is replaced). Returns `path`.
@@ -350,7 +350,11 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     namedtuples, torch.return_types and transformers ModelOutputs, Python numbers and None, and
     transformers' DynamicCache / EncoderDecoderCache (a causal LM with use_cache=True); the
     loaded model returns the same structure. Anything else (a StaticCache, an offloaded or
-    quantized cache, another object) raises PackageError naming it and what to change."""
+    quantized cache, another object) raises PackageError naming it and what to change.
+
+    transposed_linear_weights: exported on a CPU, float32 nn.Linear weights that only matmuls of
+    two rows or more read are laid out [in, out], as torch.compile's option of that name does
+    (the loaded model holds them so, once); False keeps them as torch holds them."""
 
     example_inputs = tuple(example_inputs)
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
@@ -391,7 +395,11 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
         concrete.append(tensor)
     dynamic = any(isinstance(d, dict) for spec in inputs for d in spec.get("dims", ()))
     device = device_for([v.device for v in fakes if isinstance(v, torch.Tensor) and not (v.device.type == "cpu" and v.dim() == 0)])
-    plan, lowered = _lower(gm, fakes, device, inputs, concrete if dynamic else None, check_indices)
+    # float32 nn.Linear weights laid out [in, out] on a CPU, as a compiled CPU graph has them
+    # (plan.build_plan): recorded, so that a dynamic package lowers new shapes the same way on
+    # any device it is loaded on.
+    kn = bool(transposed_linear_weights) and device.platform == "cpu"
+    plan, lowered = _lower(gm, fakes, device, inputs, concrete if dynamic else None, check_indices, kn)
     for spec, fake in zip(inputs, fakes):
         spec["dtype"] = str(fake.dtype).removeprefix("torch.")
     # Inputs the graph writes (BatchNorm statistics, counters, caches; user inputs written in
@@ -430,7 +438,7 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
         "compile_options": compile_options(device.platform).SerializeAsString().hex(),
         "inputs": inputs, "plan": plan_record(plan), "written_outputs": written,
         "output_tree": record["tree"],
-        "dynamic": dynamic, "check_indices": check_indices, "variants": [variant],
+        "dynamic": dynamic, "check_indices": check_indices, "linear_weights_kn": kn, "variants": [variant],
         "export_seconds": time.perf_counter() - t0,
         "files": {name: {"sha256": _sha256(os.path.join(path, name)), "bytes": os.path.getsize(os.path.join(path, name))}
                   for name in files},
@@ -460,12 +468,13 @@ def _dims(fake: torch.Tensor, ranges) -> list:
     return dims
 
 
-def _lower(gm, fakes, device, inputs, concrete, check_indices):
+def _lower(gm, fakes, device, inputs, concrete, check_indices, linear_weights_kn: bool):
     """(plan, lowered) of an exported graph on `device`, at the shapes of `concrete` (all
-    placeholders' values) or, for static graphs (None), at the example shapes."""
+    placeholders' values) or, for static graphs (None), at the example shapes.
+    `linear_weights_kn`: plan.build_plan's."""
 
     resident = {i for i, spec in enumerate(inputs) if spec["kind"] != "user"}
-    plan = build_plan(gm, fakes, device, resident)
+    plan = build_plan(gm, fakes, device, resident, linear_weights_kn=linear_weights_kn)
     if plan.concats:
         raise PackageError("fx2xla.export: graphs that concatenate their inputs in torch are not supported")
     # XLA's kernels only: a package compiles anywhere, with or without a build of torch's.
@@ -579,7 +588,12 @@ class LoadedModel:
         self._user = [i for i, spec in enumerate(self._inputs) if spec["kind"] == "user"]
         self._dtypes = {i: getattr(torch, spec["dtype"]) for i, spec in enumerate(self._inputs)}
         first = manifest["variants"][0]
-        self.plan = plan_from_record(_plan_of(manifest), device, outputs_from_record(first["outputs"]))
+        plan = plan_from_record(_plan_of(manifest), device, outputs_from_record(first["outputs"]))
+        # A weight the plan imports as a copy in another order (RELAID: nn.Linear's laid out
+        # [in, out]) is held here in that order instead, and passed as a view (PERMUTED): the
+        # executable sees the same buffer, and no second copy of the weight is kept.
+        self.plan = dataclasses.replace(plan, inputs=[
+            dataclasses.replace(p, kind=InputKind.PERMUTED) if p.kind is InputKind.RELAID else p for p in plan.inputs])
         # The call's arguments: the weights (laid out as the plan passes them) at their
         # positions, the user's tensors filled in per call.
         self._args = [None if spec["kind"] == "user" else _laid_out(weights[spec["weight"]], self.plan.inputs[i])
@@ -630,7 +644,8 @@ class LoadedModel:
         user = iter(args)
         concrete = [next(user) if held is None else held for held in self._args]
         lowered, exe = compile_lowered(
-            lambda: _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"])[1],
+            lambda: _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"],
+                           self.manifest.get("linear_weights_kn", False))[1],
             lambda text: compile_module(text, self.device), f"package {self.path!r}")
         self.compiled_from_module = True
         return self._variant(exe, _variant_json(lowered, [list(a.shape) for a in args]))

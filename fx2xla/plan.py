@@ -375,7 +375,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     weights (whatever layout they arrive in) are pinned for torch's convolutions to pack
     (InputPlan.pinned; inference graphs whose convolutions may be torch's). `linear_weights_kn`:
     resident float32 weights that only matmuls of several rows read transposed (nn.Linear's) are
-    imported laid out [in, out] (`lowering.linalg.kn_weights`; CPU inference graphs)."""
+    imported laid out [in, out] (`lowering.linalg.kn_weights`; callers ask for it in CPU inference
+    graphs and packages exported on a CPU; never over a mesh)."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -398,8 +399,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     in_place = mesh_id is None and device.platform == "cpu" and torch_device is not None and _inplace.enabled()
     laid = (_channels_last.plan_channels_last(gm, example_inputs, device.platform, mesh_id) if channels_last
             else _channels_last.NONE)
-    kn = (_linalg.kn_weights(gm, example_inputs)
-          if linear_weights_kn and mesh_id is None and device.platform == "cpu" else frozenset())
+    kn = _linalg.kn_weights(gm, example_inputs) if linear_weights_kn and mesh_id is None else frozenset()
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
         if layout.kind is InputKind.SYMINT:

@@ -475,7 +475,7 @@ def test_manifest_holds_the_plan_and_format_1_still_loads(tmp_path):
     assert manifest["format_version"] == 2
     plan = manifest["plan"]
     assert [(p["kind"], p["resident"]) for p in plan["inputs"]] == \
-        [("tensor", True), ("tensor", True), ("tensor", False)]  # weight, bias, x
+        [("relaid", True), ("tensor", True), ("tensor", False)]  # weight ([in, out] on a CPU), bias, x
     assert plan["mutations"] == [] and plan["seed"] is False and plan["results"] == 1
     inputs = [{**spec, "layout": p["kind"], "perm": p["perm"]} for spec, p in zip(manifest["inputs"], plan["inputs"])]
     del manifest["plan"]
@@ -483,6 +483,59 @@ def test_manifest_holds_the_plan_and_format_1_still_loads(tmp_path):
     with open(os.path.join(path, "manifest.json"), "w") as f:
         json.dump(manifest, f)
     run = fx2xla.load(path)
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_linear_weights_laid_out_in_out_on_a_cpu(tmp_path, dynamic):
+    """A package exported on a CPU lays float32 nn.Linear weights out [in, out], as a compiled
+    CPU graph does (docs/benchmarks.md, "Linear weights laid out [in, out]"): the manifest records
+    them (plan kind "relaid", perm [1, 0]); the loaded model holds each weight in that order once
+    and passes it as a view (kind PERMUTED), and matches eager (float32 rtol 1e-4, atol 1e-5) and
+    torch.compile's result (rtol 1e-6, atol 1e-6), at the example batch and, exported with a
+    dynamic batch, at batches it lowers when called. bf16 weights stay as torch holds them."""
+    from fx2xla.plan import InputKind
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(8, 16)
+    shapes = ({0: torch.export.Dim("batch", min=2, max=64)},) if dynamic else None
+    path = fx2xla.export(model, (x,), str(tmp_path / "pkg"), dynamic_shapes=shapes)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["linear_weights_kn"] is True
+    kinds = [(p["kind"], p["perm"]) for p in manifest["plan"]["inputs"]]  # weight, bias, weight, bias, x
+    assert kinds[:4] == [("relaid", [1, 0]), ("tensor", None), ("relaid", [1, 0]), ("tensor", None)], kinds
+    run = fx2xla.load(path)
+    assert [p.kind for p in run.plan.inputs[:4]] == [InputKind.PERMUTED, InputKind.TENSOR, InputKind.PERMUTED,
+                                                     InputKind.TENSOR]
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="fx2xla")
+        for n in ((8, 5, 40) if dynamic else (8,)):
+            xn = torch.randn(n, 16)
+            out = run(xn)
+            torch.testing.assert_close(out, model(xn), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(out, compiled(xn), rtol=1e-6, atol=1e-6)
+    bf16 = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh()).bfloat16()
+    path = fx2xla.export(bf16, (x.bfloat16(),), str(tmp_path / "bf16"))
+    with open(os.path.join(path, "manifest.json")) as f:
+        assert [p["kind"] for p in json.load(f)["plan"]["inputs"]] == ["tensor", "tensor", "tensor"]
+
+
+def test_linear_weights_as_torch_holds_them_on_request(tmp_path):
+    """export(..., transposed_linear_weights=False): the manifest records no [in, out] layout,
+    the loaded model passes the weights as they are, and matches eager (float32 rtol 1e-4, atol
+    1e-5)."""
+    from fx2xla.plan import InputKind
+
+    path, model, x = _package(tmp_path)
+    run = fx2xla.load(fx2xla.export(model, (x,), str(tmp_path / "as-is"), transposed_linear_weights=False))
+    with open(os.path.join(str(tmp_path / "as-is"), "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["linear_weights_kn"] is False
+    assert [p["kind"] for p in manifest["plan"]["inputs"]] == ["tensor", "tensor", "tensor"]
+    assert all(p.kind is InputKind.TENSOR for p in run.plan.inputs)
     with torch.no_grad():
         torch.testing.assert_close(run(x), model(x), rtol=1e-4, atol=1e-5)
 
