@@ -48,6 +48,7 @@ from .lowering.graph import lower_graph, symbol_bindings
 from .plan import (InputKind, build_plan, from_json, json_value, outputs_from_record, outputs_record, plan_from_record,
                    plan_record)
 from .plan_executor import PlanExecutor, Specialization, install_input
+from . import torch_kernels as _torch_kernels
 from .runtime import compile_module, default_device, device_for
 from .runtime.client import local_device
 from .runtime.executor import compile_options
@@ -76,11 +77,21 @@ def _export_table() -> dict:
     return {k: v for k, v in decomposition_table().items() if "dot_product" not in str(k)}
 
 
-def _executable_key(device, platform_version: str) -> str:
+def _executable_key(device, platform_version: str, kernels: bool = False) -> str:
+    """The key of an executable for `device` and this jaxlib; `kernels`: one that calls the
+    kernel library's custom calls, which only this build of the library may run."""
     import jaxlib
 
     raw = f"{jaxlib.version.__version__}|{device.platform}|{device.kind}|{platform_version}"
+    if kernels:
+        raw += f"|torch_kernels-{_torch_kernels.build_key()}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _kernels_here(device) -> bool:
+    """Whether modules lowered here for `device` may call the kernel library (a CPU where it is
+    built, loaded and not turned off)."""
+    return device.platform == "cpu" and any(_torch_kernels.available(k) for k in _torch_kernels.KINDS)
 
 
 def _sha256(path: str) -> str:
@@ -395,11 +406,18 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
         concrete.append(tensor)
     dynamic = any(isinstance(d, dict) for spec in inputs for d in spec.get("dims", ()))
     device = device_for([v.device for v in fakes if isinstance(v, torch.Tensor) and not (v.device.type == "cpu" and v.dim() == 0)])
-    # float32 nn.Linear weights laid out [in, out] on a CPU, as a compiled CPU graph has them
-    # (plan.build_plan): recorded, so that a dynamic package lowers new shapes the same way on
-    # any device it is loaded on.
-    kn = bool(transposed_linear_weights) and device.platform == "cpu"
-    plan, lowered = _lower(gm, fakes, device, inputs, concrete if dynamic else None, check_indices, kn)
+    # On a CPU, weights laid out as a compiled CPU inference graph has them (plan.build_plan):
+    # convolution weights channels-last (pinned, for torch's convolutions to pack once where the
+    # package's executable with them runs), float32 nn.Linear weights [in, out]. The plan's
+    # record keeps the layouts, and a dynamic package lowers new shapes with them (_lower).
+    cpu = device.platform == "cpu"
+    kn = bool(transposed_linear_weights) and cpu
+    plan, lowered = _lower(gm, fakes, device, inputs, concrete if dynamic else None, check_indices, kn,
+                           relaid_weights=cpu)
+    # XLA's kernels only in the portable module: a package compiles anywhere, with or without a
+    # build of the kernel library. Beside it, an executable with the library's custom calls,
+    # which loads where the same build of the library runs (its key says which).
+    native = _native(gm, fakes, plan, concrete if dynamic else None, check_indices, device, lowered)
     for spec, fake in zip(inputs, fakes):
         spec["dtype"] = str(fake.dtype).removeprefix("torch.")
     # Inputs the graph writes (BatchNorm statistics, counters, caches; user inputs written in
@@ -424,7 +442,7 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
         torch.export.save(program, os.path.join(path, _PROGRAM))
         files.append(_PROGRAM)
     shapes = [list(x.shape) for x in example_inputs]
-    variant = _write_variant(path, 0, device, lowered, shapes, compile_here=True)
+    variant = _write_variant(path, 0, device, lowered, shapes, compile_here=True, native=native)
     files += [variant["module"], *variant["executables"].values()]
     import jax
     import jaxlib
@@ -468,18 +486,38 @@ def _dims(fake: torch.Tensor, ranges) -> list:
     return dims
 
 
-def _lower(gm, fakes, device, inputs, concrete, check_indices, linear_weights_kn: bool):
+def _lower(gm, fakes, device, inputs, concrete, check_indices, linear_weights_kn: bool, kernels: bool = False,
+           relaid_weights: bool = False, layouts=None):
     """(plan, lowered) of an exported graph on `device`, at the shapes of `concrete` (all
     placeholders' values) or, for static graphs (None), at the example shapes.
-    `linear_weights_kn`: plan.build_plan's."""
+    `linear_weights_kn`, `relaid_weights` (and pinned weights with it): plan.build_plan's.
+    `kernels`: the module may call the kernel library (a module for this machine only; the
+    portable one never does). `layouts`: per input, the (kind, perm) a loaded package's plan
+    passes it in, which the module takes whatever this device's plan would choose (the
+    lowering permutes every input back to torch's order, so any recorded layout is sound)."""
 
     resident = {i for i, spec in enumerate(inputs) if spec["kind"] != "user"}
-    plan = build_plan(gm, fakes, device, resident, linear_weights_kn=linear_weights_kn)
+    plan = build_plan(gm, fakes, device, resident, relaid_weights=relaid_weights, pinned_weights=relaid_weights,
+                      linear_weights_kn=linear_weights_kn)
+    if layouts is not None:
+        plan.inputs = [dataclasses.replace(p, kind=kind, perm=perm) for p, (kind, perm) in zip(plan.inputs, layouts)]
     if plan.concats:
         raise PackageError("fx2xla.export: graphs that concatenate their inputs in torch are not supported")
-    # XLA's kernels only: a package compiles anywhere, with or without a build of torch's.
-    lowered = lower_graph(gm, plan, fakes, concrete, check_indices=check_indices, torch_kernels=False)
+    lowered = lower_graph(gm, plan, fakes, concrete, check_indices=check_indices, torch_kernels=kernels)
     return plan, (lowered if concrete is None else _at_shapes(lowered, fakes, concrete))
+
+
+def _native(gm, fakes, plan, concrete, check_indices, device, portable):
+    """The module of `plan` lowered with the kernel library's custom calls (torch's oneDNN
+    convolutions, the skinny bf16 matmul), where this machine has the library and the module
+    differs from the `portable` one (LoweredGraph); else None."""
+    if not _kernels_here(device):
+        return None
+    native = lower_graph(gm, plan, fakes, concrete, check_indices=check_indices, torch_kernels=True)
+    native = native if concrete is None else _at_shapes(native, fakes, concrete)
+    if native.module_text == portable.module_text or outputs_record(native.outputs) != outputs_record(portable.outputs):
+        return None
+    return native
 
 
 def _at_shapes(lowered, fakes, concrete):
@@ -509,9 +547,10 @@ def _variant_json(lowered, shapes) -> dict:
     return {"shapes": shapes, "outputs": outputs, "checks": [r.message for r in lowered.checks]}
 
 
-def _write_variant(path, n, device, lowered, shapes, compile_here: bool) -> dict:
+def _write_variant(path, n, device, lowered, shapes, compile_here: bool, native=None) -> dict:
     """Write variant `n` (one set of input shapes): its portable module and, when
-    `compile_here`, its executable for `device`. Returns its manifest entry."""
+    `compile_here`, its executable for `device`, and the executable of `native` (the module with
+    the kernel library's custom calls) where there is one. Returns its manifest entry."""
 
     variant = _variant_json(lowered, shapes)
     module_format, module_bytes = portable_module(lowered.module_text)
@@ -520,13 +559,16 @@ def _write_variant(path, n, device, lowered, shapes, compile_here: bool) -> dict
         f.write(module_bytes)
     variant["executables"] = {}
     if compile_here:
-        # Compiled afresh, not taken from the caches: an executable that was itself deserialized
-        # (the disk cache's) serializes without its object code on XLA:CPU.
-        exe = device.client.compile_and_load(lowered.module_text, [device.jax_device], compile_options(device.platform))
-        key = _executable_key(device, device.client.platform_version)
-        variant["executables"][key] = f"executable-{n}-{key}.bin"
-        with open(os.path.join(path, variant["executables"][key]), "wb") as f:
-            f.write(device.client.serialize_executable(exe))
+        for module, kernels in ((lowered, False), (native, True)):
+            if module is None:
+                continue
+            # Compiled afresh, not taken from the caches: an executable that was itself
+            # deserialized (the disk cache's) serializes without its object code on XLA:CPU.
+            exe = device.client.compile_and_load(module.module_text, [device.jax_device], compile_options(device.platform))
+            key = _executable_key(device, device.client.platform_version, kernels)
+            variant["executables"][key] = f"executable-{n}-{key}.bin"
+            with open(os.path.join(path, variant["executables"][key]), "wb") as f:
+                f.write(device.client.serialize_executable(exe))
     return variant
 
 
@@ -613,14 +655,20 @@ class LoadedModel:
         device, files = self.device, self.manifest["files"]
         module_file = _check_file(self.path, v["module"], files[v["module"]], True)
         exe = None
-        name = v["executables"].get(_executable_key(device, device.client.platform_version))
-        if name is not None:
+        # The executable with the kernel library's custom calls where this machine runs the same
+        # build of the library (registered by _kernels_here), else the plain one.
+        keys = [_executable_key(device, device.client.platform_version, kernels=True)] if _kernels_here(device) else []
+        for key in keys + [_executable_key(device, device.client.platform_version)]:
+            name = v["executables"].get(key)
+            if name is None:
+                continue
             exe_file = _check_file(self.path, name, files[name], True)
             try:
                 with open(exe_file, "rb") as f:
                     exe = device.client.deserialize_executable(f.read(), [device.jax_device],
                                                                compile_options(device.platform))
-            except Exception:  # noqa: BLE001  built by an XLA this one cannot load: compile instead
+                break
+            except Exception:  # noqa: BLE001  built by an XLA this one cannot load: the next, or compile
                 exe = None
         if exe is None:
             self.compiled_from_module = True
@@ -645,7 +693,8 @@ class LoadedModel:
         concrete = [next(user) if held is None else held for held in self._args]
         lowered, exe = compile_lowered(
             lambda: _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"],
-                           self.manifest.get("linear_weights_kn", False))[1],
+                           self.manifest.get("linear_weights_kn", False), _kernels_here(self.device),
+                           layouts=[(p.kind, p.perm) for p in self.plan.inputs])[1],
             lambda text: compile_module(text, self.device), f"package {self.path!r}")
         self.compiled_from_module = True
         return self._variant(exe, _variant_json(lowered, [list(a.shape) for a in args]))

@@ -565,7 +565,7 @@ def plan_record(plan: GraphPlan) -> dict:
     if plan.mesh_id is not None or plan.concats:
         raise TypeError("only a one-device plan without torch-side concatenations can be stored")
     return {"inputs": [{"kind": p.kind, "perm": None if p.perm is None else list(p.perm), "resident": p.resident,
-                        "passed": p.passed, "donated": p.donated} for p in plan.inputs],
+                        "passed": p.passed, "donated": p.donated, "pinned": p.pinned} for p in plan.inputs],
             "results": len(plan.results), "mutations": [list(m) for m in plan.mutations], "seed": plan.seed}
 
 
@@ -575,7 +575,7 @@ def plan_from_record(record: dict, device: Device, outputs: list[OutputPlan]) ->
     home = device.torch_device
     inputs = [InputPlan(InputKind(p["kind"]), None if p["perm"] is None else tuple(p["perm"]),
                         None if p["kind"] == InputKind.SYMINT else home, Move.NONE, p["resident"], p["passed"],
-                        donated=p.get("donated", False))
+                        donated=p.get("donated", False), pinned=p.get("pinned", False))
               for p in record["inputs"]]
     results = [ResultPlan(None, device=home) for _ in range(record["results"])]
     return GraphPlan(device, home, inputs, [], record["seed"], home, results, list(outputs),

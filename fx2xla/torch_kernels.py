@@ -26,8 +26,10 @@ a stale build. Without a build (no compiler, or never built) convolutions are XL
 `status()` says why.
 
 FX2XLA_TORCH_KERNELS=0 turns the custom calls off; lowering reads it per graph, so graphs
-compiled before a change keep what they were lowered with. Packages (fx2xla.export) never hold
-them: a package must load where no build exists.
+compiled before a change keep what they were lowered with. A package's portable module
+(fx2xla.export) never holds them, so that it loads where no build exists; beside it, a package
+exported where the library runs holds an executable with them, keyed by the library's build
+key, which `fx2xla.load` takes where the same build runs (and FX2XLA_TORCH_KERNELS is not 0).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """bench/package.py runs on the CPU: for the MLP, every contender (eager, Inductor,
 torch.compile with fx2xla, the loaded package, the package with nn.Linear weights as torch holds
-them) gets a positive median, an output within float32's 1e-4 (relative to the largest
+them, the package loaded without the kernel library) gets a positive median, an output within float32's 1e-4 (relative to the largest
 magnitude) of eager's, and the ratios the README quotes."""
 import json
 import math
@@ -17,9 +17,10 @@ def test_package_bench_runs_on_cpu(tmp_path):
                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())["models"]["mlp"]
-    names = {"eager", "inductor", "fx2xla", "package", "package:as-is"}
+    names = {"eager", "inductor", "fx2xla", "package", "package:as-is", "package:xla-kernels"}
     assert set(r["median_s"]) == names and set(r["max_rel_err"]) == names
     assert all(math.isfinite(v) and v > 0 for v in r["median_s"].values()), r
     assert all(e <= 1e-4 for e in r["max_rel_err"].values()), r["max_rel_err"]
-    assert set(r["ratios"]) == {"package/inductor", "package/eager", "package/fx2xla", "package/package:as-is"}
+    assert set(r["ratios"]) == {"package/inductor", "package/eager", "package/fx2xla", "package/package:as-is",
+                                "package/package:xla-kernels"}
     assert "MISMATCH" not in run.stdout

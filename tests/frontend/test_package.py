@@ -540,11 +540,74 @@ def test_linear_weights_as_torch_holds_them_on_request(tmp_path):
         torch.testing.assert_close(run(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+def _conv_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                               torch.nn.Conv2d(8, 8, 3, stride=2), torch.nn.Flatten(), torch.nn.LazyLinear(4)).eval()
+
+
+def _executables(path) -> dict:
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)["variants"][0]["executables"]
+
+
+@pytest.mark.skipif(not fx2xla.torch_kernels.available("convolution"), reason=fx2xla.torch_kernels.status())
+def test_convolutions_run_torch_kernels_where_the_library_runs(tmp_path, monkeypatch):
+    """Exported on a CPU with the kernel library, a package holds two executables: one with
+    torch's convolutions as custom calls (keyed by the library's build) and the plain one, and
+    records the convolution weights channels-last and pinned, as a compiled CPU inference graph
+    has them. Loaded here, the model runs torch's convolutions (handler calls counted; batch 8 is
+    cut into slices) with both weights pinned for them to pack and matches eager (float32 rtol 1e-4, atol 1e-5) and torch.compile's result (rtol
+    1e-6, atol 1e-6); loaded with FX2XLA_TORCH_KERNELS=0, it runs the plain executable (no
+    handler call, nothing compiled) with the same results. Exported without the library, the
+    package holds the plain executable only. A dynamic batch lowers new sizes with the library
+    where it runs."""
+    from fx2xla import torch_kernels
+
+    model = _conv_net()
+    x = torch.randn(8, 3, 16, 16)
+    with torch.no_grad():
+        expected = model(x)
+        compiled = torch.compile(model, backend="fx2xla")(x)
+    path = fx2xla.export(model, (x,), str(tmp_path / "cnn"))
+    assert len(_executables(path)) == 2
+    with open(os.path.join(path, "manifest.json")) as f:
+        weights = [p for p in json.load(f)["plan"]["inputs"] if p["perm"] == [0, 2, 3, 1]]
+    assert len(weights) == 2 and all(p["kind"] == "relaid" and p["pinned"] for p in weights), weights
+    run = fx2xla.load(path)
+    before, pinned = torch_kernels.sliced_calls(), torch_kernels.packing_counts()["pinned"]
+    out = run(x)
+    assert torch_kernels.sliced_calls() - before == 2 and not run.compiled_from_module
+    assert torch_kernels.packing_counts()["pinned"] - pinned == 2  # for torch's convolution to pack
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, compiled, rtol=1e-6, atol=1e-6)
+
+    monkeypatch.setenv("FX2XLA_TORCH_KERNELS", "0")
+    plain = fx2xla.load(path)
+    before = torch_kernels.sliced_calls()
+    out = plain(x)
+    assert torch_kernels.sliced_calls() == before and not plain.compiled_from_module
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert len(_executables(fx2xla.export(model, (x,), str(tmp_path / "plain")))) == 1
+    monkeypatch.delenv("FX2XLA_TORCH_KERNELS")
+
+    batch = torch.export.Dim("batch", min=2, max=32)
+    run = fx2xla.load(fx2xla.export(model, (x,), str(tmp_path / "dynamic"), dynamic_shapes=({0: batch},)))
+    x6 = torch.randn(6, 3, 16, 16)
+    before = torch_kernels.sliced_calls()
+    out = run(x6)
+    assert torch_kernels.sliced_calls() - before == 2 and run.compiled_from_module
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x6), rtol=1e-4, atol=1e-5)
+
+
 def test_channels_last_input_in_any_layout(tmp_path):
     """A model exported at a channels_last input passes it to the executable as a permuted dense
     view; the loaded model takes the input in that layout, contiguous, or as a non-contiguous
-    slice, and matches eager each time (float32 conv: rtol 1e-4, atol 1e-4). The package holds
-    XLA's convolution, not torch's kernel (fx2xla.torch_kernels): it loads where no build is."""
+    slice, and matches eager each time (float32 conv: rtol 1e-4, atol 1e-4). The portable module
+    holds XLA's convolution, not torch's kernel (fx2xla.torch_kernels), and so does one
+    executable: they load where no build is; where the library runs, one more executable calls
+    it."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).eval()
     x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
@@ -552,9 +615,14 @@ def test_channels_last_input_in_any_layout(tmp_path):
     with open(os.path.join(path, "manifest.json")) as f:
         kinds = [p["kind"] for p in json.load(f)["plan"]["inputs"]]
     assert kinds[-1] == "permuted", kinds
+    calling = []
     for name in os.listdir(path):
         with open(os.path.join(path, name), "rb") as f:
-            assert b"fx2xla_torch_convolution" not in f.read(), name
+            if b"fx2xla_torch_convolution" in f.read():
+                calling.append(name)
+    executables = [n for n in os.listdir(path) if n.startswith("executable-")]
+    assert len(calling) == int(fx2xla.torch_kernels.available("convolution")) and len(executables) == 1 + len(calling)
+    assert all(n.startswith("executable-") for n in calling), calling
     run = fx2xla.load(path)
     wide = torch.randn(2, 3, 8, 16)
     for arg in (x, x.contiguous(), wide[..., ::2]):
