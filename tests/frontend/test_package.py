@@ -601,6 +601,31 @@ def test_convolutions_run_torch_kernels_where_the_library_runs(tmp_path, monkeyp
         torch.testing.assert_close(out, model(x6), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not fx2xla.torch_kernels.available("convolution"), reason=fx2xla.torch_kernels.status())
+def test_a_fresh_process_runs_torch_convolutions_from_a_package(tmp_path):
+    """A fresh process that only loads the package registers the kernel library before it
+    deserializes the executable that calls it: torch's convolutions run (handler calls counted),
+    nothing compiles, and the result matches eager (float32 rtol 1e-4, atol 1e-5)."""
+    model = _conv_net()
+    x = torch.randn(8, 3, 16, 16)
+    with torch.no_grad():
+        expected = model(x)
+    path = fx2xla.export(model, (x,), str(tmp_path / "cnn"))
+    torch.save(x, tmp_path / "x.pt")
+    child = ("import json, sys, torch, fx2xla\n"
+             "from fx2xla import torch_kernels\n"
+             "run = fx2xla.load(sys.argv[1])\n"
+             "torch.save(run(torch.load(sys.argv[2])), sys.argv[3])\n"
+             "print(json.dumps({'compiles': fx2xla.metrics()['compiles'], 'sliced': torch_kernels.sliced_calls(),\n"
+             "                  'from_module': run.compiled_from_module}))\n")
+    env = dict(os.environ, FX2XLA_CACHE_DIR=str(tmp_path / "empty-cache"))
+    r = subprocess.run([sys.executable, "-c", child, path, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"compiles": 0, "sliced": 2, "from_module": False}
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_channels_last_input_in_any_layout(tmp_path):
     """A model exported at a channels_last input passes it to the executable as a permuted dense
     view; the loaded model takes the input in that layout, contiguous, or as a non-contiguous
