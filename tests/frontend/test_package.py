@@ -82,26 +82,33 @@ def test_bf16_mlp_and_several_outputs(tmp_path):
         torch.testing.assert_close(a.float(), e.float(), rtol=1.6e-1, atol=1e-1)
 
 
+def _load_in_fresh_process(tmp_path, path, x, report: str):
+    """Load the package at `path` in a fresh process (an empty disk cache), call it on `x`:
+    (its output, the dict the child's `report` expression gave, read as JSON)."""
+    torch.save(x, tmp_path / "x.pt")
+    child = ("import json, sys, torch, fx2xla\n"
+             "from fx2xla import torch_kernels\n"
+             "run = fx2xla.load(sys.argv[1])\n"
+             "torch.save(run(torch.load(sys.argv[2])), sys.argv[3])\n"
+             "m = fx2xla.metrics()\n"
+             f"print(json.dumps({report}))\n")
+    env = dict(os.environ, FX2XLA_CACHE_DIR=str(tmp_path / "empty-cache"))
+    r = subprocess.run([sys.executable, "-c", child, path, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return torch.load(tmp_path / "out.pt"), json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_a_fresh_process_loads_without_tracing(tmp_path):
     model = _gpt2()
     ids = token_ids(2, 16, vocab=100)
     path = fx2xla.export(model, (ids,), str(tmp_path / "pkg"))
     with torch.no_grad():
         expected = model(ids)
-    torch.save(ids, tmp_path / "ids.pt")
-    child = ("import json, sys, torch, fx2xla\n"
-             "run = fx2xla.load(sys.argv[1])\n"
-             "out = run(torch.load(sys.argv[2]))\n"
-             "torch.save(out, sys.argv[3])\n"
-             "m = fx2xla.metrics()\n"
-             "print(json.dumps({'graphs': m['graphs'], 'compiles': m['compiles'],\n"
-             "                  'dynamo': len(torch._dynamo.utils.counters['frames'])}))\n")
-    env = dict(os.environ, FX2XLA_CACHE_DIR=str(tmp_path / "empty-cache"))
-    r = subprocess.run([sys.executable, "-c", child, path, str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"graphs": 0, "compiles": 0, "dynamo": 0}
-    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=1e-4, atol=1e-4)
+    out, report = _load_in_fresh_process(tmp_path, path, ids, "{'graphs': m['graphs'], 'compiles': m['compiles'], "
+                                         "'dynamo': len(torch._dynamo.utils.counters['frames'])}")
+    assert report == {"graphs": 0, "compiles": 0, "dynamo": 0}
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_written_buffers_are_replayed(tmp_path):
@@ -611,19 +618,10 @@ def test_a_fresh_process_runs_torch_convolutions_from_a_package(tmp_path):
     with torch.no_grad():
         expected = model(x)
     path = fx2xla.export(model, (x,), str(tmp_path / "cnn"))
-    torch.save(x, tmp_path / "x.pt")
-    child = ("import json, sys, torch, fx2xla\n"
-             "from fx2xla import torch_kernels\n"
-             "run = fx2xla.load(sys.argv[1])\n"
-             "torch.save(run(torch.load(sys.argv[2])), sys.argv[3])\n"
-             "print(json.dumps({'compiles': fx2xla.metrics()['compiles'], 'sliced': torch_kernels.sliced_calls(),\n"
-             "                  'from_module': run.compiled_from_module}))\n")
-    env = dict(os.environ, FX2XLA_CACHE_DIR=str(tmp_path / "empty-cache"))
-    r = subprocess.run([sys.executable, "-c", child, path, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"compiles": 0, "sliced": 2, "from_module": False}
-    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=1e-4, atol=1e-5)
+    out, report = _load_in_fresh_process(tmp_path, path, x, "{'compiles': m['compiles'], "
+                                         "'sliced': torch_kernels.sliced_calls(), 'from_module': run.compiled_from_module}")
+    assert report == {"compiles": 0, "sliced": 2, "from_module": False}
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_channels_last_input_in_any_layout(tmp_path):
