@@ -409,7 +409,8 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     # On a CPU, weights laid out as a compiled CPU inference graph has them (plan.build_plan):
     # convolution weights channels-last (pinned, for torch's convolutions to pack once where the
     # package's executable with them runs), float32 nn.Linear weights [in, out]. The plan's
-    # record keeps the layouts, and a dynamic package lowers new shapes with them (_lower).
+    # record keeps the layouts, and a dynamic package lowers new shapes with them (_lower's
+    # `layouts`); the manifest's "linear_weights_kn" says which export option made them.
     cpu = device.platform == "cpu"
     kn = bool(transposed_linear_weights) and cpu
     plan, lowered = _lower(gm, fakes, device, inputs, concrete if dynamic else None, check_indices, kn,
@@ -486,8 +487,8 @@ def _dims(fake: torch.Tensor, ranges) -> list:
     return dims
 
 
-def _lower(gm, fakes, device, inputs, concrete, check_indices, linear_weights_kn: bool, kernels: bool = False,
-           relaid_weights: bool = False, layouts=None):
+def _lower(gm, fakes, device, inputs, concrete, check_indices, linear_weights_kn: bool = False,
+           kernels: bool = False, relaid_weights: bool = False, layouts=None):
     """(plan, lowered) of an exported graph on `device`, at the shapes of `concrete` (all
     placeholders' values) or, for static graphs (None), at the example shapes.
     `linear_weights_kn`, `relaid_weights` (and pinned weights with it): plan.build_plan's.
@@ -693,8 +694,7 @@ class LoadedModel:
         concrete = [next(user) if held is None else held for held in self._args]
         lowered, exe = compile_lowered(
             lambda: _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"],
-                           self.manifest.get("linear_weights_kn", False), _kernels_here(self.device),
-                           layouts=[(p.kind, p.perm) for p in self.plan.inputs])[1],
+                           kernels=_kernels_here(self.device), layouts=[(p.kind, p.perm) for p in self.plan.inputs])[1],
             lambda text: compile_module(text, self.device), f"package {self.path!r}")
         self.compiled_from_module = True
         return self._variant(exe, _variant_json(lowered, [list(a.shape) for a in args]))
