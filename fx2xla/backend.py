@@ -71,8 +71,10 @@ OPTIONS = {
                      "scales K and copies K and V per query head (training graphs always decompose it)"),
     "transposed_linear_weights": (True, "on the CPU, inference graphs import float32 weights that only matmuls of "
                                   "two rows or more read transposed (nn.Linear's) laid out [in, out], once while "
-                                  "unchanged, which XLA:CPU's dot reads faster; the copy takes those weights' "
-                                  "memory again; False: they are read as torch holds them"),
+                                  "unchanged, where XLA:CPU's dot reads them faster so: weights up to 2 MiB always, "
+                                  "larger ones where a dot of their shape, timed once per machine, takes at most "
+                                  "0.85 of the time (the copy takes those weights' memory again); \"always\": every "
+                                  "such weight; False: they are read as torch holds them"),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -86,8 +88,9 @@ def _check_options(options: dict | None) -> dict:
     opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
     opts["torch_kernels"] = torch_kernels.kinds(opts["torch_kernels"])  # a ValueError names a bad kind
     for name in ("channels_last", "attention_op", "transposed_linear_weights"):
-        if not isinstance(opts[name], bool):
-            raise ValueError(f"fx2xla: option {name}={opts[name]!r}; expected True or False")
+        if not isinstance(opts[name], bool) and not (name == "transposed_linear_weights" and opts[name] == "always"):
+            expected = "True, False or 'always'" if name == "transposed_linear_weights" else "True or False"
+            raise ValueError(f"fx2xla: option {name}={opts[name]!r}; expected {expected}")
     if opts["fallback"] not in ("eager", "error"):
         raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
     if opts["partitioner"] not in ("min_cut", "default"):

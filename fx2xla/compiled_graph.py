@@ -93,7 +93,7 @@ class CompiledGraph:
                  annotations=None, solution=None, sharded_outputs: bool = False, offload=None,
                  input_names: list[str] | None = None, torch_kernels=True, saved_outputs=frozenset(),
                  channels_last: bool = True, relaid_weights: bool = False,
-                 linear_weights_kn: bool = True):
+                 linear_weights_kn: bool | str = True):
         """`offload`: host offloading (offload.py): (input positions, output positions) whose
         values live in host memory, or None. `solution`: auto-sharding's, kept as
         `auto_sharding` for reports. `input_names`: the user's names of the inputs (`L['x']`),
@@ -126,7 +126,7 @@ class CompiledGraph:
                                       saved_outputs, channels_last, channels_last and relaid_weights,
                                       channels_last and relaid_weights
                                       and "convolution" in _torch_kernels.kinds(torch_kernels),
-                                      relaid_weights and linear_weights_kn and device.platform == "cpu")
+                                      linear_weights_kn if relaid_weights and device.platform == "cpu" else False)
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:

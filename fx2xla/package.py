@@ -348,7 +348,7 @@ def _warn_unsharded(model, example_inputs, gm) -> None:
 
 
 def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=None,
-           check_indices: bool = True, transposed_linear_weights: bool = True) -> str:
+           check_indices: bool = True, transposed_linear_weights: bool | str = True) -> str:
     """Export `model` at `example_inputs` (positional tensors) through `torch.export`, lower it
     with fx2xla's rules for the device its parameters live on, compile it, and write a package
     to the folder `path` (created; an existing package there is replaced). Returns `path`.
@@ -364,12 +364,16 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     quantized cache, another object) raises PackageError naming it and what to change.
 
     transposed_linear_weights: exported on a CPU, float32 nn.Linear weights that only matmuls of
-    two rows or more read are laid out [in, out], as torch.compile's option of that name does
-    (the loaded model holds them so, once); False keeps them as torch holds them."""
+    two rows or more read are laid out [in, out] where XLA:CPU's dot reads them faster so on the
+    exporting machine, as torch.compile's option of that name decides it (the loaded model holds
+    them so, once); "always": every such weight; False keeps them as torch holds them."""
 
     example_inputs = tuple(example_inputs)
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
         raise TypeError("fx2xla.export: example_inputs must be a tuple of tensors (the model's positional inputs)")
+    if not isinstance(transposed_linear_weights, bool) and transposed_linear_weights != "always":
+        raise ValueError(f"fx2xla.export: transposed_linear_weights={transposed_linear_weights!r}; "
+                         "expected True, False or 'always'")
     t0 = time.perf_counter()
     record = {}  # the output tree, or the PackageError that refused an output
     try:
@@ -412,7 +416,7 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     # record keeps the layouts, and a dynamic package lowers new shapes with them (_lower's
     # `layouts`); the manifest's "linear_weights_kn" says which export option made them.
     cpu = device.platform == "cpu"
-    kn = bool(transposed_linear_weights) and cpu
+    kn = transposed_linear_weights if cpu and transposed_linear_weights else False
     plan, lowered = _lower(gm, fakes, device, inputs, concrete if dynamic else None, check_indices, kn,
                            relaid_weights=cpu)
     # XLA's kernels only in the portable module: a package compiles anywhere, with or without a

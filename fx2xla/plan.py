@@ -357,7 +357,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                resident: set[int] | None = None, annotations=None, solution=None, offload=None,
                bumps: frozenset[int] = frozenset(), saved: frozenset[int] = frozenset(),
                channels_last: bool = True, relaid_weights: bool = False, pinned_weights: bool = False,
-               linear_weights_kn: bool = False) -> GraphPlan:
+               linear_weights_kn: bool | str = False) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -375,7 +375,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     weights (whatever layout they arrive in) are pinned for torch's convolutions to pack
     (InputPlan.pinned; inference graphs whose convolutions may be torch's). `linear_weights_kn`:
     resident float32 weights that only matmuls of several rows read transposed (nn.Linear's) are
-    imported laid out [in, out] (`lowering.linalg.kn_weights`; callers ask for it in CPU inference
+    imported laid out [in, out] where XLA:CPU's dot reads them faster so on this machine
+    (`lowering.linalg.kn_weights`), "always": all of them (callers ask for it in CPU inference
     graphs and packages exported on a CPU; never over a mesh)."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
@@ -399,7 +400,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     in_place = mesh_id is None and device.platform == "cpu" and torch_device is not None and _inplace.enabled()
     laid = (_channels_last.plan_channels_last(gm, example_inputs, device.platform, mesh_id) if channels_last
             else _channels_last.NONE)
-    kn = _linalg.kn_weights(gm, example_inputs) if linear_weights_kn and mesh_id is None else frozenset()
+    kn = (_linalg.kn_weights(gm, example_inputs, always=linear_weights_kn == "always")
+          if linear_weights_kn and mesh_id is None else frozenset())
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
         if layout.kind is InputKind.SYMINT:

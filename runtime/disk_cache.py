@@ -28,6 +28,27 @@ def default_cache_dir() -> str | None:
     return os.path.join(base, "fx2xla")
 
 
+def write_atomically(path: str, data: bytes) -> None:
+    """Writes `data` to `path` through a temporary file in its folder, renamed into place, so a
+    reader (another process too) sees the old file or the new one, never part of one. Raises
+    OSError."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 @dataclass
 class DiskStats:
     hits: int = 0
@@ -96,20 +117,7 @@ class DiskCache:
             hashlib.sha256(blob).digest(), struct.pack("<Q", len(blob)), blob,
         ])
         try:
-            os.makedirs(self.folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=_SUFFIX)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path(key))  # atomic: readers see the old entry or the new
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            write_atomically(self.path(key), data)
         except OSError as e:
             warnings.warn(f"fx2xla: cannot write the executable cache in {self.folder}: {e}")
             return

@@ -39,13 +39,43 @@ _from_capsule = torch.utils.dlpack.from_dlpack
 # XLA's noexcept frames calls std::terminate: "terminate called without an active exception",
 # SIGABRT at exit. So before the interpreter finalizes, every live tensor gets one more C++
 # reference that is never dropped: XLA's release is then never the last, and takes no GIL.
+#
+# And an execution may still be running when the script ends (its results never read). Were the
+# interpreter to finalize and the process to exit under it, XLA's threads would run on into
+# destroyed state: SIGSEGV at exit. So the hook then waits, up to FX2XLA_EXIT_WAIT_S seconds
+# (default 60), until no thread but this one uses the CPU: the executions have ended.
 _handed = False  # set when an importer is made: processes that never handed a tensor skip the exit work
 _GIL_HANDOVER_S = 0.02  # lets an XLA thread already releasing a tensor (waiting for the GIL) finish
+_QUIET_WINDOW_S = 0.02  # other threads quiet when they used under a tenth of a core for this long
+
+
+def _exit_wait_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get("FX2XLA_EXIT_WAIT_S", "60")))
+    except ValueError:
+        return 60.0
+
+
+def wait_for_other_threads(limit_s: float) -> bool:
+    """Waits until the threads of this process other than the calling one have used less than a
+    tenth of a core over a short window (an XLA execution still running keeps them busy; torch's
+    OpenMP workers stop spinning within milliseconds), or `limit_s` passed. True if they did."""
+    deadline = time.monotonic() + limit_s
+    others = time.process_time() - time.thread_time()
+    while True:
+        time.sleep(_QUIET_WINDOW_S)
+        now = time.process_time() - time.thread_time()
+        if now - others < _QUIET_WINDOW_S / 10:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        others = now
 
 
 def pin_torch_memory_at_exit() -> None:
     """The exit hook (registered with atexit): gives every live tensor a C++ reference that is
-    never dropped, once this process handed a tensor to PJRT; nothing before (see above why)."""
+    never dropped, and waits for executions still running, once this process handed a tensor to
+    PJRT; nothing before (see above why)."""
     if not _handed:
         return
     import ctypes
@@ -64,6 +94,7 @@ def pin_torch_memory_at_exit() -> None:
                 pass
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(pins))  # kept past the interpreter's end, on purpose
     time.sleep(_GIL_HANDOVER_S)
+    wait_for_other_threads(_exit_wait_s())
 
 
 import jax  # noqa: E402  (before the exit hook: atexit runs the last registered first)

@@ -136,11 +136,15 @@ def _swaps_2d(node) -> bool:
     return True
 
 
-def kn_weights(gm, example_inputs) -> frozenset:
+def kn_weights(gm, example_inputs, always: bool = False) -> frozenset:
     """Placeholders of `gm` that only float32 matmuls of 2 rows or more read, as their
-    transposed right operand (nn.Linear's weight): the CPU plan imports them laid out [in, out]
+    transposed right operand (nn.Linear's weight), and whose dots XLA:CPU runs faster with the
+    weight laid out [in, out] on this machine (runtime.dot_layout.prefer_kn, at the most rows
+    any of them has; `always`: every such weight): the CPU plan imports them laid out [in, out]
     (InputKind.RELAID, perm (1, 0)), once while unchanged."""
     import torch
+
+    from ..runtime import dot_layout
 
     found = set()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -148,7 +152,7 @@ def kn_weights(gm, example_inputs) -> frozenset:
         if not (isinstance(ex, torch.Tensor) and ex.dim() == 2 and ex.dtype == torch.float32
                 and not any(isinstance(s, torch.SymInt) for s in ex.shape) and ex.numel() > 0 and node.users):
             continue
-        ok = True
+        ok, rows = True, 2
         for t in node.users:
             if not _swaps_2d(t) or t.args[0] is not node or not t.users:
                 ok = False
@@ -160,11 +164,22 @@ def kn_weights(gm, example_inputs) -> frozenset:
                         or (not isinstance(x.shape[0], torch.SymInt) and x.shape[0] < 2)):
                     ok = False
                     break
+                rows = max(rows, _size_hint(x.shape[0]))
             if not ok:
                 break
-        if ok:
+        if ok and (always or dot_layout.prefer_kn(rows, ex.shape[1], ex.shape[0])):
             found.add(node)
     return frozenset(found)
+
+
+def _size_hint(size) -> int:
+    """A dimension's size, or for a symbolic one the size it was traced at (32 where unknown)."""
+    import torch
+
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    hint = getattr(size.node, "hint", None)
+    return int(hint) if isinstance(hint, int) else 32
 
 
 @register_lowering(aten.mm.default, aten.bmm.default)

@@ -195,7 +195,7 @@ def test_threads():
 
 
 def test_bad_option_value():
-    with pytest.raises(Exception, match="option transposed_linear_weights='yes'; expected True or False"):  # Dynamo wraps it
+    with pytest.raises(Exception, match="option transposed_linear_weights='yes'; expected True, False or 'always'"):  # Dynamo wraps it
         torch.compile(mlp(8, 8, 8), backend="fx2xla", options={"transposed_linear_weights": "yes"})(torch.randn(2, 8))
 
 

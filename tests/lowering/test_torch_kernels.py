@@ -4,9 +4,10 @@ unbatched, with and without bias) in float32, float64, bfloat16 and float16 runs
 call and, on whole batches (`batch_slicing(False)`), matches eager bit for bit, bias included
 (it is torch's kernel; 2-D convolutions run channels-last, bit for bit as eager does on
 channels-last tensors, and within float32 rtol/atol 1e-5, float64 1e-12, bfloat16 and float16
-8e-3 of eager on contiguous ones, whose kernel sums in another order). A batch cut into slices
-(the default, two samples or more per intra-op thread) matches eager within those tolerances,
-forward and backward, the same on every call. Gradients of a training step (input, weight, bias) match eager's
+8e-3 of eager on contiguous ones, whose kernel sums in another order, relative to the largest
+output). A batch cut into slices (the default, two samples or more per intra-op thread) matches
+eager within those tolerances (relative to the largest value), forward and backward, the same
+on every call. Gradients of a training step (input, weight, bias) match eager's
 at the float32 tolerance of tests/conftest.py (bfloat16 at its own), loosened 4x.
 options={"torch_kernels": False} and FX2XLA_TORCH_KERNELS=0 lower XLA's own convolution; empty tensors and programs partitioned over a mesh keep XLA's too; four threads
 calling one compiled CNN get eager's results; a fresh process reads the executable from the disk
@@ -102,7 +103,10 @@ def test_convolution_forward(case, dtype, bias):
     if w.ndim == 4:  # 2-D convolutions run channels-last: eager's channels-last kernel, exactly
         last = torch.channels_last
         assert torch.equal(out, fn(x.to(memory_format=last) if x.ndim == 4 else x, w.to(memory_format=last), b))
-        torch.testing.assert_close(out, ref, **TOLS[dtype])
+        # Eager's two layouts run different kernels (on AVX2, bf16 transposed convolutions differ
+        # by up to 0.03 on outputs of ~10): compared relative to the largest output, as gradients.
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(out / scale, ref / scale, **TOLS[dtype])
     else:
         assert torch.equal(out, ref)
 
@@ -201,7 +205,8 @@ def test_batch_slicing(case, dtype):
     with torch.no_grad():
         assert torch.equal(whole, fn(x.to(memory_format=last), w.to(memory_format=last), b))
     ref = fn(x, w, b)
-    torch.testing.assert_close(out, ref, **TOLS[dtype])
+    scale = ref.abs().max().item()  # eager's other layout, another kernel: relative to the largest
+    torch.testing.assert_close(out / scale, ref / scale, **TOLS[dtype])
     ref.float().square().sum().backward()
     for name, g, t in zip("xwb", got, (x, w, b)):
         scale = t.grad.abs().max().item()
