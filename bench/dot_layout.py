@@ -41,9 +41,8 @@ def main() -> None:
         line = []
         for m in rows:
             nk, kn = dot_layout.time_layouts(m, k, n)
-            small = k * n * 4 <= dot_layout.SMALL_WEIGHT_BYTES
-            relaid = m >= 2 and (small or (dot_layout.rows_bucket(m) <= dot_layout.MAX_TIMED_ROWS
-                                           and kn <= dot_layout.MARGIN * nk))
+            untimed = dot_layout.untimed_answer(m, k, n)
+            relaid = m >= 2 and (untimed if untimed is not None else dot_layout.timed_answer((nk, kn)))
             cells.append({"rows": m, "k": k, "n": n, "out_in_s": nk, "in_out_s": kn, "relaid": relaid})
             line.append(f"{kn / nk:5.2f}{'*' if relaid else ' '}")
         print(f"{k:>5} x {n:<5} {k * n * 4 / 2**20:5.1f}  " + " ".join(line), flush=True)

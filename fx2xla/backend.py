@@ -21,6 +21,7 @@ from .compiled_graph import CompiledGraph, static_input_indices
 from .decompositions import attention_op_table, decomposition_table
 from .distributed import process_share
 from .errors import InvalidInputError
+from .lowering.linalg import check_linear_layout
 from .metrics import counters, live_graphs
 from .offload import note_forward, parse_offload, plan_offload
 from .partition import partitioned_graph, unsupported_nodes
@@ -87,10 +88,10 @@ def _check_options(options: dict | None) -> dict:
         raise ValueError(f"fx2xla: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
     opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
     opts["torch_kernels"] = torch_kernels.kinds(opts["torch_kernels"])  # a ValueError names a bad kind
-    for name in ("channels_last", "attention_op", "transposed_linear_weights"):
-        if not isinstance(opts[name], bool) and not (name == "transposed_linear_weights" and opts[name] == "always"):
-            expected = "True, False or 'always'" if name == "transposed_linear_weights" else "True or False"
-            raise ValueError(f"fx2xla: option {name}={opts[name]!r}; expected {expected}")
+    for name in ("channels_last", "attention_op"):
+        if not isinstance(opts[name], bool):
+            raise ValueError(f"fx2xla: option {name}={opts[name]!r}; expected True or False")
+    check_linear_layout(opts["transposed_linear_weights"], "fx2xla: option ")
     if opts["fallback"] not in ("eager", "error"):
         raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
     if opts["partitioner"] not in ("min_cut", "default"):

@@ -45,6 +45,7 @@ from .errors import Fx2XlaError
 from .layouts import inverse
 from .lowering.checks import CheckRecord
 from .lowering.graph import lower_graph, symbol_bindings
+from .lowering.linalg import check_linear_layout
 from .plan import (InputKind, build_plan, from_json, json_value, outputs_from_record, outputs_record, plan_from_record,
                    plan_record)
 from .plan_executor import PlanExecutor, Specialization, install_input
@@ -371,9 +372,7 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     example_inputs = tuple(example_inputs)
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
         raise TypeError("fx2xla.export: example_inputs must be a tuple of tensors (the model's positional inputs)")
-    if not isinstance(transposed_linear_weights, bool) and transposed_linear_weights != "always":
-        raise ValueError(f"fx2xla.export: transposed_linear_weights={transposed_linear_weights!r}; "
-                         "expected True, False or 'always'")
+    check_linear_layout(transposed_linear_weights, "fx2xla.export: ")
     t0 = time.perf_counter()
     record = {}  # the output tree, or the PackageError that refused an output
     try:

@@ -146,17 +146,29 @@ def time_layouts(rows: int, k: int, n: int) -> tuple[float, float]:
     return nk, kn
 
 
+def untimed_answer(rows: int, k: int, n: int) -> bool | None:
+    """prefer_kn's answer where nothing is timed: True for weights up to SMALL_WEIGHT_BYTES,
+    False for larger ones at more than MAX_TIMED_ROWS rows (rounded up); else None."""
+    if k * n * 4 <= SMALL_WEIGHT_BYTES:
+        return True
+    return False if rows_bucket(max(int(rows), 1)) > MAX_TIMED_ROWS else None
+
+
+def timed_answer(times: tuple[float, float]) -> bool:
+    """prefer_kn's answer from (seconds [n, k], seconds [k, n]): [k, n] at most MARGIN of it."""
+    return times[1] <= MARGIN * times[0]
+
+
 def prefer_kn(rows: int, k: int, n: int) -> bool:
     """Whether a float32 dot of `rows` rows against a [n, k] weight should read the weight laid
     out [k, n] instead: always for weights up to SMALL_WEIGHT_BYTES, never for larger ones at
     more than MAX_TIMED_ROWS rows, else as timed on this machine (once per shape, at
     `rows_bucket(rows)` rows), where [k, n] takes at most MARGIN of the time."""
     global _probes
-    if k * n * 4 <= SMALL_WEIGHT_BYTES:
-        return True
+    untimed = untimed_answer(rows, k, n)
+    if untimed is not None:
+        return untimed
     rows = rows_bucket(max(int(rows), 1))
-    if rows > MAX_TIMED_ROWS:
-        return False
     shape = f"f32 {rows}x{k}x{n}"
     with _lock:
         if shape in _known:
@@ -173,5 +185,5 @@ def prefer_kn(rows: int, k: int, n: int) -> bool:
             _probes += 1
             if path is not None:
                 _write(path, here, shape, times)
-        _known[shape] = answer = times[1] <= MARGIN * times[0]
+        _known[shape] = answer = timed_answer(times)
         return answer

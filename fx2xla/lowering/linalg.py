@@ -136,6 +136,13 @@ def _swaps_2d(node) -> bool:
     return True
 
 
+def check_linear_layout(value, where: str) -> None:
+    """`transposed_linear_weights` (torch.compile's option, fx2xla.export's argument) is True,
+    False or "always"; anything else is a ValueError naming `where` it was given."""
+    if not isinstance(value, bool) and value != "always":
+        raise ValueError(f"{where}transposed_linear_weights={value!r}; expected True, False or 'always'")
+
+
 def kn_weights(gm, example_inputs, always: bool = False) -> frozenset:
     """Placeholders of `gm` that only float32 matmuls of 2 rows or more read, as their
     transposed right operand (nn.Linear's weight), and whose dots XLA:CPU runs faster with the
