@@ -13,6 +13,7 @@ process. Results go back to the device their output lives on in eager PyTorch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -27,6 +28,7 @@ from .lowering import linalg as _linalg
 from .lowering.registry import PYTHON_OPS, graph_uses_randomness, lowering_for
 from .passes.sharding import graph_mesh, propagate
 from .runtime import inplace as _inplace
+from .runtime import twins as _twins
 from .runtime.client import Device, get_backend, torch_index
 from .sharding import ShardingError, mesh_by_id
 
@@ -118,6 +120,17 @@ class InputPlan:
     # does not write: its device buffer is pinned while current, so that torch's convolution
     # packs it once (torch_kernels.WeightPins).
     pinned: bool = False
+
+
+def orders_after_torch(p: InputPlan) -> bool:
+    """Whether input plan `p` can be imported again to order a GPU call after torch's stream:
+    passed to the executable as the tensor itself (dense), on its device, and not donated."""
+    return (p.kind in (InputKind.TENSOR, InputKind.CONTIGUOUS) and p.passed and p.move is Move.NONE
+            and not p.donated and p.memory_kind is None and p.sharding is None)
+
+
+def _orders_after_torch(inputs) -> bool:
+    return any(orders_after_torch(p) for p in inputs)
 
 
 @dataclass(frozen=True)
@@ -397,7 +410,10 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     concats = _input_concats(gm, placeholders, layouts)
     skipped = _read_only_by(placeholders, concats)
     written = input_mutations(gm)
-    in_place = mesh_id is None and device.platform == "cpu" and torch_device is not None and _inplace.enabled()
+    # In place on one CPU device, or one CUDA device when the twins are on: a holder's array is
+    # released after torch's stream passes only through its fenced twin record.
+    in_place = (mesh_id is None and torch_device is not None and _inplace.enabled()
+                and (device.platform == "cpu" or (device.platform == "cuda" and _twins.enabled())))
     laid = (_channels_last.plan_channels_last(gm, example_inputs, device.platform, mesh_id) if channels_last
             else _channels_last.NONE)
     kn = (_linalg.kn_weights(gm, example_inputs, always=linear_weights_kn == "always")
@@ -418,7 +434,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             donated = (writable and shardings.spec(written[node]) == spec
                        and not mesh_by_id(mesh_id).named_sharding(spec).is_fully_replicated)
         else:
-            # One CPU device: the executable writes the new contents where the input's buffer is
+            # One device: the executable writes the new contents where the input's buffer is
             # (runtime/inplace.py), when that buffer is XLA's own (a view torch holds over an
             # earlier result); torch's memory otherwise.
             donated = (writable and in_place and ex.device == torch_device and i not in host_inputs
@@ -440,6 +456,10 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                                 memory_kind=host_kind if i in host_inputs and i not in skipped else None,
                                 bump=int(i in bumps), pinned=pinned))
     seed = graph_uses_randomness(gm)
+    if in_place and device.platform != "cpu" and not seed and not _orders_after_torch(inputs):
+        # A GPU call that donates must be ordered after torch's stream by importing an input
+        # it does not write (or its seed): with none, its written inputs are swapped in.
+        inputs = [dataclasses.replace(p, donated=False) if p.donated else p for p in inputs]
     seed_device = torch_device if torch_device is not None else torch.device("cpu")
 
     constants = constant_values(gm)

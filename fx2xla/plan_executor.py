@@ -24,12 +24,12 @@ import torch
 
 from . import sharded_call, torch_kernels
 from .errors import IndexOutOfRangeError
-from .plan import GraphPlan, InputKind, Move, OutputKind, OutputPlan
+from .plan import GraphPlan, InputKind, Move, OutputKind, OutputPlan, orders_after_torch
 from .runtime.client import device_of
 from .runtime.executor import make_launcher, make_recording, make_traceback_pause
 from .runtime import inplace as _inplace
 from .runtime import twins as _twins
-from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_order
+from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_order, make_stream_wait
 
 _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
 _twin_of, _twins_waiting = _twins.twin, _twins.waiting
@@ -90,7 +90,7 @@ class Specialization:
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
                  "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "kept", "keeps_arrays",
-                 "park", "in_place", "twinned_in_place")
+                 "park", "in_place", "twinned_in_place", "wait_for_writes")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
                  lowered=None, sharded_outputs: bool = False):
@@ -125,6 +125,11 @@ class Specialization:
                                     | {m.input for m in plan.mutations})
         self.num_outputs = plan.num_outputs  # the written inputs' results follow these
         self.twinned_in_place = _twins.enabled()  # in-place results are recorded as twins (by _finish)
+        # CUDA: torch's stream waits for the execution through any result exported to it; where
+        # every result stays XLA's (written in place), through one of them (runtime/inplace.py).
+        gpu = plan.device.platform in GPU_PLATFORMS
+        self.wait_for_writes = (gpu and bool(self.in_place)
+                                and len(self.in_place) == len(plan.results) and not checks)
         # Index checks: the last result is their int32 verdict (see lowering/checks.py).
         self.checks = checks
         self.raise_failed = make_check_raiser(plan.platform) if checks else None
@@ -157,6 +162,17 @@ class PlanExecutor:
         # tests stand in for it).
         self.fence = (functools.partial(_twins.fence, functools.partial(_twins.torch_stream_event, self._torch_index))
                        if gpu_torch and _twins.enabled() else None)
+        # CUDA, written inputs in place (runtime/inplace.py): each call is ordered after torch's
+        # stream by importing `_order_step`'s input (plan.orders_after_torch) when it imports
+        # nothing else; torch's stream waits for the execution through `stream_wait`; a donated
+        # input is taken as its twin only where no export references the twin's array.
+        self.writes_in_place = any(p.donated for p in plan.inputs) and plan.mesh_id is None
+        self._cuda_writes = self.writes_in_place and device.platform in GPU_PLATFORMS
+        self.stream_wait = make_stream_wait(index=self._torch_index) if self._cuda_writes else None
+        # A donated input imported from torch's memory is copied into a buffer XLA owns first:
+        # PJRT would otherwise alias the result with memory torch owns (first calls only: later
+        # ones take the owned twin of the last result).
+        self._owned_copies = frozenset(i for i, p in enumerate(plan.inputs) if p.donated) if self._cuda_writes else ()
         self._placed = sharded_call.PlacedHandOff(plan, lambda t, d: self.import_tensor(t, d), self._order, gpu_torch)
         tensors = [i for i, p in enumerate(plan.inputs) if p.kind is not InputKind.SYMINT]
         # Per resident slot, (tensor, version, data_ptr, device buffer) as a plain tuple (see
@@ -183,7 +199,14 @@ class PlanExecutor:
                  for s in steps]
         # What _import unpacks per input, as exact tuples: CPython unpacks a tuple subclass (a
         # NamedTuple) through its generic iterator path, ~40 ns slower per input.
-        self._steps = tuple((s.position, s.slot, s.kind, s.perm, s.move, b, s) for s, b in zip(steps, bumps))
+        owned = [self._cuda_writes and plan.inputs[s.position].donated for s in steps]
+        self._steps = tuple((s.position, s.slot, s.kind, s.perm, s.move, b, o, s)
+                            for s, b, o in zip(steps, bumps, owned))
+        # The input imported again to order a call after torch's stream (GPU: written inputs,
+        # dropped twins pressing): one the call does not write, as its position among the
+        # executable's arguments and its import step.
+        self._order_step = next(((k, s) for k, s in enumerate(steps)
+                                 if s.placement is None and orders_after_torch(plan.inputs[s.position])), None)
         # Inputs only stacked in torch (per-layer weights of a folded scan) never reach the
         # executable: resident ones are only checked for changes, which renew their stack.
         self.check_steps = tuple((i, slot) for slot, i in enumerate(tensors)
@@ -258,8 +281,7 @@ class PlanExecutor:
         bufs = []
         fresh = []  # (position in bufs, tensor to import, its import step, the input)
         renewed = False  # a resident buffer is replaced: stacks of resident inputs are rebuilt
-        twinned, twinned_pos = None, -1  # the import step of an input taken as a twin, its place in bufs
-        for i, slot, kind, perm, move, bump, step in self._steps:
+        for i, slot, kind, perm, move, bump, owned, step in self._steps:
             t = args[i]
             if slot >= 0:
                 r = resident[slot]
@@ -274,12 +296,11 @@ class PlanExecutor:
                             pass
                 renewed = True
             if bump is not None:  # an earlier result, unchanged: its own array, no import
-                buf = _twin_of(t, self.jax_device, bump)
+                buf = _twin_of(t, self.jax_device, bump, owned)
                 if buf is not None:
                     if slot >= 0:
                         resident[slot] = (t, t._version, t.data_ptr(), buf)  # (a twin is never an inference tensor)
                         self._hold(t, slot)
-                    twinned, twinned_pos = step, len(bufs)
                     bufs.append(buf)
                     continue
             dense = (t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED
@@ -306,22 +327,28 @@ class PlanExecutor:
             fresh.append((len(bufs), t, self._seed_step, t))
             bufs.append(None)
         claimed = None  # GPU: dropped results' arrays, let go once this call is ordered after them
-        if self.fence is not None and _twins_waiting():
-            if not fresh and twinned is not None and _twins.pressing():
-                t = args[twinned.position]
-                fresh.append((twinned_pos, t, twinned, t))  # imported again: ordered
-            if fresh:
-                claimed = _twins.claim()
-            else:
-                self.fence()
+        if self.fence is not None:
+            waiting = _twins_waiting()
+            if not fresh and self._order_step is not None and (self._cuda_writes or (waiting and _twins.pressing())):
+                pos, step = self._order_step
+                t = args[step.position]
+                dense = t if step.kind is _TENSOR else t.contiguous()
+                fresh.append((pos, aligned(dense), step, t))  # imported again: ordered
+            if waiting:
+                if fresh:
+                    claimed = _twins.claim()
+                else:
+                    self.fence()
         if fresh:
             if self.stream_order is not None:  # once per call, after every torch kernel queued above
                 self.stream_order(self.jax_device, self._torch_index)
-            import_tensor, device = self.import_tensor, self.jax_device
+            import_tensor, device, owned_copies = self.import_tensor, self.jax_device, self._owned_copies
             for pos, dense, step, t in fresh:
                 move = step.move
                 if move is _NO_MOVE or move is _TORCH_MOVE:
                     buf = import_tensor(dense, device)
+                    if step.position in owned_copies:
+                        buf = owned_copy(buf, device)
                 else:
                     buf = self._hand_off(dense, step)
                 bufs[pos] = buf
@@ -408,15 +435,19 @@ class PlanExecutor:
         later = None
         keep = _twins.keep if spec.twinned_in_place else None
         device = self.jax_device
+        cuda = self._cuda_writes
+        if spec.wait_for_writes:  # torch's next kernel reads the tensors after the execution
+            self.stream_wait(outs[spec.in_place[0][1]])
         for i, r in spec.in_place:
             a, dst = outs[r], held[i]
-            a.block_until_ready()  # torch reads the tensor as soon as the call returns
+            if not cuda:
+                a.block_until_ready()  # torch reads the tensor as soon as the call returns
             ptr = dst.data_ptr()
             if a.unsafe_buffer_pointer() == ptr:
                 _inplace.rehome(ptr, a)
                 _inplace.written_in_place(dst)
                 if keep is not None:
-                    keep(dst, a, device)
+                    keep(dst, a, device, cuda, True)
             else:
                 if _inplace.consumed(ptr):
                     raise RuntimeError(
@@ -432,12 +463,13 @@ class PlanExecutor:
         """Written inputs whose new contents XLA put in a new buffer: it reaches torch as a view
         that holds its Array (not a DLPack export), so that the next call can donate it."""
         keep = _twins.keep if spec.twinned_in_place else None
-        device = self.jax_device
+        device, cuda = self.jax_device, self._cuda_writes
+        index = self._torch_index if cuda else None
         for i, r in later:
             a, dst = outs[r], held[i]
-            install_input(dst, _inplace.own_view(a, dst.dtype))
+            install_input(dst, _inplace.own_view(a, dst.dtype, index))
             if keep is not None and dst.data_ptr() == a.unsafe_buffer_pointer():
-                keep(dst, a, device)
+                keep(dst, a, device, cuda, True)
 
     # -- resident buffers -------------------------------------------------------------------
     def drop_resident(self, slot: int, t: torch.Tensor) -> None:
@@ -484,6 +516,16 @@ def version_of(t: torch.Tensor):
         return t._version
     except RuntimeError:
         return UNTRACKED
+
+
+def owned_copy(buf, device):
+    """A copy of imported `buf` in memory XLA owns, on `buf`'s device (`device`), queued after
+    it: a copy kernel (a same-device PJRT copy is not offered by every client). x64 on, so that
+    64-bit dtypes stay as they are."""
+    import jax
+
+    with jax.enable_x64(True):
+        return jax.numpy.copy(buf)
 
 
 def _extra_step(move: Move, replicated) -> ImportStep:

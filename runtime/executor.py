@@ -248,6 +248,16 @@ def _public_launcher(exe, export):
     return launch_public
 
 
+def _result_handler(make_handler, out):
+    """jaxlib's C++ result handler for results like `out`, skipping its Python-side shard checks
+    where this jaxlib offers that (`_skip_checks`: 0.10 does; the CUDA build of 0.11.2 has no
+    such argument, and refusing it sent every result down the plain-callable path)."""
+    try:
+        return make_handler(out.aval, out.sharding, committed=True, _skip_checks=True)
+    except TypeError:
+        return make_handler(out.aval, out.sharding, committed=True)
+
+
 def _private_launcher(exe, export):
     """`execute_sharded` with jaxlib's C++ result handlers, each wrapped with `export`, built
     once from the first call's outputs (avals and shardings never change for an executable).
@@ -270,8 +280,7 @@ def _private_launcher(exe, export):
         outs = execute(bufs)  # the first call: public, and it tells the outputs' avals
         exports = [export] * len(outs) if callable(export) else export
         try:
-            handlers = [make_handler(o.aval, o.sharding, committed=True, _skip_checks=True).wrap(e)
-                        for o, e in zip(outs, exports)]
+            handlers = [_result_handler(make_handler, o).wrap(e) for o, e in zip(outs, exports)]
         except Exception:  # an output jaxlib's handler refuses: plain callables, still batched
             handlers = [lambda shards, e=e: e(shards[0]) for e in exports]
         return [e(o) for e, o in zip(exports, outs)]

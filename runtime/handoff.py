@@ -310,6 +310,38 @@ def _public_cuda_exporter(index: int):
     return export_cuda_public
 
 
+def _private_cuda_stream_wait(index: int):
+    try:
+        from jax._src.lib import _jax
+
+        fn = _jax.buffer_to_dlpack_managed_tensor
+    except (ImportError, AttributeError):
+        return None
+    stream = make_torch_stream()
+
+    def wait_cuda_private(a) -> None:
+        # The export queues the wait as it is made; the capsule, never consumed, is dropped
+        # at once, and with it the external reference (which would bar donating `a`).
+        fn(a, stream=_dlpack_stream(stream(index)))
+
+    return wait_cuda_private
+
+
+def _public_cuda_stream_wait(index: int):
+    def wait_cuda_public(a) -> None:
+        torch.from_dlpack(a)  # the export orders torch's current stream; the tensor is dropped
+
+    return wait_cuda_public
+
+
+def make_stream_wait(public: bool | None = None, index: int = 0):
+    """`wait(a)`: torch's current stream on CUDA device `index` waits (device-side, no host
+    sync) until jax Array `a` is computed, and so for the whole execution that made it: for
+    results torch reads through views it already holds (runtime/inplace.py), not exports."""
+    private = None if use_public(public) else _private_cuda_stream_wait(index)
+    return private or _public_cuda_stream_wait(index)
+
+
 def use_public(public: bool | None, switch: str = "FX2XLA_PUBLIC_DLPACK") -> bool:
     if public is None:
         return os.environ.get(switch, "") not in ("", "0")

@@ -5,11 +5,14 @@ running statistics) returns their new contents as results, and each call would h
 fresh buffer per written tensor. XLA can instead write into the input's own buffer (the module
 aliases the input with its result, and the caller donates it), as eager and Inductor update
 tensors in place: no fresh allocation per tensor and step, no page faults on its first touch
-(bench/train.py's MLP step: docs/benchmarks.md).
+(bench/train.py's MLP step: docs/benchmarks.md), and on a GPU no DLPack export and `set_` per
+written tensor and step (the host work of a GPU training step's optimizer step).
 
 PJRT aliases a donated buffer only if XLA owns it and nothing references it from outside:
 - a DLPack import of torch memory is donated but not aliased (the result is a new buffer);
-- a result exported to torch through DLPack holds an external reference and is not donated.
+- a result exported to torch through DLPack holds an external reference: the CPU client then
+  copies, a GPU client refuses the call, so a GPU call donates only arrays no export
+  references (twins recorded `owned`, runtime/twins.py) and imports the tensor otherwise.
 So the new contents of a written input reach torch as a *view*: a tensor over the result's
 memory (`own_view`), whose storage keeps a `Holder` of the jax Array alive instead of taking a
 PJRT external reference. The next call takes that Array back as the input's twin
@@ -17,10 +20,15 @@ PJRT external reference. The next call takes that Array back as the input's twin
 then moves to the new Array (`rehome`), which owns the memory from then on. The tensor keeps its
 storage, and its version counter moves as for any in-place write (`written_in_place`).
 
-One-device CPU plans only for now (plan.py decides; `FX2XLA_INPLACE=0` turns it off): on a GPU,
-XLA writing memory in place must also be ordered after torch's queued kernels that read it, and
-that has not run on a GPU yet. On the CPU every call has finished when it returns (results are
-read or exported only once ready), so no execution still reads a buffer when the next donates it.
+One-device plans on the CPU and on CUDA (plan.py decides; `FX2XLA_INPLACE=0` turns it off).
+- CPU: every call has finished when it returns (results are read or exported only once ready),
+  so no execution still reads a buffer when the next donates it.
+- CUDA: nothing waits on the host. XLA must not write a tensor before torch's queued kernels
+  that read it have run, so a call that donates is ordered after torch's stream (it imports at
+  least one input: plan_executor). Torch's stream waits for the execution before its next
+  kernel reads a written tensor (`handoff.make_stream_wait` on one result, where no export
+  already does so). A holder's array is released after torch's stream passes, as a dropped
+  twin's is (fenced records): GPU in place needs the twins on.
 """
 from __future__ import annotations
 
@@ -38,8 +46,8 @@ _WIDTH = {1: "|u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 
 def enabled() -> bool:
-    """Whether one-device CPU plans write their written inputs in place (`FX2XLA_INPLACE`,
-    default on), read when a graph is planned."""
+    """Whether one-device CPU and CUDA plans write their written inputs in place
+    (`FX2XLA_INPLACE`, default on), read when a graph is planned."""
     return os.environ.get("FX2XLA_INPLACE", "1") not in ("0", "")
 
 
@@ -52,7 +60,7 @@ class Holder:
     """Owns the memory a torch storage views: the jax Array that last wrote it. numpy keeps the
     holder as its array's base, and torch keeps that array as the storage's owner."""
 
-    __slots__ = ("array", "__array_interface__", "__weakref__")
+    __slots__ = ("array", "__array_interface__", "__cuda_array_interface__", "__weakref__")
 
 
 # address -> Holder, while its storage lives (a new holder at a freed address replaces the entry;
@@ -60,22 +68,28 @@ class Holder:
 _holders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def own_view(a, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of `dtype` over the memory of jax Array `a` (one device, row-major), holding
-    `a` instead of a PJRT external reference, so that a later call can donate `a` and have XLA
-    write its result there. Waits until `a` is ready."""
-    import numpy as np
-
+def own_view(a, dtype: torch.dtype, cuda_index: int | None = None) -> torch.Tensor:
+    """A tensor of `dtype` over the memory of jax Array `a` (one device, row-major), holding `a`
+    instead of a PJRT external reference, so that a later call can donate `a` and have XLA write
+    its result there. CPU (`cuda_index` None): waits until `a` is ready. CUDA device
+    `cuda_index`: does not wait; the caller makes torch's stream wait for `a` instead."""
     if a.dtype.itemsize != dtype.itemsize:
         raise TypeError(f"fx2xla: a {a.dtype}{list(a.shape)} result cannot be viewed as {dtype}")
-    a.block_until_ready()
     holder = Holder()
     holder.array = a
     ptr = a.unsafe_buffer_pointer()
     typestr = _TYPESTR.get(dtype)
-    holder.__array_interface__ = {"data": (ptr, False), "shape": tuple(a.shape),
-                                  "typestr": typestr or _WIDTH[dtype.itemsize], "version": 3}
-    t = torch.from_numpy(np.asarray(holder))
+    interface = {"data": (ptr, False), "shape": tuple(a.shape), "typestr": typestr or _WIDTH[dtype.itemsize]}
+    if cuda_index is None:
+        import numpy as np
+
+        a.block_until_ready()
+        holder.__array_interface__ = {**interface, "version": 3}
+        t = torch.from_numpy(np.asarray(holder))
+    else:
+        # No "stream" entry: torch would not wait on it; the order is the caller's.
+        holder.__cuda_array_interface__ = {**interface, "strides": None, "version": 2}
+        t = torch.as_tensor(holder, device=torch.device("cuda", cuda_index))
     if typestr is None:
         t = t.view(dtype)
     _holders[ptr] = holder

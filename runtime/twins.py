@@ -59,6 +59,7 @@ class TwinRecord(NamedTuple):
     array: Any  # the jax Array
     device: Any  # the jax device the array lives on (one device, its default memory)
     fenced: bool  # a GPU's: once dropped, released only after torch's stream passes (see above)
+    owned: bool  # no DLPack export references the array: it may be donated (runtime/inplace.py)
 
 
 # data_ptr -> TwinRecord. Dict reads and writes are atomic under the GIL; two threads keeping the
@@ -90,9 +91,11 @@ def _drop(key: int, ref) -> None:
             _unfenced_bytes += rec.array.nbytes  # a hint only (no lock): read against ORDER_BYTES
 
 
-def keep(t, array, device, fenced: bool = False) -> None:
+def keep(t, array, device, fenced: bool = False, owned: bool = False) -> None:
     """Record `array` (on jax `device`) as the contents of tensor `t`, which shares its memory.
-    `fenced`: a GPU's array, released after torch's stream once dropped (see above)."""
+    `fenced`: a GPU's array, released after torch's stream once dropped (see above). `owned`:
+    `t` views the array without a DLPack export (runtime/inplace.py), so PJRT may take it as a
+    donated argument (a GPU refuses to donate a buffer that has an external reference)."""
     try:
         version = t._version
     except RuntimeError:  # an inference tensor: torch may write it unseen (no version), no twin
@@ -102,7 +105,7 @@ def keep(t, array, device, fenced: bool = False) -> None:
     rec = _table.get(key)
     ref = rec.storage if rec is not None and rec.storage() is storage else \
         weakref.ref(storage, functools.partial(_drop, key))
-    _table[key] = TwinRecord(ref, version, t.shape, t.dtype, array, device, fenced)
+    _table[key] = TwinRecord(ref, version, t.shape, t.dtype, array, device, fenced, owned)
 
 
 def rebind(t) -> None:
@@ -164,12 +167,13 @@ def fence(recorded_event) -> None:
     del released
 
 
-def twin(t, device, bump: int = 0):
+def twin(t, device, bump: int = 0, owned: bool = False):
     """The jax Array on `device` that `t` is the twin of, or None. `bump`: how far the caller
-    (AOTAutograd) moved `t`'s version since the record, without writing it."""
+    (AOTAutograd) moved `t`'s version since the record, without writing it. `owned`: only an
+    array no DLPack export references (one the caller will donate on a GPU)."""
     rec = _table.get(t.data_ptr())
     if (rec is None or rec.device is not device or rec.dtype is not t.dtype or rec.shape != t.shape
-            or not t.is_contiguous()):
+            or not t.is_contiguous() or (owned and not rec.owned)):
         return None
     try:
         if rec.version + bump != t._version:

@@ -4,8 +4,9 @@ attention goes to cuDNN's fused kernel, results match eager (float32: rtol 1e-4 
 scaled by 10 for whole models, 20 for 5 AdamW steps; bfloat16: rtol 1.6e-2 / atol 1e-2 scaled
 the same), torch keeps its GPU memory, the hand-off is stream-ordered both ways without host
 syncs (inputs written by a long kernel just before a call, outputs read just after, a side
-stream, 20 queued calls), CPU scalars beside CUDA tensors are moved, and random ops draw on the
-GPU. Skipped without a GPU."""
+stream, 20 queued calls), CPU scalars beside CUDA tensors are moved, random ops draw on the
+GPU, and an AdamW step writes parameters and moments where they are, ordered with torch's stream
+both ways. Skipped without a GPU."""
 import os
 import time
 
@@ -345,6 +346,18 @@ def test_chained_calls_return_before_the_gpu_finishes():
     torch.testing.assert_close(y, torch.full_like(y, 21.0), rtol=0, atol=0)
 
 
+def _mlp_training(dtype, lr):
+    """Two copies of one MLP on the GPU with a foreach AdamW each, the second's forward and step
+    compiled: (models, batch, optimizers, compiled forward, compiled step)."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
+                                  torch.nn.Linear(256, 32)).to("cuda", dtype) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x = torch.randn(16, 64, device="cuda", dtype=dtype)
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr, foreach=True) for m in models]
+    return models, x, opts, torch.compile(models[1], backend="fx2xla"), torch.compile(opts[1].step, backend="fx2xla")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_training_steps_take_twins(dtype):
     """Compiled forward, backward and AdamW step on an MLP: after the first step at most the
@@ -363,14 +376,7 @@ def test_training_steps_take_twins(dtype):
 
     plan_executor.PlanExecutor.__init__ = init
     try:
-        torch.manual_seed(0)
-        models = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
-                                      torch.nn.Linear(256, 32)).to("cuda", dtype) for _ in range(2)]
-        models[1].load_state_dict(models[0].state_dict())
-        x = torch.randn(16, 64, device="cuda", dtype=dtype)
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for m in models]
-        fwd = torch.compile(models[1], backend="fx2xla")
-        step = torch.compile(opts[1].step, backend="fx2xla")
+        models, x, opts, fwd, step = _mlp_training(dtype, lr=1e-3)
         per_step = []
         for _ in range(5):
             loss = models[0](x).float().pow(2).mean()
@@ -389,3 +395,68 @@ def test_training_steps_take_twins(dtype):
     assert max(per_step[1:]) <= 2 + params, per_step
     for a, b in zip(models[1].parameters(), models[0].parameters()):
         torch.testing.assert_close(a.float(), b.float(), **tolerance(dtype, 20))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_steps_write_parameters_in_place(dtype):
+    """Compiled forward, backward and AdamW step on an MLP: from the second step on, XLA writes
+    every parameter and moment where it is (same address, versions move), with no host wait; a
+    torch kernel queued behind a long kernel before a step reads the old values (the step is
+    ordered after torch's stream), one queued right after reads the new ones (torch's stream
+    waits for the step); after 5 steps the parameters match eager's (tolerances above)."""
+    models, x, opts, fwd, step = _mlp_training(dtype, lr=1e-2)
+    params = list(models[1].parameters())
+    ptrs = None
+    for i in range(5):
+        loss = models[0](x).float().pow(2).mean()
+        loss.backward()
+        opts[0].step()
+        opts[0].zero_grad()
+        loss = fwd(x).float().pow(2).mean()
+        loss.backward()
+        old = params[0].detach().clone()
+        torch.cuda.synchronize()
+        _long_kernel()
+        before = params[0].detach() * 1  # queued behind the long kernel, reads the old values
+        versions = [p._version for p in params]
+        step()
+        after = params[0].detach() * 1  # must read what the step wrote
+        opts[1].zero_grad()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(before, old, rtol=0, atol=0)
+        torch.testing.assert_close(after, params[0].detach(), rtol=0, atol=0)
+        assert not torch.equal(after, old)
+        if i >= 1:
+            now = [p.data_ptr() for p in params] + [s.data_ptr() for st in opts[1].state.values()
+                                                      for s in st.values() if s.dim() > 0]
+            assert ptrs is None or now == ptrs, "written where they are"
+            ptrs = now
+            assert all(p._version > v for p, v in zip(params, versions))
+    for a, b in zip(models[1].parameters(), models[0].parameters()):
+        torch.testing.assert_close(a.float(), b.float(), **tolerance(dtype, 20))
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_stream_wait_orders_torch_after_an_execution(public):
+    """`handoff.make_stream_wait` (jaxlib's private export with a stream, and the public
+    `torch.from_dlpack`): torch's stream waits for a long jax execution before a kernel that
+    reads the result through a view (runtime/inplace.own_view, which does not wait itself)."""
+    import jax
+    import jax.numpy as jnp
+
+    from fx2xla.runtime import inplace
+    from fx2xla.runtime.handoff import make_stream_wait
+
+    dev = jax.devices("cuda")[0]
+    slow = jax.jit(lambda v: jax.lax.fori_loop(0, 3000, lambda i, y: y * 1.0001 + 1.0, v))
+    x = jax.device_put(jnp.zeros(1 << 20, jnp.float32), dev)
+    slow(x).block_until_ready()  # compiled
+    expected = float(torch.from_dlpack(slow(x))[0])
+    wait = make_stream_wait(public=public, index=0)
+    for _ in range(3):
+        a = slow(x)
+        t = inplace.own_view(a, torch.float32, 0)
+        wait(a)
+        first = t[:1] * 1  # queued on torch's stream after the wait
+        torch.cuda.synchronize()
+        assert float(first) == expected

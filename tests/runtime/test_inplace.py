@@ -1,6 +1,7 @@
 """Written inputs updated in place (runtime/inplace.py): on one CPU device, XLA writes the new
 contents of a graph's written inputs (an optimizer's parameters and moments, a cache, a
-counter) into the input's own memory from the second call on, as eager does.
+counter) into the input's own memory from the second call on, as eager does. The CUDA route's
+order and ownership rules run here with torch's side stood in (tests/gpu runs them for real).
 
 Tolerances: elementwise updates of float32, bfloat16 and int64 tensors are compared exactly
 (rtol=atol=0: the same IEEE operations in the same order); after AdamW steps, parameters rtol
@@ -300,3 +301,71 @@ def test_copied_model_after_in_place_steps():
     for p, v in zip(clone.parameters(), values):
         torch.testing.assert_close(p, v, rtol=0, atol=0)
     torch.testing.assert_close(list(state.values()), values, rtol=0, atol=0)
+
+
+def test_gpu_route_orders_waits_and_donates_only_owned_arrays(monkeypatch):
+    """The CUDA route (runtime/inplace.py), on the CPU client with torch's side stood in (results
+    recorded as a GPU's, the stream order, the stream wait and the fence events watched):
+    - a step whose every input is a twin imports its one unwritten input again, so that it is
+      ordered after torch's stream before XLA writes in place;
+    - torch's stream waits for each call's execution once, since every result stays XLA's;
+    - a written input that is an exported result (a DLPack external reference, which a GPU
+      refuses to donate) is imported and copied into a buffer XLA owns, never donated as is;
+    - from the second call on every written input keeps its address;
+    - after 4 steps the values equal eager's (float32 rtol 1e-6, atol 1e-6)."""
+    from fx2xla import plan_executor
+    from fx2xla.runtime import twins
+
+    waits, copies = [], []
+    monkeypatch.setattr(plan_executor, "GPU_PLATFORMS", ("cpu", "cuda", "rocm"))
+    monkeypatch.setattr(plan_executor, "make_stream_wait", lambda index: waits.append)
+    real_copy = plan_executor.owned_copy
+    monkeypatch.setattr(plan_executor, "owned_copy", lambda buf, d: copies.append(buf) or real_copy(buf, d))
+
+    def step(p, m, g):
+        m.mul_(0.9).add_(g)
+        p.sub_(m * 0.1)
+
+    torch.manual_seed(0)
+    double = _compiled(lambda x: x * 2)
+    g = double(torch.randn(32, 16))  # an exported result: its twin is not owned
+    m = double(torch.randn(32, 16))  # the same, and written by the step
+    p = torch.randn(32, 16)
+    ref = [p.clone(), m.clone(), g.clone()]
+    before = {id(g_) for g_ in live_graphs}
+    run = torch.compile(step, backend="fx2xla")
+    m_record = twins.records()[m.data_ptr()]
+    assert not m_record.owned
+    run(p, m, g)
+    step(*ref)
+    executor = _graph_of(before).executor
+    assert executor.writes_in_place and waits and waits[-1].unsafe_buffer_pointer() in (p.data_ptr(), m.data_ptr())
+    # p (torch's memory) and m (an exported result) were imported and copied, not donated as is.
+    assert len(copies) == 2 and not m_record.array.is_deleted()
+    events, fences = [], []
+    real_import = executor.import_tensor
+    executor.import_tensor = lambda t, d: events.append(("import", tuple(t.shape), t.data_ptr())) or real_import(t, d)
+    executor.stream_order = lambda dev, index: events.append("order")
+
+    class Event:
+        def query(self):
+            return True
+
+    executor.fence = lambda: twins.fence(lambda: fences.append(Event()) or fences[-1])
+    ptrs = None
+    for call in range(3):
+        events.clear()
+        waits.clear()
+        run(p, m, g)
+        step(*ref)
+        assert events == ["order", ("import", (32, 16), g.data_ptr())], events  # g again: ordered
+        assert len(waits) == 1 and len(copies) == 2
+        if ptrs is None:
+            ptrs = (p.data_ptr(), m.data_ptr())
+        assert (p.data_ptr(), m.data_ptr()) == ptrs
+        assert twins.records()[p.data_ptr()].owned and twins.records()[m.data_ptr()].owned
+    for got, want in zip((p, m, g), ref):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    del p, m, g, got
+    gc.collect()
+    twins.claim()  # the arrays recorded as a GPU's wait for no real event: let them go

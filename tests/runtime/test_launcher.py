@@ -53,12 +53,40 @@ def test_private_launch_falls_back_when_handlers_are_refused(monkeypatch):
         raise TypeError("no handler")
 
     monkeypatch.setattr(_jax, "array_result_handler", refuse)
+    _launch_three_times()
+
+
+def _launch_three_times():
+    """A private launcher of a float32 executable, called three times (the first learns its
+    result handlers), each time giving eager's values; returns it."""
     t = torch.randn(2, 3)
     launch = make_launcher(_exe(jnp.float32), public=False)
     dev = default_device().jax_device
     for _ in range(3):
         for o, e in zip(launch([import_tensor(t, dev)]), _expected(t)):
-            torch.testing.assert_close(o, e)  # exact for ints; the float sum may round differently
+            torch.testing.assert_close(o, e)  # the float sum may round differently
+    return launch
+
+
+def test_private_launch_uses_handlers_of_a_jaxlib_without_skip_checks(monkeypatch):
+    """jaxlib 0.11.2 (seen in its CUDA build) takes no `_skip_checks` (and its handlers, seen
+    there, need none): the launcher still builds C++ result handlers, not the plain-callable
+    fallback, and their results equal eager's. (This jaxlib's handler, called with the checks
+    skipped, stands in for one without the argument.)"""
+    from jax._src.lib import _jax
+
+    real = _jax.array_result_handler
+    made = []
+
+    def without_skip_checks(aval, sharding, committed):
+        made.append(aval)
+        return real(aval, sharding, committed=committed, _skip_checks=True)
+
+    monkeypatch.setattr(_jax, "array_result_handler", without_skip_checks)
+    launch = _launch_three_times()
+    assert len(made) == 4  # one handler per result, built once
+    handlers = [c.cell_contents for c in launch.__closure__ if isinstance(c.cell_contents, list)]
+    assert any(h and all(type(x).__name__ == "ResultHandler" for x in h) for h in handlers)
 
 
 def test_public_execute_env_switch(monkeypatch):

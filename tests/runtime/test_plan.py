@@ -50,7 +50,8 @@ def test_plan_of_a_cuda_graph_puts_every_value_on_its_device(torch_has_cuda):
     x, s, w = plan.inputs
     assert (x.device, x.move, x.resident) == (cuda, "", False)
     assert (s.device, s.move) == (torch.device("cpu"), "torch")  # a CPU 0-d scalar is moved, never passed as is
-    assert (w.move, w.resident) == ("", True)
+    # Written in place on the GPU (runtime/inplace.py): donated, so never resident.
+    assert (w.move, w.resident, w.donated) == ("", False, True)
     assert plan.seed and plan.seed_device == cuda  # drawn by torch's CUDA generator, on the GPU
     kinds = [o.kind for o in plan.outputs]
     assert kinds == ["tensor", "input", "tensor", "tensor"]  # x.t() is rebuilt in torch from x
@@ -58,6 +59,38 @@ def test_plan_of_a_cuda_graph_puts_every_value_on_its_device(torch_has_cuda):
     homes = {r.node.name: (r.device, r.move) for r in plan.results}
     assert homes["sum_1"] == (torch.device("cpu"), "torch")  # `.to("cpu")` comes back on the CPU
     assert plan.mutations == [(2, len(plan.results) - 1)] and plan.results[-1].device == cuda
+
+
+@pytest.mark.parametrize("inplace,twins", [("1", "1"), ("0", "1"), ("1", "0")])
+def test_cuda_written_inputs_are_donated_where_a_call_can_be_ordered(torch_has_cuda, monkeypatch, inplace, twins):
+    """On one CUDA device a dense written input is donated (written in place) when the graph
+    also passes an input it does not write, which the call imports to be ordered after torch's
+    stream; a graph that writes every input it passes (and draws no seed) swaps them in instead.
+    FX2XLA_INPLACE=0, or the twins off (a holder's array is released fenced through its twin
+    record), plan no donation."""
+    monkeypatch.setenv("FX2XLA_INPLACE", inplace)
+    monkeypatch.setenv("FX2XLA_TWINS", twins)
+
+    def step(p, m, g):
+        m.mul_(0.9).add_(g)
+        p.sub_(m * 0.1)
+
+    def only_writes(p, m):
+        m.mul_(0.9)
+        p.sub_(m)
+
+    spec = ((8, 4), torch.bfloat16, "cuda")
+    gm, fakes = _cuda_graph(step, spec, spec, spec)
+    plan = build_plan(gm, fakes, Device("cuda", 0), resident={0})
+    on = inplace == "1" and twins == "1"
+    assert [p.donated for p in plan.inputs] == [on, on, False]
+    assert [p.resident for p in plan.inputs] == [not on, False, False]
+    gm, fakes = _cuda_graph(only_writes, spec, spec)
+    assert [p.donated for p in build_plan(gm, fakes, Device("cuda", 0)).inputs] == [False, False]
+    # The CPU orders nothing: every dense written input is donated there.
+    cpu = ((8, 4), torch.float32, "cpu")
+    gm, fakes = _cuda_graph(only_writes, cpu, cpu)
+    assert [p.donated for p in build_plan(gm, fakes, Device("cpu", 0)).inputs] == [inplace == "1"] * 2
 
 
 def test_without_torch_cuda_values_cross_through_pjrt():

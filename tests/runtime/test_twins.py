@@ -237,7 +237,7 @@ def test_gpu_arrays_wait_for_torch_stream_before_release():
         events.append(_FakeEvent())
         return events[-1]
 
-    twins.fence(recorded)  # whatever earlier tests left waiting
+    twins.claim()  # whatever earlier tests left waiting (never released by these stand-in events)
     t = torch.zeros(8)
     array = jnp.ones(8)
     ref = weakref.ref(array)
