@@ -28,7 +28,7 @@ One-device plans on the CPU and on CUDA (plan.py decides; `FX2XLA_INPLACE=0` tur
   least one input: plan_executor). Torch's stream waits for the execution before its next
   kernel reads a written tensor (`handoff.make_stream_wait` on one result, where no export
   already does so). A holder's array is released after torch's stream passes, as a dropped
-  twin's is (fenced records): GPU in place needs the twins on.
+  twin's is (`FencedHolder`). GPU in place needs the twins on (their fence and order).
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ import os
 import weakref
 
 import torch
+
+from . import twins as _twins
 
 # The numpy array-interface type string per torch dtype a view can be made as (bfloat16 and
 # other dtypes numpy lacks: as unsigned integers of their width, then `Tensor.view(dtype)`).
@@ -63,6 +65,19 @@ class Holder:
     __slots__ = ("array", "__array_interface__", "__cuda_array_interface__", "__weakref__")
 
 
+class FencedHolder(Holder):
+    """A GPU view's holder. When torch's storage dies, kernels torch queued may still read the
+    memory, so the array waits for torch's stream (`twins.release_later`) instead of going at
+    once; this covers views no twin record fences (inference tensors, records replaced)."""
+
+    __slots__ = ()
+
+    def __del__(self):
+        array = getattr(self, "array", None)
+        if array is not None:
+            _twins.release_later(array)
+
+
 # address -> Holder, while its storage lives (a new holder at a freed address replaces the entry;
 # the old one's weak reference then removes nothing).
 _holders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -75,7 +90,7 @@ def own_view(a, dtype: torch.dtype, cuda_index: int | None = None) -> torch.Tens
     `cuda_index`: does not wait; the caller makes torch's stream wait for `a` instead."""
     if a.dtype.itemsize != dtype.itemsize:
         raise TypeError(f"fx2xla: a {a.dtype}{list(a.shape)} result cannot be viewed as {dtype}")
-    holder = Holder()
+    holder = Holder() if cuda_index is None else FencedHolder()
     holder.array = a
     ptr = a.unsafe_buffer_pointer()
     typestr = _TYPESTR.get(dtype)

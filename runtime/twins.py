@@ -86,9 +86,15 @@ def _drop(key: int, ref) -> None:
     if rec is not None and rec.storage is ref:
         _table.pop(key, None)
         if rec.fenced:
-            global _unfenced_bytes
-            _unfenced.append(rec.array)  # no lock: a collection inside fence() may run this
-            _unfenced_bytes += rec.array.nbytes  # a hint only (no lock): read against ORDER_BYTES
+            release_later(rec.array)
+
+
+def release_later(array) -> None:
+    """Hold GPU `array`, whose memory torch's queued kernels may still read, until torch's
+    stream has passed this point: the next fence's event, or the next ordered call."""
+    global _unfenced_bytes
+    _unfenced.append(array)  # no lock: a collection inside fence() may run this
+    _unfenced_bytes += array.nbytes  # a hint only (no lock): read against ORDER_BYTES
 
 
 def keep(t, array, device, fenced: bool = False, owned: bool = False) -> None:

@@ -369,3 +369,43 @@ def test_gpu_route_orders_waits_and_donates_only_owned_arrays(monkeypatch):
     del p, m, g, got
     gc.collect()
     twins.claim()  # the arrays recorded as a GPU's wait for no real event: let them go
+
+
+def test_gpu_holder_releases_its_array_after_torch_stream():
+    """A GPU view's holder (`FencedHolder`) does not free its array when torch's storage dies:
+    the array waits for torch's stream like a dropped twin's (an event recorded at the next
+    fence, stood in for here), then goes. A CPU holder frees it at once."""
+    import weakref
+
+    import jax.numpy as jnp
+
+    from fx2xla.runtime import twins
+
+    twins.claim()  # what earlier tests left waiting
+
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    events = []
+    array = jnp.ones(8)
+    ref = weakref.ref(array)
+    holder = inplace.FencedHolder()
+    holder.array = array
+    del array, holder
+    gc.collect()
+    assert ref() is not None and twins.waiting()
+    twins.fence(lambda: events.append(Event()) or events[-1])
+    assert ref() is not None and len(events) == 1  # fenced, the event not passed yet
+    events[0].done = True
+    twins.fence(lambda: events.append(Event()) or events[-1])
+    assert ref() is None and not twins.waiting()
+    cpu = jnp.ones(8)
+    ref = weakref.ref(cpu)
+    holder = inplace.Holder()
+    holder.array = cpu
+    del cpu, holder
+    gc.collect()
+    assert ref() is None and not twins.waiting()
