@@ -72,10 +72,13 @@ class FencedHolder(Holder):
 
     __slots__ = ()
 
-    def __del__(self):
+    def __del__(self, _release=_twins.release_later):
         array = getattr(self, "array", None)
         if array is not None:
-            _twins.release_later(array)
+            try:
+                _release(array)
+            except (AttributeError, TypeError):  # at interpreter exit, twins' globals may be gone
+                pass
 
 
 # address -> Holder, while its storage lives (a new holder at a freed address replaces the entry;
