@@ -410,8 +410,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     concats = _input_concats(gm, placeholders, layouts)
     skipped = _read_only_by(placeholders, concats)
     written = input_mutations(gm)
-    # In place on one CPU device, or one CUDA device when the twins are on: a holder's array is
-    # released after torch's stream passes only through its fenced twin record.
+    # In place on one CPU device, or one CUDA device when the twins are on: their fence and
+    # ordered calls are what release a GPU holder's array after torch's stream passes.
     in_place = (mesh_id is None and torch_device is not None and _inplace.enabled()
                 and (device.platform == "cpu" or (device.platform == "cuda" and _twins.enabled())))
     laid = (_channels_last.plan_channels_last(gm, example_inputs, device.platform, mesh_id) if channels_last
