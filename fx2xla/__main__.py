@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from . import torch_kernels
 from .coverage import coverage
-from .runtime.executor import disk_cache
+from .runtime import dot_layout
+from .runtime.executor import AUTOTUNE_FOLDER, disk_cache
 
 
 def _ops(args) -> int:
@@ -30,11 +32,25 @@ def _cache(args) -> int:
         print("disk cache is off (FX2XLA_CACHE_DIR is empty)")
         return 0
     entries = cache.entries()
+    # Beside the executables: this machine's timed CPU dot layouts (runtime/dot_layout.py) and
+    # XLA's GPU autotune results (runtime/executor.py), both measured once and kept.
+    layouts = os.path.join(cache.folder, dot_layout.FILE_NAME)
+    autotune = os.path.join(cache.folder, AUTOTUNE_FOLDER)
     if args.action == "clear":
-        print(f"removed {cache.clear()} entries from {cache.folder}")
+        removed = [f"{cache.clear()} executables"]
+        if os.path.isfile(layouts):
+            os.unlink(layouts)
+            removed.append("the CPU dot-layout timings")
+        if os.path.isdir(autotune):
+            shutil.rmtree(autotune, ignore_errors=True)
+            removed.append("the GPU autotune results")
+        print(f"removed {', '.join(removed)} from {cache.folder}")
         return 0
     size = sum(os.path.getsize(p) for p in entries)
-    print(f"{cache.folder}: {len(entries)} executables, {size / 2**20:.1f} MiB")
+    extra = [what for path, what in ((layouts, "CPU dot-layout timings"), (autotune, "GPU autotune results"))
+             if os.path.exists(path)]
+    print(f"{cache.folder}: {len(entries)} executables, {size / 2**20:.1f} MiB"
+          + (f"; also {', '.join(extra)}" if extra else ""))
     return 0
 
 
@@ -56,7 +72,8 @@ def main(argv=None) -> int:
     ops = sub.add_parser("ops", help="which core ATen overloads lower and which fall back to eager")
     ops.add_argument("-v", "--verbose", action="store_true", help="list the lowered ones too")
     ops.set_defaults(fn=_ops)
-    cache = sub.add_parser("cache", help="inspect or clear the executable cache on disk (FX2XLA_CACHE_DIR)")
+    cache = sub.add_parser("cache", help="inspect or clear the cache on disk (FX2XLA_CACHE_DIR): executables, "
+                                         "CPU dot-layout timings, GPU autotune results")
     cache.add_argument("action", choices=["info", "clear"])
     cache.set_defaults(fn=_cache)
     kernels = sub.add_parser("kernels", help="build torch's CPU kernels for XLA:CPU executables, or say whether they run")

@@ -53,6 +53,7 @@ def cpu_option_overrides() -> list:
 # read and write) is kept: it writes each result to a temporary file and renames it into
 # place, so processes sharing the folder do not see each other's partial files.
 AUTOTUNE_OPTION = "xla_gpu_per_fusion_autotune_cache_dir"
+AUTOTUNE_FOLDER = "xla-autotune"  # in the disk cache's folder
 _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 
 
@@ -70,7 +71,7 @@ def gpu_autotune_cache_dir(options=None) -> str | None:
         current = getattr(debug, AUTOTUNE_OPTION, None)
         if current is None or current:  # unknown to this jaxlib, or chosen elsewhere
             return None
-    path = os.path.join(os.path.abspath(folder), "xla-autotune")
+    path = os.path.join(os.path.abspath(folder), AUTOTUNE_FOLDER)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError:

@@ -111,9 +111,20 @@ def test_disk_cache_off(tmp_path, monkeypatch):
 
 
 def test_cache_cli_info_and_clear(tmp_path):
+    """`cache info` counts the executables and names the other kept measurements; `cache clear`
+    removes all of them (the next process starts cold) and leaves files it does not own."""
+    from fx2xla.runtime import dot_layout
+    from fx2xla.runtime.executor import AUTOTUNE_FOLDER
+
     DiskCache(str(tmp_path)).put(("k",), b"x" * 1000)
+    (tmp_path / dot_layout.FILE_NAME).write_text("{}")
+    (tmp_path / AUTOTUNE_FOLDER).mkdir()
+    (tmp_path / AUTOTUNE_FOLDER / "fusion.textproto").write_text("x")
+    (tmp_path / "mine.txt").write_text("a user's file")
     env = dict(os.environ, FX2XLA_CACHE_DIR=str(tmp_path))
     info = subprocess.run([sys.executable, "-m", "fx2xla", "cache", "info"], env=env, capture_output=True, text=True, check=True)
     assert "1 executables" in info.stdout
+    assert "CPU dot-layout timings" in info.stdout and "GPU autotune results" in info.stdout
     clear = subprocess.run([sys.executable, "-m", "fx2xla", "cache", "clear"], env=env, capture_output=True, text=True, check=True)
-    assert "removed 1" in clear.stdout and DiskCache(str(tmp_path)).entries() == []
+    assert "removed 1 executables" in clear.stdout and DiskCache(str(tmp_path)).entries() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
