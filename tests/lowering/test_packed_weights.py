@@ -40,7 +40,11 @@ TOLS = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-
 
 @pytest.fixture(autouse=True)
 def _fresh():
+    # Collected now, not mid-test: an earlier test's executors left in reference cycles would
+    # otherwise unpin their weights whenever a collection runs, moving the pinned count a test
+    # reads before and after its own calls.
     torch._dynamo.reset()
+    gc.collect()
     yield
     torch._dynamo.reset()
     gc.collect()
