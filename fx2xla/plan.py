@@ -129,10 +129,6 @@ def orders_after_torch(p: InputPlan) -> bool:
             and not p.donated and p.memory_kind is None and p.sharding is None)
 
 
-def _orders_after_torch(inputs) -> bool:
-    return any(orders_after_torch(p) for p in inputs)
-
-
 @dataclass(frozen=True)
 class OutputPlan:
     """How one graph output is produced.
@@ -456,7 +452,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                                 memory_kind=host_kind if i in host_inputs and i not in skipped else None,
                                 bump=int(i in bumps), pinned=pinned))
     seed = graph_uses_randomness(gm)
-    if in_place and device.platform != "cpu" and not seed and not _orders_after_torch(inputs):
+    if in_place and device.platform != "cpu" and not seed and not any(map(orders_after_torch, inputs)):
         # A GPU call that donates must be ordered after torch's stream by importing an input
         # it does not write (or its seed): with none, its written inputs are swapped in.
         inputs = [dataclasses.replace(p, donated=False) if p.donated else p for p in inputs]

@@ -286,12 +286,20 @@ def make_stream_order(public: bool | None = None, platform: str = "cpu"):
     return _order_after_torch
 
 
-def _private_cuda_exporter(index: int):
+def _jax_dlpack_export():
+    """jaxlib's direct export of a buffer to a DLPack capsule (`fn(array, stream=...)`: the
+    stream waits for the buffer), or None if this jaxlib lacks it."""
     try:
         from jax._src.lib import _jax
 
-        fn = _jax.buffer_to_dlpack_managed_tensor
+        return _jax.buffer_to_dlpack_managed_tensor
     except (ImportError, AttributeError):
+        return None
+
+
+def _private_cuda_exporter(index: int):
+    fn = _jax_dlpack_export()
+    if fn is None:
         return None
     from_capsule = getattr(torch._C, "_from_dlpack", _from_capsule)
     stream = make_torch_stream()
@@ -311,11 +319,8 @@ def _public_cuda_exporter(index: int):
 
 
 def _private_cuda_stream_wait(index: int):
-    try:
-        from jax._src.lib import _jax
-
-        fn = _jax.buffer_to_dlpack_managed_tensor
-    except (ImportError, AttributeError):
+    fn = _jax_dlpack_export()
+    if fn is None:
         return None
     stream = make_torch_stream()
 

@@ -389,23 +389,22 @@ def test_gpu_holder_releases_its_array_after_torch_stream():
         def query(self):
             return self.done
 
+    def dropped(holder_type):
+        """A weak reference to an array whose only holder, of `holder_type`, is gone."""
+        holder = holder_type()
+        holder.array = jnp.ones(8)
+        ref = weakref.ref(holder.array)
+        del holder
+        gc.collect()
+        return ref
+
     events = []
-    array = jnp.ones(8)
-    ref = weakref.ref(array)
-    holder = inplace.FencedHolder()
-    holder.array = array
-    del array, holder
-    gc.collect()
+    ref = dropped(inplace.FencedHolder)
     assert ref() is not None and twins.waiting()
     twins.fence(lambda: events.append(Event()) or events[-1])
     assert ref() is not None and len(events) == 1  # fenced, the event not passed yet
     events[0].done = True
     twins.fence(lambda: events.append(Event()) or events[-1])
     assert ref() is None and not twins.waiting()
-    cpu = jnp.ones(8)
-    ref = weakref.ref(cpu)
-    holder = inplace.Holder()
-    holder.array = cpu
-    del cpu, holder
-    gc.collect()
+    ref = dropped(inplace.Holder)
     assert ref() is None and not twins.waiting()
