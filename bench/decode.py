@@ -15,7 +15,9 @@ cold TORCHINDUCTOR_CACHE_DIR, fx2xla with a cold FX2XLA_CACHE_DIR), then whole `
 calls of the three interleaved in rounds in balanced orders (bench/harness.py), with a short
 sleep before each so one contender's spinning thread pool does not take the cores from the
 next: medians, tokens/s (batch x new tokens / median), the ratios, and the process CPU time
-per call (less sensitive than wall time to other processes on a shared machine). Checked:
+per call (less sensitive than wall time to other processes on a shared machine), and the
+compiled decode step alone (transformers' compiled call, timed around each call: the median
+step of each timed `generate`, then the median of those). Checked:
 every contender's generated ids against eager's, and fx2xla's and Inductor's logits at every
 step against eager's (one untimed call with output_logits=True).
 
@@ -28,6 +30,8 @@ fx2xla with options={"attention_op": False}: torch's math decomposition of atten
 scales the whole K cache and copies K and V once per query head every step. `--linear-as-is` adds
 "fx2xla:linear-as-is": fx2xla with options={"transposed_linear_weights": False}, which reads
 each nn.Linear weight as torch holds it ([out, in]) instead of a copy laid out [in, out].
+`--unmerged` adds "fx2xla:unmerged": fx2xla with options={"merge_linears": False}, one matmul per
+nn.Linear instead of one for the q/k/v projections and one for gate and up.
 
 Writes bench/results/decode.json.
 """
@@ -70,7 +74,36 @@ def contenders(args) -> tuple:
     return (CONTENDERS + (("fx2xla:no-skinny",) if args.no_skinny else ())
             + (("fx2xla:not-in-place",) if args.not_in_place else ())
             + (("fx2xla:decomposed-attention",) if args.decomposed_attention else ())
-            + (("fx2xla:linear-as-is",) if args.linear_as_is else ()))
+            + (("fx2xla:linear-as-is",) if args.linear_as_is else ())
+            + (("fx2xla:unmerged",) if args.unmerged else ()))
+
+
+_step_times: dict = {}  # id(model) -> seconds of each compiled decode step it ran
+
+
+def _timed_compiled_calls() -> None:
+    """Wraps transformers' compiled decode step (`get_compiled_call`) so that each call's wall
+    time is recorded per model: the step alone, without generate's Python around it."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    original = PreTrainedModel.get_compiled_call
+    if getattr(original, "_timed", False):
+        return
+
+    def get_compiled_call(self, compile_config):
+        call = original(self, compile_config)
+        times = _step_times.setdefault(id(self), [])
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = call(*args, **kwargs)
+            times.append(time.perf_counter() - t0)
+            return out
+
+        return timed
+
+    get_compiled_call._timed = True
+    PreTrainedModel.get_compiled_call = get_compiled_call
 
 
 def make_generate(model, name: str, ids, new_tokens: int):
@@ -83,7 +116,8 @@ def make_generate(model, name: str, ids, new_tokens: int):
         options = ({"torch_kernels": "convolution"} if name == "fx2xla:no-skinny"
                    else {"fallback": "eager"} if name == "fx2xla:not-in-place"
                    else {"attention_op": False} if name == "fx2xla:decomposed-attention"
-                   else {"transposed_linear_weights": False} if name == "fx2xla:linear-as-is" else None)
+                   else {"transposed_linear_weights": False} if name == "fx2xla:linear-as-is"
+                   else {"merge_linears": False} if name == "fx2xla:unmerged" else None)
         kw["compile_config"] = compile_config(name.split(":")[0], options)
 
     def generate(**extra):
@@ -127,12 +161,17 @@ def bench_batch(batch: int, args) -> dict:
     orders = [[names[i] for i in row] for row in balanced_orders(len(names))]
     wall = {n: [] for n in names}
     cpu = {n: [] for n in names}
+    steps = {n: [] for n in names}  # per timed call: the median of its compiled steps
     for r in range(args.rounds):
         for name in orders[r % len(orders)]:
             time.sleep(args.gap_ms / 1e3)
+            step_times = _step_times.setdefault(id(models[name]), [])
+            step_times.clear()
             t0, c0 = time.perf_counter(), time.process_time()
             gens[name]()
             wall[name].append(time.perf_counter() - t0)
+            if step_times:
+                steps[name].append(statistics.median(step_times))
             cpu[name].append(time.process_time() - c0)
     med = {n: statistics.median(v) for n, v in wall.items()}
     cmed = {n: statistics.median(v) for n, v in cpu.items()}
@@ -151,6 +190,14 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_decomposed_attention_cpu"] = cmed["fx2xla:decomposed-attention"] / cmed["fx2xla"]
     if "fx2xla:no-skinny" in med:
         res["fx2xla_vs_no_skinny_tokens_per_s"] = med["fx2xla:no-skinny"] / med["fx2xla"]
+    smed = {n: statistics.median(v) for n, v in steps.items() if v}
+    res["step_median_s"] = smed
+    if "fx2xla" in smed and "inductor" in smed:
+        res["fx2xla_vs_inductor_step"] = smed["fx2xla"] / smed["inductor"]
+    if "fx2xla:unmerged" in med:
+        res["fx2xla_vs_unmerged_step"] = smed["fx2xla"] / smed["fx2xla:unmerged"]
+        res["fx2xla_vs_unmerged_tokens_per_s"] = med["fx2xla:unmerged"] / med["fx2xla"]
+        res["fx2xla_vs_unmerged_cpu"] = cmed["fx2xla:unmerged"] / cmed["fx2xla"]
     if "fx2xla:linear-as-is" in med:
         res["fx2xla_vs_linear_as_is_tokens_per_s"] = med["fx2xla:linear-as-is"] / med["fx2xla"]
         res["fx2xla_vs_linear_as_is_cpu"] = cmed["fx2xla:linear-as-is"] / cmed["fx2xla"]
@@ -174,10 +221,13 @@ def main() -> None:
     p.add_argument("--linear-as-is", action="store_true",
                    help="also time fx2xla reading nn.Linear weights as torch holds them "
                         "(option transposed_linear_weights=False)")
+    p.add_argument("--unmerged", action="store_true",
+                   help="also time fx2xla with one matmul per nn.Linear (option merge_linears=False)")
     p.add_argument("--gap-ms", type=float, default=50.0, help="sleep before each timed call")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     a = p.parse_args()
-    torch._dynamo.config.recompile_limit = 64  # three compiled copies of one forward
+    _timed_compiled_calls()
+    torch._dynamo.config.recompile_limit = 64  # a compiled copy of one forward per contender
     results = {"torch": torch.__version__, "dtype": a.dtype, "torch_threads": torch.get_num_threads(),
                "cores": len(os.sched_getaffinity(0)), "load_before": load(), "batches": {}}
     print(f"torch {torch.__version__}, {a.dtype}, {torch.get_num_threads()} threads, {results['cores']} cores usable, "
@@ -203,6 +253,13 @@ def main() -> None:
         if "fx2xla_vs_linear_as_is_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:linear-as-is tokens/s {r['fx2xla_vs_linear_as_is_tokens_per_s']:.2f}"
                   f" (cpu time: {r['fx2xla_vs_linear_as_is_cpu']:.2f})")
+        if r["step_median_s"]:
+            print("      compiled step alone (median): " + ", ".join(
+                f"{n} {t * 1e3:.2f} ms" for n, t in r["step_median_s"].items())
+                + (f"; fx2xla ÷ Inductor {r['fx2xla_vs_inductor_step']:.2f}" if "fx2xla_vs_inductor_step" in r else ""))
+        if "fx2xla_vs_unmerged_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:unmerged tokens/s {r['fx2xla_vs_unmerged_tokens_per_s']:.2f}"
+                  f" (cpu time: {r['fx2xla_vs_unmerged_cpu']:.2f}); step time {r['fx2xla_vs_unmerged_step']:.2f}")
         if "fx2xla_vs_not_in_place_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:not-in-place tokens/s {r['fx2xla_vs_not_in_place_tokens_per_s']:.2f}")
     results["load_after"] = load()

@@ -76,6 +76,10 @@ OPTIONS = {
                                   "larger ones where a dot of their shape, timed once per machine, takes at most "
                                   "0.85 of the time (the copy takes those weights' memory again); \"always\": every "
                                   "such weight; False: they are read as torch holds them"),
+    "merge_linears": (True, "on the CPU, inference graphs multiply one activation of 2-64 rows by the float32 "
+                      "nn.Linear weights that read it (q/k/v projections, gate and up) in one matmul, against "
+                      "the weights concatenated once per update in torch (the copy takes those weights' memory "
+                      "again); False: one matmul per weight"),
     # Graph passes (passes/), each switchable by its name: e.g. {"scan_folding": False}.
     **pass_options(),
 }
@@ -88,7 +92,7 @@ def _check_options(options: dict | None) -> dict:
         raise ValueError(f"fx2xla: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
     opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
     opts["torch_kernels"] = torch_kernels.kinds(opts["torch_kernels"])  # a ValueError names a bad kind
-    for name in ("channels_last", "attention_op"):
+    for name in ("channels_last", "attention_op", "merge_linears"):
         if not isinstance(opts[name], bool):
             raise ValueError(f"fx2xla: option {name}={opts[name]!r}; expected True or False")
     check_linear_layout(opts["transposed_linear_weights"], "fx2xla: option ")
@@ -206,6 +210,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                 torch_kernels=options["torch_kernels"], channels_last=options["channels_last"],
                 relaid_weights=kind == "inference" and options.get("_steady_weights", True),
                 linear_weights_kn=options["transposed_linear_weights"],
+                merge_linears=options["merge_linears"],
             ),
             static_input_indices(len(example_inputs)),
         )
@@ -221,7 +226,8 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              saved_outputs=saved[0] if saved is not None else frozenset(),
                              channels_last=options["channels_last"],
                              relaid_weights=kind == "inference" and options.get("_steady_weights", True),
-                             linear_weights_kn=options["transposed_linear_weights"])
+                             linear_weights_kn=options["transposed_linear_weights"],
+                             merge_linears=options["merge_linears"])
     if saved is not None:
         saved[1].extend(compiled.output_strides())
     if kind == "forward" and offload is not None:

@@ -18,6 +18,7 @@ from . import offload as _offload
 from . import torch_kernels as _torch_kernels
 from .lowering.channels_last import TO_FIRST, saved_strides
 from .lowering.graph import check_rules, lower_graph
+from .lowering.merge_linears import merge_linears as _merge_linears
 from .lowering.nn import CUDNN_MARKER, cudnn_attention_disabled
 from .metrics import counters, live_graphs
 from .plan import build_plan, input_mutations
@@ -93,7 +94,7 @@ class CompiledGraph:
                  annotations=None, solution=None, sharded_outputs: bool = False, offload=None,
                  input_names: list[str] | None = None, torch_kernels=True, saved_outputs=frozenset(),
                  channels_last: bool = True, relaid_weights: bool = False,
-                 linear_weights_kn: bool | str = True):
+                 linear_weights_kn: bool | str = True, merge_linears: bool = False):
         """`offload`: host offloading (offload.py): (input positions, output positions) whose
         values live in host memory, or None. `solution`: auto-sharding's, kept as
         `auto_sharding` for reports. `input_names`: the user's names of the inputs (`L['x']`),
@@ -102,7 +103,8 @@ class CompiledGraph:
         `channels_last`: the option of that name (lowering/channels_last.py); `relaid_weights`:
         resident convolution weights imported channels-last, and with `linear_weights_kn` (the
         option transposed_linear_weights) float32 nn.Linear weights laid out [in, out] on the CPU
-        (plan.build_plan)."""
+        (plan.build_plan); with `merge_linears` (the option of that name) too, the linears of a CPU
+        inference graph that read one activation are one matmul (lowering/merge_linears.py)."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -121,6 +123,8 @@ class CompiledGraph:
         self.example_inputs = list(example_inputs)
         n = len(self.example_inputs)
         resident = resident_inputs if resident_inputs is not None else static_input_indices(n)
+        if merge_linears and relaid_weights and device.platform == "cpu" and not annotations and offload is None:
+            _merge_linears(gm, self.example_inputs, resident)
         self.plan = plan = build_plan(gm, self.example_inputs, device, resident, annotations, solution,
                                       None if offload is None else (*offload, _offload.HOST_KIND), version_bumps(n),
                                       saved_outputs, channels_last, channels_last and relaid_weights,

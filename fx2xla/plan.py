@@ -266,7 +266,8 @@ def plan_input(val) -> InputPlan:
 
 def _input_concats(gm, placeholders, plans) -> list:
     """(cat node, graph input positions) for each `aten.cat(inputs, 0)` whose operands are all
-    dense graph inputs of one shape and dtype (weights stacked by scan-folding): computing it in
+    dense graph inputs of one dtype whose shapes differ in dim 0 at most (weights stacked by
+    scan-folding, or concatenated for one matmul by lowering/merge_linears.py): computing it in
     torch once per weight update beats a concatenation inside every call (and its kernels)."""
     index = {n: i for i, n in enumerate(placeholders)}
     found = []
@@ -280,7 +281,7 @@ def _input_concats(gm, placeholders, plans) -> list:
         metas = [t.meta.get("val") for t in tensors]
         if not all(isinstance(m, torch.Tensor) and m.dim() > 0 and not symbolic(m.shape) for m in metas):
             continue
-        if len({(tuple(m.shape), m.dtype, m.device) for m in metas}) != 1 \
+        if len({(tuple(m.shape[1:]), m.dtype, m.device) for m in metas}) != 1 \
                 or any(plans[index[t]].kind is not InputKind.TENSOR for t in tensors):
             continue
         found.append(Concat(node, tuple(index[t] for t in tensors)))

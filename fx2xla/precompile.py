@@ -121,7 +121,8 @@ class PrecompiledGraph(SerializableCallable):
                               check_indices=bool(options.get("check_indices", True)),
                               torch_kernels=options.get("torch_kernels", True),
                               channels_last=options.get("channels_last", True), relaid_weights=True,
-                              linear_weights_kn=options.get("transposed_linear_weights", True))
+                              linear_weights_kn=options.get("transposed_linear_weights", True),
+                              merge_linears=options.get("merge_linears", True))
         return cls(graph, options)
 
 
@@ -129,7 +130,8 @@ def precompiled(graph, options: dict) -> PrecompiledGraph:
     """The serializable result of an inference graph compiled under torch's aot_compile."""
     kept = {k: options[k] for k in ("device_index", "check_indices", "torch_kernels")}
     return PrecompiledGraph(graph, {**kept, "channels_last": options.get("channels_last", True),
-                                    "transposed_linear_weights": options.get("transposed_linear_weights", True)})
+                                    "transposed_linear_weights": options.get("transposed_linear_weights", True),
+                                    "merge_linears": options.get("merge_linears", True)})
 
 
 def refused() -> Fx2XlaError:

@@ -125,7 +125,7 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
 _TRANSPOSES = (aten.t.default, aten.permute.default, aten.transpose.int)
 
 
-def _swaps_2d(node) -> bool:
+def swaps_2d(node) -> bool:
     """`node` transposes a 2-D tensor: t(W), W.permute(1, 0), W.transpose(0, 1)."""
     if node.op != "call_function" or node.target not in _TRANSPOSES:
         return False
@@ -161,7 +161,7 @@ def kn_weights(gm, example_inputs, always: bool = False) -> frozenset:
             continue
         ok, rows = True, 2
         for t in node.users:
-            if not _swaps_2d(t) or t.args[0] is not node or not t.users:
+            if not swaps_2d(t) or t.args[0] is not node or not t.users:
                 ok = False
                 break
             for u in t.users:

@@ -169,15 +169,19 @@ def test_dynamic_batch():
 
 def test_llama_forward():
     """A transformers LLaMA (GQA) forward on 2 x 8 tokens: its projections are relaid (the
-    tied-free lm_head too) and the logits match eager's."""
+    tied-free lm_head too) and the logits match eager's. With the linears that read one
+    activation merged (option merge_linears, on by default; tests/lowering/test_merge_linears.py),
+    q/k/v and gate/up are concatenated instead, and only o, down and lm_head are relaid."""
     torch.manual_seed(0)
     model = llama(layers=2, hidden=64, heads=4, kv_heads=2, vocab=100).eval()
     ids = torch.randint(0, 100, (2, 8))
-    out, graphs, _ = run(lambda i: model(input_ids=i, use_cache=False).logits, ids)
-    with torch.no_grad():
-        torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
-    # q, k, v, o, gate, up, down per layer, and lm_head (untied in this config)
-    assert _laid(graphs) == 2 * 7 + 1
+    for merge, laid in ((False, 2 * 7 + 1), (True, 2 * 2 + 1)):
+        torch._dynamo.reset()
+        out, graphs, _ = run(lambda i: model(input_ids=i, use_cache=False).logits, ids, merge_linears=merge)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
+        # unmerged: q, k, v, o, gate, up, down per layer, and lm_head (untied in this config)
+        assert _laid(graphs) == laid
 
 
 def test_threads():
