@@ -10,7 +10,8 @@ graph inputs, the graph is rewritten to
 
     cat([W1, W2, ...], 0)  ->  mm(x, cat.T)  ->  one slice per original product
 
-(`addmm` with the biases concatenated likewise). The concatenation of graph inputs is done in
+(`addmm` with the biases concatenated likewise; a product the graph returns, or returns a
+view of, is left, so that it reaches the caller with eager's strides). The concatenation of graph inputs is done in
 torch once per weight update, not by every call: the plan passes it to the executable as one
 input (plan.Concat), and a weight read by nothing else is not passed on its own. Columns of
 the merged product are the same dot products as before, so results differ from the separate
@@ -30,6 +31,27 @@ aten = torch.ops.aten
 
 MAX_ROWS = 64  # measured to pay from 2 to 32 rows (0.63-0.88x); neutral at 1 and 512
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+# Ops whose result shares its operand's memory in eager: an output reached from a product through
+# these alone would be returned as a view of the merged product (plan.build_plan returns views of
+# one computed value from torch), with other strides than eager's.
+_ALIASING = {
+    *_VIEWS, aten.permute.default, aten.t.default, aten.transpose.int, aten.alias.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.slice.Tensor, aten.select.int,
+    aten.diagonal.default, aten.expand.default, aten.as_strided.default, aten.unfold.default,
+}
+
+
+def _returned(node) -> bool:
+    """Whether the graph returns `node`, or a view of it."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.op == "output":
+                return True
+            if u.op == "call_function" and u.target in _ALIASING and u.args and u.args[0] is n:
+                todo.append(u)
+    return False
 
 
 def _source(node):
@@ -69,7 +91,7 @@ def _candidate(node, inputs: dict):
         return None
     w = _weight(rhs, inputs)
     x = lhs.meta.get("val")
-    if w is None or not isinstance(x, torch.Tensor) or x.dim() != 2:
+    if w is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or _returned(node):
         return None
     ex = inputs[w]
     if any(isinstance(s, torch.SymInt) for s in (*x.shape, *ex.shape)):

@@ -10,7 +10,8 @@ Concat) and one matmul replaces theirs. What these tests hold it to:
 - the plan has one Concat per group (and one per group's biases), and the graph one matmul per
   group instead of one per weight; the weights read only by a Concat are not passed on their own;
 - left as they are: one row, more than 64 rows, bf16, a weight something else also reads,
-  training graphs, a dynamic batch, the option off;
+  a product the graph returns (or returns a view of), training graphs, a dynamic batch, the
+  option off;
 - a weight changed in place is concatenated again, and results follow eager;
 - a LLaMA decode-sized forward (8 x 1 tokens) equals eager's with its q/k/v and gate/up merged;
 - four threads calling one compiled model get eager's results;
@@ -77,6 +78,7 @@ def test_projections_are_one_matmul_per_group(shape):
     with torch.no_grad():
         expected = model(x)
     torch.testing.assert_close(out, expected, **TOL)
+    assert out.stride() == expected.stride()
     (graph,) = graphs
     assert _matmuls(graphs) == 2
     assert sorted(len(c.inputs) for c in graph.plan.concats) == [2, 2, 3]
@@ -133,6 +135,32 @@ def test_bf16_and_shared_weights_are_left():
     # q's weight is read by the sum too: only k/v and gate/up (with their biases) are merged.
     assert sorted(len(c.inputs) for c in graph.plan.concats) == [2, 2, 2]
     assert _matmuls(graphs) == 3
+
+
+def test_returned_products_are_left():
+    """Products the graph returns, themselves or through a view, are not merged (they would come
+    back as views of the merged product): eager's values and strides; a view of one can be
+    flattened as eager's can."""
+
+    class Returns(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(64, 64, bias=False)
+            self.k = torch.nn.Linear(64, 32, bias=False)
+
+        def forward(self, x):
+            return self.q(x), self.k(x).view(8, 2, 16)
+
+    torch.manual_seed(0)
+    model = Returns().eval()
+    x = torch.randn(8, 64)
+    (q, k), graphs, _ = run(model, x)
+    with torch.no_grad():
+        eq, ek = model(x)
+    torch.testing.assert_close(q, eq, **TOL)
+    torch.testing.assert_close(k, ek, **TOL)
+    assert (q.stride(), k.stride()) == (eq.stride(), ek.stride())
+    assert q.view(-1).shape == (512,) and not graphs[0].plan.concats
 
 
 def test_training_and_dynamic_graphs_are_left():
