@@ -3,19 +3,19 @@
 A transformer layer multiplies one activation by several weights: LLaMA's q, k and v
 projections, its MLP's gate and up. At a few rows (decoding, small-batch serving) XLA:CPU's
 float32 dot is bound by its per-dot cost, not its arithmetic: one dot against the weights
-concatenated takes less time than the dots apart (docs/benchmarks.md, "Linears that read the
-same activation": 8 rows x 256, LLaMA's q/k/v and gate/up, 0.63x the time). So, where a CPU
-inference graph multiplies one activation by two or more nn.Linear weights that are resident
-graph inputs, the graph is rewritten to
+concatenated takes less time than the dots apart (docs/benchmarks.md, "Linears that read one
+activation, as one matmul": 8 rows x 256, LLaMA's q/k/v and gate/up, 0.63-0.78x the time).
+So, where a CPU inference graph multiplies one activation by two or more nn.Linear weights
+that are resident graph inputs, the graph is rewritten to
 
     cat([W1, W2, ...], 0)  ->  mm(x, cat.T)  ->  one slice per original product
 
 (`addmm` with the biases concatenated likewise; a product the graph returns, or returns a
-view of, is left, so that it reaches the caller with eager's strides). The concatenation of graph inputs is done in
-torch once per weight update, not by every call: the plan passes it to the executable as one
-input (plan.Concat), and a weight read by nothing else is not passed on its own. Columns of
-the merged product are the same dot products as before, so results differ from the separate
-matmuls by rounding only (XLA may block the longer dot differently).
+view of, is left, so that it reaches the caller with eager's strides). The concatenation of
+graph inputs is done in torch once per weight update, not by every call: the plan passes it to
+the executable as one input (plan.Concat), and a weight read by nothing else is not passed on
+its own. Columns of the merged product are the same dot products as before, so results differ
+from the separate matmuls by rounding only (XLA may block the longer dot differently).
 
 Only where it was measured to pay: float32, static shapes, 2 to MAX_ROWS rows (one row takes
 XLA's matrix-vector path, as fast either way; at 512 rows the two were within 3%).
