@@ -130,11 +130,16 @@ def merge_linears(gm: torch.fx.GraphModule, example_inputs, resident: set[int]) 
         return 0
     merged = 0
     graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for members in groups.values():
         first = members[0][0]
         lhs = first.args[1] if first.target is aten.addmm.default else first.args[0]
         weights = [w for _, w, _ in members]
         biases = [b for _, _, b in members]
+        # The merged matmul goes where the first product was: every operand must be defined by
+        # then (a partitioned graph may define a later product's weight after it).
+        if max(order[n] for n in weights + biases if n is not None) > order[first]:
+            continue
         with graph.inserting_before(first), fake:
             cat_w = graph.call_function(aten.cat.default, (weights, 0))
             cat_w.meta["val"] = aten.cat.default([w.meta["val"] for w in weights], 0)

@@ -13,6 +13,7 @@ Concat) and one matmul replaces theirs. What these tests hold it to:
   a product the graph returns (or returns a view of), training graphs, a dynamic batch, the
   option off;
 - a weight changed in place is concatenated again, and results follow eager;
+- a group whose weight is defined after its first product (a partitioned graph's order) is left;
 - a LLaMA decode-sized forward (8 x 1 tokens) equals eager's with its q/k/v and gate/up merged;
 - four threads calling one compiled model get eager's results;
 - a bad option value is a clear error."""
@@ -187,6 +188,43 @@ def test_training_and_dynamic_graphs_are_left():
             x = torch.randn(rows, 64)
             torch.testing.assert_close(compiled(x), model(x), **TOL)
     assert not any(g.plan.concats for g in live_graphs if id(g) not in before)
+
+
+def _graph_with_late_weight(late: bool):
+    """x @ W1.T and x @ W2.T in an FX graph whose W2 placeholder comes after the first product
+    (as in a partitioned graph) when `late`, with fake metas; and its real example inputs."""
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    graph = torch.fx.Graph()
+    x, w1 = graph.placeholder("x"), graph.placeholder("w1")
+    w2 = None if late else graph.placeholder("w2")
+    a = graph.call_function(aten.mm.default, (x, graph.call_function(aten.permute.default, (w1, [1, 0]))))
+    if late:
+        w2 = graph.placeholder("w2")
+    b = graph.call_function(aten.mm.default, (x, graph.call_function(aten.permute.default, (w2, [1, 0]))))
+    graph.output((graph.call_function(aten.add.Tensor, (a, b)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    real = [torch.randn(8, 16), torch.randn(24, 16), torch.randn(24, 16)]
+    mode = FakeTensorMode()
+    FakeTensorProp(gm, mode).propagate(*[mode.from_tensor(t) for t in real])
+    return gm, real
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["weights-first", "weight-after-product"])
+def test_operands_defined_after_the_first_product_are_left(late):
+    """merge_linears on an FX graph: merged when both weights are defined before the first
+    product, left (no error, graph unchanged in effect) when one comes after it; either way the
+    graph computes eager's value (float32 TOL)."""
+    from fx2xla.lowering.merge_linears import merge_linears
+
+    gm, real = _graph_with_late_weight(late)
+    expected = real[0] @ real[1].T + real[0] @ real[2].T
+    fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    assert merge_linears(gm, fakes, {1, 2}) == (0 if late else 1)
+    assert any(n.target is aten.cat.default for n in gm.graph.nodes) is not late
+    (out,) = gm(*real)
+    torch.testing.assert_close(out, expected, **TOL)
 
 
 def test_weight_changed_in_place_is_concatenated_again():
