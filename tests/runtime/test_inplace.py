@@ -312,13 +312,22 @@ def test_gpu_route_orders_waits_and_donates_only_owned_arrays(monkeypatch):
     - a written input that is an exported result (a DLPack external reference, which a GPU
       refuses to donate) is imported and copied into a buffer XLA owns, never donated as is;
     - from the second call on every written input keeps its address;
-    - after 4 steps the values equal eager's (float32 rtol 1e-6, atol 1e-6)."""
+    - read right after each call (the stream wait stood in by a block), the values equal
+      eager's (float32 rtol 1e-6, atol 1e-6)."""
     from fx2xla import plan_executor
     from fx2xla.runtime import twins
 
     waits, copies = [], []
+
+    def stream_wait(a):
+        # torch's stream would wait for the execution before its next kernel; torch's CPU
+        # kernels run at once, so the stand-in waits here (without it, reading p right after a
+        # call raced the execution on XLA's thread: it failed once in CI, under load).
+        waits.append(a)
+        a.block_until_ready()
+
     monkeypatch.setattr(plan_executor, "GPU_PLATFORMS", ("cpu", "cuda", "rocm"))
-    monkeypatch.setattr(plan_executor, "make_stream_wait", lambda index: waits.append)
+    monkeypatch.setattr(plan_executor, "make_stream_wait", lambda index: stream_wait)
     real_copy = plan_executor.owned_copy
     monkeypatch.setattr(plan_executor, "owned_copy", lambda buf, d: copies.append(buf) or real_copy(buf, d))
 
@@ -328,9 +337,12 @@ def test_gpu_route_orders_waits_and_donates_only_owned_arrays(monkeypatch):
 
     torch.manual_seed(0)
     double = _compiled(lambda x: x * 2)
-    g = double(torch.randn(32, 16))  # an exported result: its twin is not owned
-    m = double(torch.randn(32, 16))  # the same, and written by the step
-    p = torch.randn(32, 16)
+    # Large enough that the execution is still running when the call returns (a read that is not
+    # ordered after it sees the old values).
+    shape = (1024, 512)
+    g = double(torch.randn(shape))  # an exported result: its twin is not owned
+    m = double(torch.randn(shape))  # the same, and written by the step
+    p = torch.randn(shape)
     ref = [p.clone(), m.clone(), g.clone()]
     before = {id(g_) for g_ in live_graphs}
     run = torch.compile(step, backend="fx2xla")
@@ -356,16 +368,16 @@ def test_gpu_route_orders_waits_and_donates_only_owned_arrays(monkeypatch):
     for call in range(3):
         events.clear()
         waits.clear()
-        run(p, m, g)
         step(*ref)
-        assert events == ["order", ("import", (32, 16), g.data_ptr())], events  # g again: ordered
+        run(p, m, g)  # then read at once, as torch's next kernel would
+        assert events == ["order", ("import", shape, g.data_ptr())], events  # g again: ordered
         assert len(waits) == 1 and len(copies) == 2
         if ptrs is None:
             ptrs = (p.data_ptr(), m.data_ptr())
         assert (p.data_ptr(), m.data_ptr()) == ptrs
         assert twins.records()[p.data_ptr()].owned and twins.records()[m.data_ptr()].owned
-    for got, want in zip((p, m, g), ref):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for got, want in zip((p, m, g), ref):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     del p, m, g, got
     gc.collect()
     twins.claim()  # the arrays recorded as a GPU's wait for no real event: let them go
