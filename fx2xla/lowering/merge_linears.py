@@ -72,20 +72,25 @@ def _weight(rhs, inputs: dict):
     return w if w in inputs and len(w.users) == 1 else None
 
 
+def _operands(node):
+    """(bias or None, lhs, rhs) of an `mm` or `addmm` node (no alpha/beta), else None."""
+    if node.op != "call_function" or node.kwargs:
+        return None
+    if node.target is aten.mm.default and len(node.args) == 2:
+        return (None, *node.args)
+    if node.target is aten.addmm.default and len(node.args) == 3:
+        return tuple(node.args)
+    return None
+
+
 def _candidate(node, inputs: dict):
     """(group key, weight input, bias input or None) for a matmul that may be merged, else None."""
-    if node.op != "call_function":
+    operands = _operands(node)
+    if operands is None:
         return None
-    if node.target is aten.mm.default and len(node.args) == 2 and not node.kwargs:
-        bias, lhs, rhs = None, node.args[0], node.args[1]
-    elif node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
-        bias, lhs, rhs = node.args
-        if not (isinstance(bias, torch.fx.Node) and bias in inputs and len(bias.users) == 1):
-            return None
-        b = inputs[bias]
-        if b.dim() != 1:
-            return None
-    else:
+    bias, lhs, rhs = operands
+    if bias is not None and not (isinstance(bias, torch.fx.Node) and bias in inputs and len(bias.users) == 1
+                                 and inputs[bias].dim() == 1):
         return None
     if not isinstance(lhs, torch.fx.Node) or not isinstance(rhs, torch.fx.Node):
         return None
@@ -128,12 +133,17 @@ def merge_linears(gm: torch.fx.GraphModule, example_inputs, resident: set[int]) 
     fake = detect_fake_mode([n.meta.get("val") for n in placeholders])
     if fake is None:
         return 0
+    def call(op, *args):  # a new node before the insertion point, its fake value computed
+        node = graph.call_function(op, args)
+        node.meta["val"] = op(*torch.fx.node.map_arg(args, lambda a: a.meta["val"]))
+        return node
+
     merged = 0
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     for members in groups.values():
         first = members[0][0]
-        lhs = first.args[1] if first.target is aten.addmm.default else first.args[0]
+        lhs = _operands(first)[1]
         weights = [w for _, w, _ in members]
         biases = [b for _, _, b in members]
         # The merged matmul goes where the first product was: every operand must be defined by
@@ -141,18 +151,9 @@ def merge_linears(gm: torch.fx.GraphModule, example_inputs, resident: set[int]) 
         if max(order[n] for n in weights + biases if n is not None) > order[first]:
             continue
         with graph.inserting_before(first), fake:
-            cat_w = graph.call_function(aten.cat.default, (weights, 0))
-            cat_w.meta["val"] = aten.cat.default([w.meta["val"] for w in weights], 0)
-            rhs = graph.call_function(aten.permute.default, (cat_w, [1, 0]))
-            rhs.meta["val"] = aten.permute.default(cat_w.meta["val"], [1, 0])
-            if biases[0] is None:
-                big = graph.call_function(aten.mm.default, (lhs, rhs))
-                big.meta["val"] = aten.mm.default(lhs.meta["val"], rhs.meta["val"])
-            else:
-                cat_b = graph.call_function(aten.cat.default, (biases, 0))
-                cat_b.meta["val"] = aten.cat.default([b.meta["val"] for b in biases], 0)
-                big = graph.call_function(aten.addmm.default, (cat_b, lhs, rhs))
-                big.meta["val"] = aten.addmm.default(cat_b.meta["val"], lhs.meta["val"], rhs.meta["val"])
+            rhs = call(aten.permute.default, call(aten.cat.default, weights, 0), [1, 0])
+            big = (call(aten.mm.default, lhs, rhs) if biases[0] is None
+                   else call(aten.addmm.default, call(aten.cat.default, biases, 0), lhs, rhs))
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in first.meta:
                 big.meta[key] = first.meta[key]
@@ -160,11 +161,10 @@ def merge_linears(gm: torch.fx.GraphModule, example_inputs, resident: set[int]) 
         for node, w, _ in members:
             width = w.meta["val"].shape[0]
             with graph.inserting_before(node), fake:
-                part = graph.call_function(aten.slice.Tensor, (big, 1, offset, offset + width))
-                part.meta["val"] = aten.slice.Tensor(big.meta["val"], 1, offset, offset + width)
+                part = call(aten.slice.Tensor, big, 1, offset, offset + width)
             part.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
             offset += width
-            old_lhs, old_rhs = (node.args[1], node.args[2]) if node.target is aten.addmm.default else node.args
+            _, old_lhs, old_rhs = _operands(node)
             node.replace_all_uses_with(part)
             graph.erase_node(node)
             graph.erase_node(old_rhs)  # the weight's transpose: this matmul was its one reader
