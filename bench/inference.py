@@ -45,10 +45,15 @@ def tiny(x):
     return x * 2 + 1
 
 
+def tiny_twins_all(x):  # the same graph, its own code object: compiled with FX2XLA_TWINS=all
+    return x * 2 + 1
+
+
 def per_call_overhead(rounds: int) -> dict:
     """fx2xla's whole call on a 4-element graph vs eager, Inductor, Dynamo's own floor (a
     backend returning `gm.forward`, and one whose graph computes nothing), fx2xla's compiled
-    graph called directly (its whole per-call path, without Dynamo's frame) and raw PJRT executes of fx2xla's executable on a resident
+    graph called directly (its whole per-call path, without Dynamo's frame), fx2xla keeping the
+    result as a twin (FX2XLA_TWINS=all), and raw PJRT executes of fx2xla's executable on a resident
     buffer: the public `LoadedExecutable.execute` and fx2xla's launcher (the fast path it uses,
     including the DLPack export of the output). Medians of interleaved rounds, in one run."""
     from fx2xla.runtime import default_device, executable_cache
@@ -66,11 +71,22 @@ def per_call_overhead(rounds: int) -> dict:
     before = {id(g) for g in live_graphs}
     compiled(x), inductor(x), floor(x), empty(x)
     graph = next(g for g in live_graphs if id(g) not in before)
+    # The default keeps no twin of a CPU inference graph's result; FX2XLA_TWINS=all does (runtime/twins.py).
+    previous = os.environ.get("FX2XLA_TWINS")
+    os.environ["FX2XLA_TWINS"] = "all"
+    try:
+        twins_all = torch.compile(tiny_twins_all, backend="fx2xla", fullgraph=True)
+        twins_all(x)
+    finally:
+        if previous is None:
+            del os.environ["FX2XLA_TWINS"]
+        else:
+            os.environ["FX2XLA_TWINS"] = previous
     exe = next(iter(executable_cache._entries.values()))
     buf = import_tensor(x, default_device().jax_device)
     launch = make_launcher(exe)
     contenders = {"eager": tiny, "inductor": inductor, "dynamo_floor": floor, "dynamo_empty_backend": empty,
-                  "fx2xla": compiled, "fx2xla_graph_without_dynamo": graph.call_unboxed,
+                  "fx2xla": compiled, "fx2xla_twins_all": twins_all, "fx2xla_graph_without_dynamo": graph.call_unboxed,
                   "raw_pjrt_execute": lambda _: exe.execute([buf]), "raw_fx2xla_launch": lambda _: launch([buf])}
     res = {}
     for clock_name, clock in (("wall", time.perf_counter), ("cpu", time.thread_time)):

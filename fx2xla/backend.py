@@ -210,7 +210,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                 torch_kernels=options["torch_kernels"], channels_last=options["channels_last"],
                 relaid_weights=kind == "inference" and options.get("_steady_weights", True),
                 linear_weights_kn=options["transposed_linear_weights"],
-                merge_linears=options["merge_linears"],
+                merge_linears=options["merge_linears"], training=kind != "inference",
             ),
             static_input_indices(len(example_inputs)),
         )
@@ -227,7 +227,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              channels_last=options["channels_last"],
                              relaid_weights=kind == "inference" and options.get("_steady_weights", True),
                              linear_weights_kn=options["transposed_linear_weights"],
-                             merge_linears=options["merge_linears"])
+                             merge_linears=options["merge_linears"], training=kind != "inference")
     if saved is not None:
         saved[1].extend(compiled.output_strides())
     if kind == "forward" and offload is not None:

@@ -94,7 +94,7 @@ class CompiledGraph:
                  annotations=None, solution=None, sharded_outputs: bool = False, offload=None,
                  input_names: list[str] | None = None, torch_kernels=True, saved_outputs=frozenset(),
                  channels_last: bool = True, relaid_weights: bool = False,
-                 linear_weights_kn: bool | str = True, merge_linears: bool = False):
+                 linear_weights_kn: bool | str = True, merge_linears: bool = False, training: bool = False):
         """`offload`: host offloading (offload.py): (input positions, output positions) whose
         values live in host memory, or None. `solution`: auto-sharding's, kept as
         `auto_sharding` for reports. `input_names`: the user's names of the inputs (`L['x']`),
@@ -104,7 +104,9 @@ class CompiledGraph:
         resident convolution weights imported channels-last, and with `linear_weights_kn` (the
         option transposed_linear_weights) float32 nn.Linear weights laid out [in, out] on the CPU
         (plan.build_plan); with `merge_linears` (the option of that name) too, the linears of a CPU
-        inference graph that read one activation are one matmul (lowering/merge_linears.py)."""
+        inference graph that read one activation are one matmul (lowering/merge_linears.py).
+        `training`: a forward or backward graph, whose returned results the next graph reads
+        (kept as twins on the CPU too: plan_executor.twin_results)."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
         # functools.wraps, which copies __dict__ but not class attributes.
         self._boxed_call = True
@@ -114,6 +116,7 @@ class CompiledGraph:
             _offload.prepare_graph(gm)
         self.gm = gm
         self.name = name
+        self.training = training
         self.no_recompile = no_recompile
         self.check_indices = check_indices
         self.torch_kernels = torch_kernels
@@ -206,7 +209,7 @@ class CompiledGraph:
         suffix = "" if args is None else "_" + "_".join("x".join(map(str, s)) for s, _ in lowered.arg_shapes)[:80]
         dump.write_graph(self.name + suffix, self.gm, lowered.module_text, lambda: optimized_hlo_text(exe))
         return Specialization(exe, self.plan, lowered.outputs, lowered.checks, lowered.result_shapes, lowered=lowered,
-                              sharded_outputs=self.sharded_outputs)
+                              sharded_outputs=self.sharded_outputs, training=self.training)
 
     def _signature(self, args):
         return tuple(

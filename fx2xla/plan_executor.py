@@ -93,7 +93,9 @@ class Specialization:
                  "park", "in_place", "twinned_in_place", "wait_for_writes")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
-                 lowered=None, sharded_outputs: bool = False):
+                 lowered=None, sharded_outputs: bool = False, training: bool = False):
+        """`training`: the plan is a forward's or a backward's, whose returned results the next
+        graph reads (twin_results)."""
         self.exe = exe
         self.lowered = lowered
         exports = result_exports(plan, bool(checks))
@@ -106,7 +108,8 @@ class Specialization:
         placed = sharded_call.placed_launch(exe, plan, result_shapes, exports, sharded_outputs)
         if placed is None:
             self.in_place = tuple(m for m in plan.mutations if plan.inputs[m.input].donated)
-            self.kept = twin_results(plan, outputs, bool(checks)) if _twins.enabled() else ()
+            self.kept = (twin_results(plan, outputs, bool(checks), training or _twins.inference_outputs_kept())
+                         if _twins.enabled() else ())
             if self.kept or self.in_place:
                 exports = keeping_exports(plan, exports, self.kept, bool(checks), {r for _, r in self.in_place})
             self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
@@ -585,24 +588,25 @@ def result_exports(plan: GraphPlan, checks: bool):
     return exports + [export] if checks else exports
 
 
-def twin_results(plan: GraphPlan, outputs: list[OutputPlan], checks: bool = False) -> tuple[int, ...]:
+def twin_results(plan: GraphPlan, outputs: list[OutputPlan], checks: bool = False,
+                 returned: bool = True) -> tuple[int, ...]:
     """The results of a one-device plan whose jax Arrays are kept as their tensors' twins
     (runtime/twins.py), so that a later executable reading the tensor unchanged takes the array
     instead of importing it again. Results moved to another device are copies: none of them.
-    CPU: the new contents of written inputs, and results returned as they are (a view,
-    permutation or restride gives the caller another tensor). GPU: every other result, and the
-    index checks' verdict (`checks`, read by torch's `_assert_async` on its stream), since each
-    is recorded to hold its memory until torch's stream is done with it. (Plans over a mesh, or
-    with results in host memory, keep theirs through sharded_call instead: never called for
-    them.)"""
+    CPU: the new contents of written inputs, and where `returned` (training graphs) results
+    returned as they are (a view, permutation or restride gives the caller another tensor). GPU:
+    every other result, and the index checks' verdict (`checks`, read by torch's `_assert_async`
+    on its stream), since each is recorded to hold its memory until torch's stream is done with
+    it. (Plans over a mesh, or with results in host memory, keep theirs through sharded_call
+    instead: never called for them.)"""
     candidates = [r for r, res in enumerate(plan.results) if not res.move and res.memory_kind is None]
     if plan.device.platform in GPU_PLATFORMS:
         return tuple(candidates) + ((len(plan.results),) if checks else ())
     written = {r for _, r in plan.mutations}
-    returned = {p.index for p in outputs if p.kind is _TENSOR_OUT}
+    kept = {p.index for p in outputs if p.kind is _TENSOR_OUT} if returned else set()
     reshaped = {p.index for p in outputs
                 if p.kind is _TENSOR_OUT and (p.inv_perm is not None or p.stride is not None or p.views)}
-    return tuple(r for r in candidates if r in written or (r in returned and r not in reshaped))
+    return tuple(r for r in candidates if r in written or (r in kept and r not in reshaped))
 
 
 def keeping_exports(plan: GraphPlan, exports, kept: tuple[int, ...], checks: bool, raw=frozenset()) -> list:

@@ -20,6 +20,13 @@ from fx2xla.runtime.executor import make_recording
 from tests.conftest import calls_in_threads
 
 
+@pytest.fixture
+def keep_all(monkeypatch):
+    """CPU inference graphs keep their returned results too (FX2XLA_TWINS=all): the tests that
+    chain inference calls exercise taking them back."""
+    monkeypatch.setenv("FX2XLA_TWINS", "all")
+
+
 def _count_imports(monkeypatch, shapes=None):
     """Count every import of every PlanExecutor made from now on (optionally listing shapes)."""
     from fx2xla import plan_executor
@@ -107,6 +114,7 @@ def test_training_step_imports_only_what_torch_made(monkeypatch):
         assert torch.equal(p, q)
 
 
+@pytest.mark.usefixtures("keep_all")
 def test_chained_calls_import_once(monkeypatch):
     """y = f(y) over and over (a decode loop's cache): only the first call imports (the input
     and the parameters, which stay resident); the last result matches eager's."""
@@ -125,6 +133,7 @@ def test_chained_calls_import_once(monkeypatch):
     assert first == 3 and counter["n"] == first
 
 
+@pytest.mark.usefixtures("keep_all")
 @pytest.mark.parametrize("change", ["in_place", "dtype_view", "transposed", "reshaped", "sliced", "data_write"])
 def test_a_changed_or_other_tensor_is_imported(monkeypatch, change):
     """A result changed by torch in place, or another tensor over its memory (a dtype view, a
@@ -157,6 +166,7 @@ def test_a_changed_or_other_tensor_is_imported(monkeypatch, change):
     assert counter["n"] == base + 1
 
 
+@pytest.mark.usefixtures("keep_all")
 def test_a_detached_result_is_its_twin(monkeypatch):
     """`detach()` shares the memory and the version counter: it is taken as the twin."""
     counter = _count_imports(monkeypatch)
@@ -169,6 +179,7 @@ def test_a_detached_result_is_its_twin(monkeypatch):
     assert counter["n"] == base
 
 
+@pytest.mark.usefixtures("keep_all")
 def test_records_leave_with_the_memory():
     """A record lives as long as torch's storage: a view keeps it, and it leaves once every
     tensor over that memory is gone."""
@@ -185,6 +196,7 @@ def test_records_leave_with_the_memory():
     assert ptr not in twins.records()
 
 
+@pytest.mark.usefixtures("keep_all")
 def test_metrics_count_records():
     """fx2xla.metrics() reports the live records: one more per kept result alive, one fewer
     once it is dropped."""
@@ -211,6 +223,45 @@ def test_off(monkeypatch):
     torch.testing.assert_close(y, torch.full((8,), 1 / 16), rtol=0, atol=0)
     assert counter["n"] == 4
     assert not set(twins.records()) - set(before)
+
+
+def test_cpu_inference_results_are_not_kept_by_default(monkeypatch):
+    """By default a CPU inference graph keeps no returned result (a record costs about what the
+    import it may save does): no record is left, a call that reads the last result imports it,
+    and values are eager's. A forward graph's returned results are kept (its backward reads
+    them), and an inference graph's written input is (a decode step's cache)."""
+    monkeypatch.delenv("FX2XLA_TWINS", raising=False)
+    counter = _count_imports(monkeypatch)
+    older = set(live_graphs)
+    f = torch.compile(lambda y: y * 0.5 + 1, backend="fx2xla")
+    y = e = torch.ones(8)
+    before = dict(twins.records())
+    for _ in range(4):
+        y = f(y)
+        e = e * 0.5 + 1
+    torch.testing.assert_close(y, e, rtol=0, atol=0)
+    assert counter["n"] == 4
+    assert not set(twins.records()) - set(before)
+    (graph,) = [g for g in live_graphs if g not in older]
+    assert graph.static.kept == ()
+
+    older = set(live_graphs)
+    lin = torch.nn.Linear(8, 4)
+    out = torch.compile(lin, backend="fx2xla")(torch.randn(2, 8, requires_grad=True))
+    (forward,) = [g for g in live_graphs if g not in older and g.training]
+    assert forward.static.kept and out.data_ptr() in twins.records()
+
+    def write(cache, x):
+        cache.add_(x)
+        return cache.sum()
+
+    older = set(live_graphs)
+    cache = torch.zeros(8)
+    total = torch.compile(write, backend="fx2xla")(cache, torch.ones(8))
+    (graph,) = [g for g in live_graphs if g not in older]
+    assert cache.data_ptr() in twins.records() and total.data_ptr() not in twins.records()
+    torch.testing.assert_close(cache, torch.ones(8), rtol=0, atol=0)
+    assert total.item() == 8
 
 
 class _FakeEvent:
@@ -255,6 +306,7 @@ def test_gpu_arrays_wait_for_torch_stream_before_release():
     assert ref() is None and not twins.waiting() and len(events) == 1
 
 
+@pytest.mark.usefixtures("keep_all")
 def test_twins_made_paused_read_while_recording():
     """Twin arrays come from calls that run with jaxlib's traceback recording paused; a call
     that runs recorded (here inside a recording block, as while another thread compiles) takes
@@ -268,6 +320,7 @@ def test_twins_made_paused_read_while_recording():
     torch.testing.assert_close(y, torch.full((8,), 4.0), rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("keep_all")
 def test_many_threads_chain_their_own_results():
     """Eight threads, each chaining its own results through two graphs: every thread's last
     value is eager's."""
@@ -328,6 +381,7 @@ def test_storage_objects_live_as_long_as_storage():
     assert ref() is None
 
 
+@pytest.mark.usefixtures("keep_all")
 def test_results_of_every_kind_come_back_as_twins(monkeypatch):
     """bf16, int64, 0-d and empty results all come back as twins (nothing imported) and the
     graph that reads them matches eager exactly (integer and exactly representable values)."""
@@ -433,6 +487,7 @@ def test_gpu_index_check_verdict_is_recorded(monkeypatch):
     torch.testing.assert_close(out, x[i] * 2, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("keep_all")
 def test_a_loaded_package_takes_its_own_results_back(monkeypatch, tmp_path):
     """A package loaded with fx2xla.load runs through the same executor: its result fed back as
     its input (a decode loop's state) is not imported again, and the values are eager's."""
