@@ -55,7 +55,9 @@ def per_call_overhead(rounds: int) -> dict:
     graph called directly (its whole per-call path, without Dynamo's frame), fx2xla keeping the
     result as a twin (FX2XLA_TWINS=all), and raw PJRT executes of fx2xla's executable on a resident
     buffer: the public `LoadedExecutable.execute` and fx2xla's launcher (the fast path it uses,
-    including the DLPack export of the output). Medians of interleaved rounds, in one run."""
+    including the DLPack export of the output), and the DLPack import of the input alone.
+    `jaxlib_floor` adds Dynamo's empty call, the import and the raw execute: what a call through
+    jaxlib pays before any code of fx2xla's. Medians of interleaved rounds, in one run."""
     from fx2xla.runtime import default_device, executable_cache
     from fx2xla.runtime.executor import make_launcher
     from fx2xla.runtime.handoff import import_tensor
@@ -83,16 +85,21 @@ def per_call_overhead(rounds: int) -> dict:
         else:
             os.environ["FX2XLA_TWINS"] = previous
     exe = next(iter(executable_cache._entries.values()))
-    buf = import_tensor(x, default_device().jax_device)
+    device = default_device().jax_device
+    buf = import_tensor(x, device)
     launch = make_launcher(exe)
     contenders = {"eager": tiny, "inductor": inductor, "dynamo_floor": floor, "dynamo_empty_backend": empty,
                   "fx2xla": compiled, "fx2xla_twins_all": twins_all, "fx2xla_graph_without_dynamo": graph.call_unboxed,
-                  "raw_pjrt_execute": lambda _: exe.execute([buf]), "raw_fx2xla_launch": lambda _: launch([buf])}
+                  "raw_pjrt_execute": lambda _: exe.execute([buf]), "raw_fx2xla_launch": lambda _: launch([buf]),
+                  "raw_dlpack_import": lambda t: import_tensor(t, device)}
     res = {}
     for clock_name, clock in (("wall", time.perf_counter), ("cpu", time.thread_time)):
         med = interleaved_medians(contenders, (x,), rounds=rounds, calls_per_round=2000, clock=clock)
         med["fx2xla_overhead_over_raw"] = med["fx2xla"] - med["raw_pjrt_execute"]
         med["fx2xla_overhead_over_dynamo_floor"] = med["fx2xla"] - med["dynamo_floor"]
+        # What any call through jaxlib pays before fx2xla's own code: Dynamo's frame, one input's
+        # DLPack import and the execute (the export and the output tensor not counted).
+        med["jaxlib_floor"] = med["dynamo_empty_backend"] + med["raw_dlpack_import"] + med["raw_pjrt_execute"]
         res[clock_name] = med
     # The index checks' per-call cost: one 8-id embedding lookup, checked and unchecked.
     table, ids = torch.randn(100, 16), torch.randint(0, 100, (8,))
