@@ -29,6 +29,22 @@ TOLERANCES = {
 }
 
 
+def run_bench(script: str, args: list, out, *, cwd=None, env=None, timeout: int = 600) -> tuple[dict, str]:
+    """Run bench/`script` with `args` and `--out out` in a child process (from the repository
+    root, or `cwd`), assert it exits 0 (its output's tail in the message), and return the JSON
+    it wrote and what it printed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "bench" / script), *args, "--out", str(out)],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd or root, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(Path(out).read_text()), proc.stdout
+
+
 def tolerance(dtype: torch.dtype, scale: float = 1.0) -> dict:
     """assert_close kwargs for `dtype` (exact for integer and bool), loosened by `scale`."""
     tol = TOLERANCES.get(dtype)

@@ -1,22 +1,13 @@
 """bench/dot_layout.py runs on the CPU: every cell gets two positive times, and the layout it
 reports is prefer_kn's rule (a weight up to 2 MiB: [in, out] from two rows on; one row never;
 a larger one at more than 128 rows: as torch holds it)."""
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import run_bench
 
 
 def test_dot_layout_bench_runs_on_cpu(tmp_path):
-    out = tmp_path / "dot_layout.json"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "dot_layout.py"), "--rows", "1,2,256",
-                          "--shapes", "64x96,1024x640", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r, _ = run_bench("dot_layout.py", ["--rows", "1,2,256", "--shapes", "64x96,1024x640"], tmp_path / "dot_layout.json")
     assert r["machine"] and len(r["cells"]) == 6
     for c in r["cells"]:
         assert math.isfinite(c["out_in_s"]) and c["out_in_s"] > 0 and math.isfinite(c["in_out_s"]) and c["in_out_s"] > 0

@@ -2,14 +2,10 @@
 step, losses within 1e-5 (relative, float32) of eager's for three steps, the wall-time figures,
 and the memory of each contender from its own process (XLA's bytes in use, and the bytes
 offloading left in host memory: positive for an offloading contender)."""
-import json
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import run_bench
 
 
 def test_offload_bench_runs_on_cpu(tmp_path):
@@ -17,11 +13,8 @@ def test_offload_bench_runs_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "XLA_FLAGS")}
     args = ["--device", "cpu", "--layers", "1", "--hidden", "64", "--batch", "2", "--seq", "16", "--vocab", "64",
             "--dtype", "float32", "--rounds", "3", "--queued", "2", "--phase-budget", "3",
-            "--contenders", "eager,fx2xla_activations", "--out", str(out)]
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "offload.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+            "--contenders", "eager,fx2xla_activations"]
+    r, _ = run_bench("offload.py", args, out, env=env, timeout=900)
     assert set(r["contenders"]) == {"eager", "fx2xla_activations"}
     for name, c in r["contenders"].items():
         assert "error" not in c, (name, c)

@@ -2,25 +2,18 @@
 torch.compile with fx2xla, the loaded package, the package with nn.Linear weights as torch holds
 them, the package loaded without the kernel library) gets a positive median, an output within float32's 1e-4 (relative to the largest
 magnitude) of eager's, and the ratios the README quotes."""
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import run_bench
 
 
 def test_package_bench_runs_on_cpu(tmp_path):
-    out = tmp_path / "package.json"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "package.py"), "--models", "mlp", "--rounds", "1",
-                          "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r = json.loads(out.read_text())["models"]["mlp"]
+    report, printed = run_bench("package.py", ["--models", "mlp", "--rounds", "1"], tmp_path / "package.json")
+    r = report["models"]["mlp"]
     names = {"eager", "inductor", "fx2xla", "package", "package:as-is", "package:xla-kernels"}
     assert set(r["median_s"]) == names and set(r["max_rel_err"]) == names
     assert all(math.isfinite(v) and v > 0 for v in r["median_s"].values()), r
     assert all(e <= 1e-4 for e in r["max_rel_err"].values()), r["max_rel_err"]
     assert set(r["ratios"]) == {"package/inductor", "package/eager", "package/fx2xla", "package/package:as-is",
                                 "package/package:xla-kernels"}
-    assert "MISMATCH" not in run.stdout
+    assert "MISMATCH" not in printed

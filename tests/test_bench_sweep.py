@@ -2,25 +2,17 @@
 (GQA) in float32, inference and a training step, each case passing against eager with the
 sweep's own tolerances (float32: relative 1e-3 on outputs, losses and grads), and every figure
 in its JSON, the models run in the order `--models` names them (a deadline cuts the last)."""
-import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import run_bench
 
 
 def test_sweep_runs_and_matches_eager_on_cpu(tmp_path):
-    out = tmp_path / "sweep.json"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "cuda_sweep.py"), "--device", "cpu", "--models",
-                          "llama,gpt2", "--dtypes", "float32", "--modes", "infer,train", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report, printed = run_bench("cuda_sweep.py", ["--device", "cpu", "--models", "llama,gpt2", "--dtypes", "float32",
+                                         "--modes", "infer,train"], tmp_path / "sweep.json", cwd=tmp_path)
     assert [c["model"] for c in report["cases"]] == ["llama", "llama", "gpt2", "gpt2"]
     cases = {(c["model"], c["mode"]): c for c in report["cases"]}
     assert set(cases) == {(m, mode) for m in ("gpt2", "llama") for mode in ("infer", "train")}
     for key, case in cases.items():
         assert case["status"] == "pass", (key, case)
         assert all(err <= 1e-3 for name, err in case["errors"].items() if err is not None), (key, case["errors"])
-    assert "4 passed, 0 failed" in run.stdout
+    assert "4 passed, 0 failed" in printed
