@@ -14,6 +14,13 @@ on the CPU client, and keeps the [in, out] copy only where it takes at most `MAR
 Answers are kept per process and on disk (`<FX2XLA_CACHE_DIR>/cpu-dot-layouts.json`, keyed by the
 machine: CPU model and flags, usable cores, jaxlib version, XLA_FLAGS), so each shape is timed
 once per machine (0.1-0.3 s).
+
+The probe reads one weight, which stays in cache, as a small model's weights do between calls.
+A model whose weights outgrow the cache reads them from memory, and there [in, out] gains less
+or loses: at 8 rows on the AVX2 EPYC it lost by up to 16% (docs/benchmarks.md, "The decode
+step at batch 8"; `time_layouts(copies=)` and `bench/dot_layout.py --read-mib` measure it).
+A probe that read as many bytes as the graph did cost seconds of the first call for a gain
+within that machine's noise, so it is not used.
 """
 from __future__ import annotations
 
@@ -107,28 +114,34 @@ def _write(path: str, here: str, shape: str, times: tuple[float, float]) -> None
         warnings.warn(f"fx2xla: cannot write {path}: {e}; the layout is timed again in the next process")
 
 
-def time_layouts(rows: int, k: int, n: int) -> tuple[float, float]:
+def time_layouts(rows: int, k: int, n: int, copies: int = 1) -> tuple[float, float]:
     """Seconds per dot of x[rows, k] with W laid out [n, k] (read transposed, as torch holds
     nn.Linear's weight) and [k, n], on the CPU client: medians of interleaved runs of two
-    small programs, each one dot in a loop of about a millisecond."""
+    small programs, each a loop of about a millisecond or more. Each pass of the loop multiplies
+    by `copies` distinct weights in turn: with one (prefer_kn's probe) the weight stays in cache,
+    as a small model's do between calls; with enough to outgrow the cache it comes from memory
+    each time, as a large model's do (bench/dot_layout.py --read-mib)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
 
     cpu = jax.devices("cpu")[0]
-    reps = int(min(64, max(1, round(2e7 / (2.0 * rows * k * n)))))  # ~1 ms of dots per run at least
+    reps = int(min(64, max(1, round(2e7 / (2.0 * rows * k * n * copies)))))  # ~1 ms of dots per run at least
     # The values do not change a float32 dot's speed (finite, normal numbers): constants are the
     # cheapest to make at these sizes.
     x = jax.device_put(np.full((rows, k), 0.5, np.float32), cpu)
-    weights = (jax.device_put(np.full((n, k), 0.25 / k, np.float32), cpu),
-               jax.device_put(np.full((k, n), 0.25 / k, np.float32), cpu))
+    weights = (tuple(jax.device_put(np.full((n, k), 0.25 / k, np.float32), cpu) for _ in range(copies)),
+               tuple(jax.device_put(np.full((k, n), 0.25 / k, np.float32), cpu) for _ in range(copies)))
 
     def program(contract: int):
-        def chain(x, w):
-            def step(i, acc):  # a new left operand each time: no dot is shared or hoisted
-                return acc + lax.dot_general(x + i.astype(jnp.float32), w, (((1,), (contract,)), ((), ())))
-            return lax.fori_loop(0, reps, step, jnp.zeros((rows, n), jnp.float32))  # one dot to compile
+        def chain(x, ws):
+            def step(i, acc):  # a new left operand for each dot: none is shared, merged or hoisted
+                for j, w in enumerate(ws):
+                    lhs = x + (i * len(ws) + j).astype(jnp.float32)
+                    acc = acc + lax.dot_general(lhs, w, (((1,), (contract,)), ((), ())))
+                return acc
+            return lax.fori_loop(0, reps, step, jnp.zeros((rows, n), jnp.float32))
         return jax.jit(chain).lower(x, weights[0 if contract == 1 else 1]).compile()
 
     programs = (program(1), program(0))
@@ -142,7 +155,7 @@ def time_layouts(rows: int, k: int, n: int) -> tuple[float, float]:
             t0 = time.perf_counter()
             p(x, w).block_until_ready()
             times[j].append(time.perf_counter() - t0)
-    nk, kn = (sorted(t)[len(t) // 2] / reps for t in times)
+    nk, kn = (sorted(t)[len(t) // 2] / (reps * copies) for t in times)
     return nk, kn
 
 
