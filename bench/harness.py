@@ -96,6 +96,18 @@ def unpacked(fn: Callable) -> Callable:
     return call
 
 
+def copied_out(fn: Callable) -> Callable:
+    """`fn` with convolutions on packed weights computed into a tensor of torch's and copied
+    into XLA's buffer instead of written there (fx2xla.torch_kernels.in_place_writes(False)):
+    the same executable."""
+    from fx2xla import torch_kernels
+
+    def call(*args):
+        with torch_kernels.in_place_writes(False):
+            return fn(*args)
+    return call
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

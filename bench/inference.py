@@ -12,7 +12,9 @@ Column `tk`: fx2xla ÷ fx2xla with XLA's own CPU kernels (options={"torch_kernel
 (models with convolutions): fx2xla ÷ the same executable with torch's kernels on whole batches
 (fx2xla.torch_kernels.batch_slicing(False)); `pk` (the same models): fx2xla ÷ the same
 executable with torch's convolutions reordering each weight on every call
-(fx2xla.torch_kernels.weight_packing(False)); `cl` (the same models): fx2xla ÷ fx2xla with
+(fx2xla.torch_kernels.weight_packing(False)); `ip` (the same models): fx2xla ÷ the same
+executable with those packed convolutions computed into torch's own tensor and copied into
+XLA's buffer (fx2xla.torch_kernels.in_place_writes(False)); `cl` (the same models): fx2xla ÷ fx2xla with
 options={"channels_last": False} (batch norm, ReLU and pooling on NCHW values, transposed around
 each convolution); `at` (models with attention): fx2xla ÷ fx2xla with options={"attention_op":
 False} (torch's math decomposition of attention instead of fx2xla's rule on the one op); `lw`
@@ -34,7 +36,7 @@ os.environ["FX2XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fx2xla-cold-")  # cold
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import fmt_time, interleaved_medians, timed_call, unpacked, unsliced, write_json  # noqa: E402
+from harness import copied_out, fmt_time, interleaved_medians, timed_call, unpacked, unsliced, write_json  # noqa: E402
 
 import fx2xla  # noqa: E402
 from fx2xla.metrics import live_graphs  # noqa: E402
@@ -158,6 +160,7 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
         if has_convolutions(model):
             contenders["fx2xla_unsliced"] = unsliced(compiled)
             contenders["fx2xla_unpacked"] = unpacked(compiled)
+            contenders["fx2xla_copied_out"] = copied_out(compiled)
             # batch norm, ReLU and pooling on NCHW values, transposed around each convolution
             nchw = torch.compile(model, backend="fx2xla", fullgraph=True, options={"channels_last": False})
             nchw(*args)
@@ -184,6 +187,8 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
         res["batch_slicing_ratio"] = med["fx2xla"] / med["fx2xla_unsliced"]
     if "fx2xla_unpacked" in med:
         res["packed_weights_ratio"] = med["fx2xla"] / med["fx2xla_unpacked"]
+    if "fx2xla_copied_out" in med:
+        res["in_place_writes_ratio"] = med["fx2xla"] / med["fx2xla_copied_out"]
     if "fx2xla_not_channels_last" in med:
         res["channels_last_ratio"] = med["fx2xla"] / med["fx2xla_not_channels_last"]
     if "fx2xla_linear_as_is" in med:
@@ -214,7 +219,7 @@ def main() -> None:
         e = o["embedding_lookup"]
         print(f"  index checks on an 8-id embedding lookup: {e['delta_s'] * 1e6:+.1f} us per call "
               f"({fmt_time(e['checked_s'])} checked vs {fmt_time(e['unchecked_s'])}; ratio {e['ratio']:.3f})")
-    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s}"
+    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'ip':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s}"
     print(header)
     for dt_name in a.dtypes.split(","):
         dtype = getattr(torch, dt_name)
@@ -234,6 +239,7 @@ def main() -> None:
                   f"{fmt_time(r['fx2xla_first_call_s'])} {fmt_time(r['inductor_first_call_s'])} {r['max_abs_err']:9.2e} "
                   f"{r['index_checks']['ratio']:5.2f} {r['torch_kernels_ratio']:5.2f} "
                   f"{r.get('batch_slicing_ratio', float('nan')):5.2f} {r.get('packed_weights_ratio', float('nan')):5.2f} "
+                  f"{r.get('in_place_writes_ratio', float('nan')):5.2f} "
                   f"{r.get('channels_last_ratio', float('nan')):5.2f} "
                   f"{r.get('attention_op_ratio', float('nan')):5.2f} {r.get('linear_layout_ratio', float('nan')):5.2f}")
     write_json(a.out, results)

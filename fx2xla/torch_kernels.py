@@ -13,6 +13,10 @@ cores XLA's next fusions need. The results are then within rounding of eager's w
 (the kernel's blocking depends on the batch), not bit for bit; `batch_slicing(False)` turns it
 off, process-wide.
 
+A convolution on a packed weight (`weight_packing`) writes its result into XLA's buffer itself (zeroed, then added
+to by torch's in-place op), instead of into a tensor of torch's that the handler then copies:
+`in_place_writes(False)` copies instead.
+
 The library also holds one kernel of fx2xla's own, `fx2xla_skinny_matmul`: bf16 matmuls of one
 row (decode steps at batch 1), for which XLA:CPU converts every weight to float32 on each call
 and then takes a slow path (see `skinny` below). The option `torch_kernels` picks which kinds of
@@ -199,10 +203,23 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_torch_kernels_set_packing.argtypes = [ctypes.c_int]
         lib.fx2xla_torch_kernels_packs_made.restype = ctypes.c_int64
         lib.fx2xla_torch_kernels_packed_calls.restype = ctypes.c_int64
+        lib.fx2xla_torch_kernels_written_in_place.restype = ctypes.c_int64
+        lib.fx2xla_torch_kernels_set_in_place.argtypes = [ctypes.c_int]
     except (OSError, AttributeError) as e:
         return False, f"{path} did not load: {e}"
     _lib = lib
     return True, str(path)
+
+
+@contextlib.contextmanager
+def _scoped(setter, on: bool):
+    """`setter(on)` (one of the process-wide set_* below) for the block, then the previous
+    setting back."""
+    previous = setter(on)
+    try:
+        yield
+    finally:
+        setter(previous)
 
 
 def set_batch_slicing(on: bool) -> bool:
@@ -266,24 +283,37 @@ def set_weight_packing(on: bool) -> bool:
     return bool(_lib.fx2xla_torch_kernels_set_packing(int(bool(on))))
 
 
-@contextlib.contextmanager
 def weight_packing(on: bool):
     """`set_weight_packing(on)` for the block, then the previous setting back (process-wide)."""
-    previous = set_weight_packing(on)
-    try:
-        yield
-    finally:
-        set_weight_packing(previous)
+    return _scoped(set_weight_packing, on)
+
+
+def set_in_place_writes(on: bool) -> bool:
+    """Process-wide: whether convolutions on packed weights write their result straight into
+    XLA's buffer (the default: zeroed, then added to by torch's in-place op) instead of into a
+    tensor of torch's that the handler then copies there. Results are the same bit for bit
+    (+0.0 where the copy gives -0.0). Returns the previous setting (True where the library is
+    not loaded)."""
+    if not load()[0]:
+        return True
+    return bool(_lib.fx2xla_torch_kernels_set_in_place(int(bool(on))))
+
+
+def in_place_writes(on: bool):
+    """`set_in_place_writes(on)` for the block, then the previous setting back (process-wide)."""
+    return _scoped(set_in_place_writes, on)
 
 
 def packing_counts() -> dict:
-    """Process-wide counters: buffers pinned now, weights packed and convolution calls (per
-    slice) that ran on a packed weight so far (all 0 where the library is not loaded)."""
+    """Process-wide counters: buffers pinned now, weights packed, convolution calls (per
+    slice) that ran on a packed weight so far, and how many of those torch wrote straight into
+    XLA's result buffer, with no copy (all 0 where the library is not loaded)."""
     if not load()[0]:
-        return {"pinned": 0, "packs": 0, "packed_calls": 0}
+        return {"pinned": 0, "packs": 0, "packed_calls": 0, "written_in_place": 0}
     return {"pinned": int(_lib.fx2xla_torch_kernels_pinned()),
             "packs": int(_lib.fx2xla_torch_kernels_packs_made()),
-            "packed_calls": int(_lib.fx2xla_torch_kernels_packed_calls())}
+            "packed_calls": int(_lib.fx2xla_torch_kernels_packed_calls()),
+            "written_in_place": int(_lib.fx2xla_torch_kernels_written_in_place())}
 
 
 # Parking torch's OpenMP workers (csrc/torch_kernels.cc says why): a long CPU executable launched
@@ -367,15 +397,10 @@ def sliced_calls() -> int:
     return int(_lib.fx2xla_torch_kernels_sliced_calls()) if load()[0] else 0
 
 
-@contextlib.contextmanager
 def batch_slicing(on: bool):
     """`set_batch_slicing(on)` for the block, then the previous setting back (process-wide:
     other threads' calls see it too)."""
-    previous = set_batch_slicing(on)
-    try:
-        yield
-    finally:
-        set_batch_slicing(previous)
+    return _scoped(set_batch_slicing, on)
 
 
 def available(kind: str = "convolution") -> bool:

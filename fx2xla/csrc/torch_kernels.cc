@@ -237,6 +237,8 @@ std::atomic<int64_t> pinned_count{0};
 std::atomic<bool> packing{true};     // fx2xla_torch_kernels_set_packing
 std::atomic<int64_t> packs_made{0};  // fx2xla_torch_kernels_packs_made
 std::atomic<int64_t> packed_calls{0};  // fx2xla_torch_kernels_packed_calls
+std::atomic<int64_t> written_in_place{0};  // fx2xla_torch_kernels_written_in_place
+std::atomic<bool> in_place{true};  // fx2xla_torch_kernels_set_in_place
 
 std::vector<int64_t> pack_key(const at::Tensor& w, const at::Tensor& x, ffi::Span<const int64_t> stride,
                               ffi::Span<const int64_t> padding, ffi::Span<const int64_t> dilation, int64_t groups) {
@@ -296,6 +298,20 @@ void drop_pack(const void* data, const std::vector<int64_t>& key) {
     if (p.key == key) p.weight = at::Tensor();
 }
 
+// The arguments both packed-convolution ops take after their tensor(s): X, W, B, padding, stride,
+// dilation, groups.
+void push_convolution_args(std::vector<c10::IValue>& stack, const at::Tensor& x, const at::Tensor& w,
+                           const std::optional<at::Tensor>& b, ffi::Span<const int64_t> stride,
+                           ffi::Span<const int64_t> padding, ffi::Span<const int64_t> dilation, int64_t groups) {
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(b ? c10::IValue(*b) : c10::IValue());
+  stack.emplace_back(ints(padding));
+  stack.emplace_back(ints(stride));
+  stack.emplace_back(ints(dilation));
+  stack.emplace_back(groups);
+}
+
 // torch's convolution on a packed weight, through the dispatcher (the op has no C++ header).
 at::Tensor packed_convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
                               ffi::Span<const int64_t> stride, ffi::Span<const int64_t> padding,
@@ -304,18 +320,42 @@ at::Tensor packed_convolution(const at::Tensor& x, const at::Tensor& w, const st
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_convolution_pointwise", "");
   std::vector<c10::IValue> stack;
   stack.reserve(10);
-  stack.emplace_back(x);
-  stack.emplace_back(w);
-  stack.emplace_back(b ? c10::IValue(*b) : c10::IValue());
-  stack.emplace_back(ints(padding));
-  stack.emplace_back(ints(stride));
-  stack.emplace_back(ints(dilation));
-  stack.emplace_back(groups);
+  push_convolution_args(stack, x, w, b, stride, padding, dilation, groups);
   stack.emplace_back(std::string("none"));
   stack.emplace_back(c10::List<std::optional<at::Scalar>>());
   stack.emplace_back(c10::IValue());
   op.callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+// The same convolution written into `out` (XLA's result buffer), not into a tensor torch
+// allocates and the handler then copies: `out` is zeroed and the in-place variant of the op adds
+// the convolution to it, as a oneDNN binary post-op (conv + 0: the plain result; -0.0 becomes
+// +0.0). Zeroing writes the buffer once; the copy read a whole result back and wrote it again:
+// a 3 -> 16 3x3 convolution of 16 x 64 x 64, 1.75 against 2.18 ms on one core
+// (docs/benchmarks.md, "Convolutions written where XLA wants them"). Returns whether the op wrote
+// into `out` itself (else its result was copied there).
+bool packed_convolution_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                             const std::optional<at::Tensor>& b, ffi::Span<const int64_t> stride,
+                             ffi::Span<const int64_t> padding, ffi::Span<const int64_t> dilation, int64_t groups) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_convolution_pointwise_", "binary");
+  at::Tensor target = out;  // the op's Tensor(a!) argument: a handle of our own to give it
+  std::vector<c10::IValue> stack;
+  stack.reserve(13);
+  stack.emplace_back(target);
+  push_convolution_args(stack, x, w, b, stride, padding, dilation, groups);
+  stack.emplace_back(std::string("add"));
+  stack.emplace_back(at::Scalar(1.0));
+  stack.emplace_back(c10::IValue());
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  target.zero_();
+  op.callBoxed(&stack);
+  const at::Tensor& result = stack[0].toTensor();
+  if (result.data_ptr() == out.data_ptr()) return true;
+  out.copy_(result);
+  return false;
 }
 
 // `channels_last`: x, w and the result are laid out [N, *spatial, C] / [O, *kernel, I].
@@ -341,7 +381,17 @@ ffi::Error Convolution(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       if (packable) {
         if (auto pw = packed_weight(w.untyped_data(), w.size_bytes(), wt, xs, b, stride, padding, dilation, groups)) {
           try {
-            os.copy_(packed_convolution(xs, *pw, b, stride, padding, dilation, groups));
+            bool done = false, wrote = false;
+            if (in_place.load(std::memory_order_relaxed)) {
+              try {
+                wrote = packed_convolution_into(os, xs, *pw, b, stride, padding, dilation, groups);
+                done = true;
+              } catch (const std::exception&) {
+                // The copying call below: whether it fails too decides whether the pack is dropped.
+              }
+            }
+            if (!done) os.copy_(packed_convolution(xs, *pw, b, stride, padding, dilation, groups));
+            if (wrote) written_in_place.fetch_add(1, std::memory_order_relaxed);
             packed_calls.fetch_add(1, std::memory_order_relaxed);
             return;
           } catch (const std::exception&) {
@@ -655,10 +705,15 @@ extern "C" int64_t fx2xla_torch_kernels_pinned() { return pinned_count.load(); }
 // setting.
 extern "C" int fx2xla_torch_kernels_set_packing(int on) { return packing.exchange(on != 0); }
 
+// Whether packed convolutions write into XLA's result buffer (packed_convolution_into; the
+// default) or into a tensor of torch's that is then copied there. Returns the previous setting.
+extern "C" int fx2xla_torch_kernels_set_in_place(int on) { return in_place.exchange(on != 0); }
+
 // How many weights were packed, and how many convolution calls (slices) ran on a packed weight,
 // so far in this process.
 extern "C" int64_t fx2xla_torch_kernels_packs_made() { return packs_made.load(); }
 extern "C" int64_t fx2xla_torch_kernels_packed_calls() { return packed_calls.load(); }
+extern "C" int64_t fx2xla_torch_kernels_written_in_place() { return written_in_place.load(); }
 
 // ---------------------------------------------------------------------------------------------
 // Parking torch's OpenMP workers while an XLA:CPU executable runs.

@@ -8,7 +8,9 @@ call. What these tests hold it to:
   (`weight_packing(False)`: the public path, torch's plain convolution), in float32 and bfloat16,
   with the batch cut into slices and whole, for strided, dilated, grouped (depthwise) and
   bias-free convolutions; and equal eager within float32 rtol/atol 1e-5 (bf16: 2e-2);
-- the packed path did run (its counters move), once per weight and shape;
+- the packed path did run (its counters move), once per weight and shape, and torch wrote
+  every packed call's result straight into XLA's buffer (no copy); with those writes off
+  (`in_place_writes(False)`: a result of torch's, copied) the result is the same bit for bit;
 - a weight changed in place, or replaced, is packed again and the result follows eager, for
   NCHW weights (relaid copies) and for a model made channels-last (its weights pinned as torch
   holds them);
@@ -112,7 +114,8 @@ def relaid_inputs(before: set) -> int:
                          ids=["mixed", "resnet"])
 def test_packed_equals_unpacked_and_eager(build, batch, dtype):
     """Bit for bit the unpacked path's result, within TOLS of eager, and the packed path ran:
-    one pin per relaid weight, each packed once for the call's shape."""
+    one pin per relaid weight, each packed once for the call's shape, every packed call written
+    into XLA's result buffer in place; with in-place writes off, the same result bit for bit."""
     torch.manual_seed(0)
     model = build().eval().to(dtype)
     x = torch.randn(batch, 3, 32, 32, dtype=dtype)
@@ -129,14 +132,20 @@ def test_packed_equals_unpacked_and_eager(build, batch, dtype):
         with torch_kernels.weight_packing(False):
             plain = compiled(x)
         assert counts()["packed_calls"] == after["packed_calls"], "packing off still ran packed"
+        with torch_kernels.in_place_writes(False):
+            copied = compiled(x)
+        assert counts()["written_in_place"] == after["written_in_place"], "in-place writes off still wrote in place"
     assert relaid > 0
     assert first["pinned"] - start["pinned"] == relaid
     packs = expected_packs(model, x)
     assert first["packs"] - start["packs"] == packs
     assert after["packs"] == first["packs"], "the second call packed again"
     assert (after["packed_calls"] > first["packed_calls"]) == (packs > 0)
+    assert (after["written_in_place"] - start["written_in_place"]
+            == after["packed_calls"] - start["packed_calls"]), "a packed call copied its result"
     torch.testing.assert_close(packed, plain, rtol=0, atol=0)
     torch.testing.assert_close(again, plain, rtol=0, atol=0)
+    torch.testing.assert_close(copied, plain, rtol=0, atol=0)
     torch.testing.assert_close(packed.float(), expected.float(), **TOLS[dtype])
 
 
