@@ -62,7 +62,8 @@ def main() -> None:
             nk, kn = dot_layout.time_layouts(m, k, n, copies)
             untimed = dot_layout.untimed_answer(m, k, n)
             relaid = m >= 2 and (untimed if untimed is not None else dot_layout.timed_answer((nk, kn)))
-            cells.append({"rows": m, "k": k, "n": n, "copies": copies, "out_in_s": nk, "in_out_s": kn, "relaid": relaid})
+            cells.append({"rows": m, "k": k, "n": n, "copies": copies, "out_in_s": nk, "in_out_s": kn,
+                          "relaid": relaid})
             line.append(f"{kn / nk:5.2f}{'*' if relaid else ' '}")
         print(f"{k:>5} x {n:<5} {k * n * 4 / 2**20:5.1f} {copies:>6}  " + " ".join(line), flush=True)
     write_json(a.out, {"machine": dot_layout.machine(), "read_mib": a.read_mib, "cells": cells})

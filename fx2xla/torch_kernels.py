@@ -13,9 +13,9 @@ cores XLA's next fusions need. The results are then within rounding of eager's w
 (the kernel's blocking depends on the batch), not bit for bit; `batch_slicing(False)` turns it
 off, process-wide.
 
-A convolution on a packed weight (`weight_packing`) writes its result into XLA's buffer itself (zeroed, then added
-to by torch's in-place op), instead of into a tensor of torch's that the handler then copies:
-`in_place_writes(False)` copies instead.
+A convolution on a packed weight (`weight_packing`) writes its result into XLA's buffer itself
+(zeroed, then added to by torch's in-place op), instead of into a tensor of torch's that the
+handler then copies: `in_place_writes(False)` copies instead.
 
 The library also holds one kernel of fx2xla's own, `fx2xla_skinny_matmul`: bf16 matmuls of one
 row (decode steps at batch 1), for which XLA:CPU converts every weight to float32 on each call
