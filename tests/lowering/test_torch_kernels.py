@@ -344,13 +344,15 @@ _PARKING_SCRIPT = textwrap.dedent("""
     with torch.no_grad():
         compiled(x)
         out["park"] = [g.static.park for g in live_graphs if g.static is not None]
-        parked = []
+        parked, timed = [], [fx2xla.metrics()["execute_seconds"]]
         for _ in range(5):
             spin()
             before = torch_kernels.parked_calls()
             y = compiled(x)
             parked.append(torch_kernels.parked_calls() - before)
+            timed.append(fx2xla.metrics()["execute_seconds"])  # FX2XLA_TIME_EXECUTE=1: each call's
         out["parked"] = parked
+        out["timed"] = [b - a for a, b in zip(timed, timed[1:])]
         out["err"] = float((y - model(x)).abs().max())
         box = {}
 
@@ -394,11 +396,13 @@ def test_parks_spinning_torch_workers():
     teams make GNU OpenMP spin only briefly): a long CPU executable launched on the main thread
     right after eager torch work runs with torch's workers parked and matches eager (float32
     tolerance); another thread and a tiny executable never park; FX2XLA_PARK_TORCH_THREADS=0
-    turns it off."""
+    turns it off. With FX2XLA_TIME_EXECUTE=1, parked calls count in metrics()["execute_seconds"]
+    as the others do."""
     tol = tolerance(torch.float32)["atol"] * 10  # outputs of magnitude ~1
-    on = _run_parking_script()
+    on = _run_parking_script(FX2XLA_TIME_EXECUTE="1")
     assert on["park"] == [True]
     assert sum(on["parked"]) >= 3, on  # a worker may have gone to sleep before a check
+    assert all(t > 0 for t in on["timed"]), on
     assert on["err"] <= tol and on["other_thread_err"] <= tol, on
     assert on["other_thread_parked"] == 0 and on["tiny_parked"] == 0 and on["tiny_equal"], on
     off = _run_parking_script(FX2XLA_PARK_TORCH_THREADS="0")
