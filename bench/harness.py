@@ -73,39 +73,34 @@ def interleaved_medians(contenders: dict[str, Callable], args: tuple, rounds: in
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def unsliced(fn: Callable) -> Callable:
-    """`fn` with torch's convolution kernels run on whole batches for the call
-    (fx2xla.torch_kernels.batch_slicing(False)): the same executable, so interleaving it with
-    `fn` compares only that."""
+def _under(fn: Callable, setting: str) -> Callable:
+    """`fn` with the process-wide fx2xla.torch_kernels `setting(False)` for each call: the same
+    executable, so interleaving it with `fn` compares only that setting."""
     from fx2xla import torch_kernels
 
+    context = getattr(torch_kernels, setting)
+
     def call(*args):
-        with torch_kernels.batch_slicing(False):
+        with context(False):
             return fn(*args)
     return call
+
+
+def unsliced(fn: Callable) -> Callable:
+    """`fn` with torch's convolution kernels run on whole batches (batch_slicing(False))."""
+    return _under(fn, "batch_slicing")
 
 
 def unpacked(fn: Callable) -> Callable:
     """`fn` with torch's convolutions reordering their weights on every call instead of using
-    the packed copies (fx2xla.torch_kernels.weight_packing(False)): the same executable."""
-    from fx2xla import torch_kernels
-
-    def call(*args):
-        with torch_kernels.weight_packing(False):
-            return fn(*args)
-    return call
+    the packed copies (weight_packing(False))."""
+    return _under(fn, "weight_packing")
 
 
 def copied_out(fn: Callable) -> Callable:
     """`fn` with convolutions on packed weights computed into a tensor of torch's and copied
-    into XLA's buffer instead of written there (fx2xla.torch_kernels.in_place_writes(False)):
-    the same executable."""
-    from fx2xla import torch_kernels
-
-    def call(*args):
-        with torch_kernels.in_place_writes(False):
-            return fn(*args)
-    return call
+    into XLA's buffer instead of written there (in_place_writes(False))."""
+    return _under(fn, "in_place_writes")
 
 
 def write_json(path: str, payload: dict) -> None:

@@ -340,17 +340,16 @@ bool packed_convolution_into(const at::Tensor& out, const at::Tensor& x, const a
                              ffi::Span<const int64_t> padding, ffi::Span<const int64_t> dilation, int64_t groups) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_convolution_pointwise_", "binary");
-  at::Tensor target = out;  // the op's Tensor(a!) argument: a handle of our own to give it
   std::vector<c10::IValue> stack;
   stack.reserve(13);
-  stack.emplace_back(target);
+  stack.emplace_back(out);
   push_convolution_args(stack, x, w, b, stride, padding, dilation, groups);
   stack.emplace_back(std::string("add"));
   stack.emplace_back(at::Scalar(1.0));
   stack.emplace_back(c10::IValue());
   stack.emplace_back(c10::List<std::optional<at::Scalar>>());
   stack.emplace_back(c10::IValue());
-  target.zero_();
+  out.zero_();
   op.callBoxed(&stack);
   const at::Tensor& result = stack[0].toTensor();
   if (result.data_ptr() == out.data_ptr()) return true;
