@@ -236,6 +236,7 @@ class PlanExecutor:
             weakref.finalize(self, self._pins.clear)
         self.executions = 0
         self.execute_seconds = 0.0
+        self.import_seconds = 0.0  # the inputs' hand-off (_import), timed with execute_seconds
         self._timed = os.environ.get("FX2XLA_TIME_EXECUTE", "") not in ("", "0")  # opt-in: ~0.2 µs
 
     # -- a call -----------------------------------------------------------------------------
@@ -256,7 +257,12 @@ class PlanExecutor:
 
     def _run(self, spec: Specialization, args):
         self.executions += 1
-        bufs = self._import(args)
+        if self._timed:
+            t0 = time.perf_counter()
+            bufs = self._import(args)
+            self.import_seconds += time.perf_counter() - t0
+        else:
+            bufs = self._import(args)
         held = {i: args[i] for i in spec.input_outputs} if spec.input_outputs else None
         if spec.concat_outputs:
             held = {**(held or {}), **{("concat", j): self._concat_cache[self.plan.concats[j].inputs][1]

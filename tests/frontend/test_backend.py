@@ -132,10 +132,21 @@ def test_metrics_count_executions_and_report():
 
 
 def test_execute_seconds_when_timing_is_on(monkeypatch):
+    """With FX2XLA_TIME_EXECUTE=1 each call adds to execute_seconds and import_seconds; a graph
+    compiled without it adds to neither. Results equal eager's (float32, rtol=atol=1e-4)."""
+    x = torch.randn(64, 64)
+    plain = torch.compile(lambda x: (x @ x.t()).sin(), backend="fx2xla")
+    plain(x)
+    m = fx2xla.metrics()
+    for _ in range(3):
+        torch.testing.assert_close(plain(x), (x @ x.t()).sin(), rtol=1e-4, atol=1e-4)
+    after = fx2xla.metrics()
+    assert (after["execute_seconds"], after["import_seconds"]) == (m["execute_seconds"], m["import_seconds"])
     monkeypatch.setenv("FX2XLA_TIME_EXECUTE", "1")
     c = torch.compile(lambda x: (x @ x.t()).tanh(), backend="fx2xla")
-    x = torch.randn(64, 64)
-    before = fx2xla.metrics()["execute_seconds"]
     for _ in range(3):
+        before = fx2xla.metrics()
         torch.testing.assert_close(c(x), (x @ x.t()).tanh(), rtol=1e-4, atol=1e-4)
-    assert fx2xla.metrics()["execute_seconds"] > before
+        now = fx2xla.metrics()
+        assert now["execute_seconds"] > before["execute_seconds"]
+        assert now["import_seconds"] > before["import_seconds"]
