@@ -4,7 +4,8 @@
 
 Each backend is wrapped so that the callable it hands Dynamo is timed on its own. Per call:
 - `outside`: the whole compiled call less that callable: Dynamo's guards and frame, and the
-  wrappers between them and the backend. Both backends pay it alike.
+  wrappers between them and the backend. Both backends pay it; how long it takes depends on
+  what the call before left in the caches.
 - `inside`: the backend's callable. fx2xla's is split further:
   - `import`: the inputs' hand-off (resident weights checked, the others imported over DLPack),
     `metrics()["import_seconds"]`;
