@@ -51,11 +51,33 @@ def tiny_twins_all(x):  # the same graph, its own code object: compiled with FX2
     return x * 2 + 1
 
 
+def tiny_imported(x):  # the same again: compiled with FX2XLA_STAGE_INPUTS=0
+    return x * 2 + 1
+
+
+def compiled_with(fn, x, **env):
+    """`fn` compiled with fx2xla and called once on `x` while the environment variables `env`
+    are set (fx2xla reads them when a graph compiles), then restored."""
+    previous = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        compiled = torch.compile(fn, backend="fx2xla", fullgraph=True)
+        compiled(x)
+    finally:
+        for k, v in previous.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    return compiled
+
+
 def per_call_overhead(rounds: int) -> dict:
     """fx2xla's whole call on a 4-element graph vs eager, Inductor, Dynamo's own floor (a
     backend returning `gm.forward`, and one whose graph computes nothing), fx2xla's compiled
     graph called directly (its whole per-call path, without Dynamo's frame), fx2xla keeping the
-    result as a twin (FX2XLA_TWINS=all), and raw PJRT executes of fx2xla's executable on a resident
+    result as a twin (FX2XLA_TWINS=all), fx2xla importing its input over DLPack on every call
+    instead of staging it (FX2XLA_STAGE_INPUTS=0), and raw PJRT executes of fx2xla's executable on a resident
     buffer: the public `LoadedExecutable.execute` and fx2xla's launcher (the fast path it uses,
     including the DLPack export of the output), and the DLPack import of the input alone.
     `jaxlib_floor` adds Dynamo's empty call, the import and the raw execute: what a call through
@@ -76,22 +98,16 @@ def per_call_overhead(rounds: int) -> dict:
     compiled(x), inductor(x), floor(x), empty(x)
     graph = next(g for g in live_graphs if id(g) not in before)
     # The default keeps no twin of a CPU inference graph's result; FX2XLA_TWINS=all does (runtime/twins.py).
-    previous = os.environ.get("FX2XLA_TWINS")
-    os.environ["FX2XLA_TWINS"] = "all"
-    try:
-        twins_all = torch.compile(tiny_twins_all, backend="fx2xla", fullgraph=True)
-        twins_all(x)
-    finally:
-        if previous is None:
-            del os.environ["FX2XLA_TWINS"]
-        else:
-            os.environ["FX2XLA_TWINS"] = previous
+    twins_all = compiled_with(tiny_twins_all, x, FX2XLA_TWINS="all")
+    # The default copies the small input into a buffer XLA holds; FX2XLA_STAGE_INPUTS=0 imports it.
+    imported = compiled_with(tiny_imported, x, FX2XLA_STAGE_INPUTS="0")
     exe = next(iter(executable_cache._entries.values()))
     device = default_device().jax_device
     buf = import_tensor(x, device)
     launch = make_launcher(exe)
     contenders = {"eager": tiny, "inductor": inductor, "dynamo_floor": floor, "dynamo_empty_backend": empty,
-                  "fx2xla": compiled, "fx2xla_twins_all": twins_all, "fx2xla_graph_without_dynamo": graph.call_unboxed,
+                  "fx2xla": compiled, "fx2xla_twins_all": twins_all, "fx2xla_input_imported": imported,
+                  "fx2xla_graph_without_dynamo": graph.call_unboxed,
                   "raw_pjrt_execute": lambda _: exe.execute([buf]), "raw_fx2xla_launch": lambda _: launch([buf]),
                   "raw_dlpack_import": lambda t: import_tensor(t, device)}
     res = {}

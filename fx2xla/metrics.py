@@ -43,6 +43,7 @@ def metrics() -> dict:
     out["executions"] = sum(g.executor.executions for g in graphs)
     out["execute_seconds"] = sum(g.executor.execute_seconds for g in graphs)  # with FX2XLA_TIME_EXECUTE=1
     out["import_seconds"] = sum(g.executor.import_seconds for g in graphs)  # likewise
+    out["staged_inputs"] = sum(g.executor.staged_inputs for g in graphs)  # copied, not imported (CPU)
     # Host offloading (option offload): bytes per device the executables left in host memory and
     # took from it, over the live graphs' calls.
     per_call = [(g.offload_per_call, g.executor.executions) for g in graphs if g.offload_per_call]

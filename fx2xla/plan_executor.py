@@ -43,6 +43,16 @@ _CONST, _INPUT, _CONCAT = OutputKind.CONST, OutputKind.INPUT, OutputKind.CONCAT
 _TENSOR_OUT = OutputKind.TENSOR
 GPU_PLATFORMS = ("cuda", "rocm")  # whose results' arrays wait for torch's stream (runtime/twins.py)
 
+# CPU inputs of up to this many bytes that arrive afresh on every call are copied into buffers
+# XLA holds instead of imported (PlanExecutor._import).
+STAGE_MAX_BYTES = 128 * 1024
+
+
+def staging_on() -> bool:
+    """Whether CPU executors stage small fresh inputs (read when a graph is compiled);
+    FX2XLA_STAGE_INPUTS=0 imports every input instead."""
+    return os.environ.get("FX2XLA_STAGE_INPUTS", "1") != "0"
+
 
 class TwinUse(NamedTuple):
     """How an input handed over through a jax sharding may take the shards another graph left
@@ -90,7 +100,7 @@ class Specialization:
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
                  "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "kept", "keeps_arrays",
-                 "park", "in_place", "twinned_in_place", "wait_for_writes")
+                 "park", "in_place", "twinned_in_place", "wait_for_writes", "stages")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
                  lowered=None, sharded_outputs: bool = False, training: bool = False):
@@ -137,6 +147,11 @@ class Specialization:
         self.checks = checks
         self.raise_failed = make_check_raiser(plan.platform) if checks else None
         self.direct = self.plain_outputs and not plan.mutations and not checks and not self.twins
+        # A call whose results are all exported tensors (the index checks' verdict among them)
+        # returns only once each is exported, which on the CPU waits for the execution: its
+        # staged inputs (PlanExecutor._import) may be reused after it.
+        self.stages = (self.plain_outputs and not plan.mutations and not self.twins and plan.num_outputs > 0
+                       and plan.platform == "cpu")
         # CPU: a long executable launched while torch's OpenMP workers spin runs with them parked
         # (torch_kernels.run_parked); decided here from XLA's cost analysis.
         self.park = plan.platform == "cpu" and torch_kernels.worth_parking(exe)
@@ -234,6 +249,18 @@ class PlanExecutor:
         if device.platform == "cpu" and self._pinned_slots and torch_kernels.available("convolution"):
             self._pins = torch_kernels.WeightPins()
             weakref.finalize(self, self._pins.clear)
+        # CPU: a small input that arrives afresh on every call (not resident, not donated, not
+        # requiring grad) is copied into a buffer XLA already holds instead of being imported:
+        # a DLPack import and its release take 25-120 µs between back-to-back calls where the copy
+        # of up to STAGE_MAX_BYTES takes a few (docs/benchmarks.md, "Small inputs staged"). One
+        # set of such buffers per call in flight: a call takes a free set (or starts one) and
+        # gives it back once its results are out (Specialization.stages).
+        self._stageable = frozenset(
+            k for k, s in enumerate(steps)
+            if device.platform == "cpu" and s.slot < 0 and s.move is _NO_MOVE
+            and s.placement is None and not plan.inputs[s.position].donated) if staging_on() else frozenset()
+        self._free_stages: list[dict] = []
+        self.staged_inputs = 0  # inputs handed over through a staging buffer (metrics())
         self.executions = 0
         self.execute_seconds = 0.0
         self.import_seconds = 0.0  # the inputs' hand-off (_import), timed with execute_seconds
@@ -257,12 +284,18 @@ class PlanExecutor:
 
     def _run(self, spec: Specialization, args):
         self.executions += 1
+        stages = None
+        if spec.stages and self._stageable:
+            try:
+                stages = self._free_stages.pop()  # atomic: each call in flight has its own set
+            except IndexError:
+                stages = {}
         if self._timed:
             t0 = time.perf_counter()
-            bufs = self._import(args)
+            bufs = self._import(args, stages)
             self.import_seconds += time.perf_counter() - t0
         else:
-            bufs = self._import(args)
+            bufs = self._import(args, stages)
         held = {i: args[i] for i in spec.input_outputs} if spec.input_outputs else None
         if spec.concat_outputs:
             held = {**(held or {}), **{("concat", j): self._concat_cache[self.plan.concats[j].inputs][1]
@@ -274,19 +307,24 @@ class PlanExecutor:
             outs = _run_parked(spec.launch, bufs) if spec.park and _team_running() else spec.launch(bufs)
             results = self._finish(spec, outs, held)
             self.execute_seconds += time.perf_counter() - t0  # export waits for the results
-            return results
-        if spec.park and _team_running():
+        elif spec.park and _team_running():
             outs = _run_parked(spec.launch, bufs)
-            return outs if spec.direct else self._finish(spec, outs, held)
-        if spec.direct:
-            return spec.launch(bufs)
-        return self._finish(spec, spec.launch(bufs), held)
+            results = outs if spec.direct else self._finish(spec, outs, held)
+        elif spec.direct:
+            results = spec.launch(bufs)
+        else:
+            results = self._finish(spec, spec.launch(bufs), held)
+        if stages is not None:
+            self._free_stages.append(stages)  # the results are out: the execution read them
+        return results
 
-    def _import(self, args) -> list:
+    def _import(self, args, stages: dict | None = None) -> list:
         """The executable's arguments for one call: every passed input's device buffer
         (resident ones kept while unchanged), then the plan's stacks, then a fresh seed. The
         torch side of them all (dense copies, moves, stacks, the seed: kernels queued on
-        torch's stream) comes first, then one stream order (CUDA), then the imports."""
+        torch's stream) comes first, then one stream order (CUDA), then the imports. `stages`:
+        this call's staging buffers (see __init__), position -> (tensor, its buffer), filled
+        where missing."""
         resident = self._resident
         bufs = []
         fresh = []  # (position in bufs, tensor to import, its import step, the input)
@@ -355,6 +393,16 @@ class PlanExecutor:
             import_tensor, device, owned_copies = self.import_tensor, self.jax_device, self._owned_copies
             for pos, dense, step, t in fresh:
                 move = step.move
+                if stages is not None and pos in self._stageable and not dense.requires_grad:
+                    staged = stages.get(pos)
+                    if staged is not None and staged[0].shape == dense.shape and staged[0].dtype == dense.dtype:
+                        staged[0].copy_(dense)
+                        bufs[pos] = staged[1]
+                        self.staged_inputs += 1
+                        continue
+                    if dense.nbytes <= STAGE_MAX_BYTES:  # staged from the next call on
+                        stage = torch.empty_like(dense, memory_format=torch.contiguous_format)
+                        stages[pos] = (stage, import_tensor(stage, device))
                 if move is _NO_MOVE or move is _TORCH_MOVE:
                     buf = import_tensor(dense, device)
                     if step.position in owned_copies:

@@ -117,10 +117,12 @@ def test_one_stream_order_per_call(monkeypatch):
     """A graph on a GPU orders jax's import stream after torch's once per call, after every
     torch-side preparation (dense copies, the seed of random ops, weights stacked for a folded
     scan) and before the first import, however many tensors it hands over; a call whose inputs
-    are all resident orders nothing. (CPU graphs, with the order function stubbed and watched.)"""
+    are all resident orders nothing. (CPU graphs, with the order function stubbed and watched,
+    and every input imported as on a GPU: no staging.)"""
     from fx2xla.metrics import live_graphs
     from fx2xla.testing import LogitsOnly, gpt2, token_ids
 
+    monkeypatch.setenv("FX2XLA_STAGE_INPUTS", "0")
     events = []
     older = set(live_graphs)
     lin = torch.nn.Linear(4, 4)
@@ -265,11 +267,14 @@ def test_public_cuda_importer_runs_under_the_tensors_device(monkeypatch):
     assert seen == [[1]] and scopes == []
 
 
-def test_inputs_are_aligned_before_the_import_where_the_device_needs_it():
+def test_inputs_are_aligned_before_the_import_where_the_device_needs_it(monkeypatch):
     """Graphs on GPUs (`_align`) hand XLA only 16-byte aligned memory: misaligned views (a
     storage offset) are copied before the import. (A CPU graph with the flag set and its
-    imports watched; without the flag the same views reach the import as they are.)"""
+    imports watched, every input imported as on a GPU; without the flag the same views reach
+    the import as they are.)"""
     from fx2xla.metrics import live_graphs
+
+    monkeypatch.setenv("FX2XLA_STAGE_INPUTS", "0")
 
     older = set(live_graphs)
     compiled = torch.compile(lambda x, y: x * 2 + y, backend="fx2xla")

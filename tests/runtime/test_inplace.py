@@ -24,6 +24,13 @@ from fx2xla.runtime import inplace
 from tests.conftest import calls_in_threads
 
 
+@pytest.fixture(autouse=True)
+def _every_input_imported(monkeypatch):
+    """These tests count and watch imports: small CPU inputs that arrive afresh are imported
+    here, not staged (tests/runtime/test_staged_inputs.py covers staging)."""
+    monkeypatch.setenv("FX2XLA_STAGE_INPUTS", "0")
+
+
 def _compiled(fn):
     torch._dynamo.reset()
     return torch.compile(fn, backend="fx2xla")

@@ -20,6 +20,13 @@ from fx2xla.runtime.executor import make_recording
 from tests.conftest import calls_in_threads
 
 
+@pytest.fixture(autouse=True)
+def _every_input_imported(monkeypatch):
+    """These tests count and watch imports: small CPU inputs that arrive afresh are imported
+    here, not staged (tests/runtime/test_staged_inputs.py covers staging)."""
+    monkeypatch.setenv("FX2XLA_STAGE_INPUTS", "0")
+
+
 @pytest.fixture
 def keep_all(monkeypatch):
     """CPU inference graphs keep their returned results too (FX2XLA_TWINS=all): the tests that

@@ -1,0 +1,139 @@
+"""Small CPU inputs that arrive afresh on every call are copied into buffers XLA already holds
+(staged) instead of imported over DLPack (fx2xla/plan_executor.py, STAGE_MAX_BYTES). Every test
+compares with eager on the same inputs: exact for these elementwise graphs in every dtype
+(float32, bfloat16, float64, int64, bool), float32 within rtol=1e-6 for the matmul."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fx2xla
+from fx2xla.plan_executor import STAGE_MAX_BYTES
+from tests.conftest import calls_in_threads
+
+
+def staged_since(before: int) -> int:
+    return fx2xla.metrics()["staged_inputs"] - before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool])
+def test_new_values_every_call(dtype):
+    """Each call sees its own values, from the second call on through the staging buffer; a
+    result stays what it was after later calls overwrite the buffer."""
+    def f(x, y):
+        return (x & y) if dtype is torch.bool else x * 2 + y
+
+    c = torch.compile(f, backend="fx2xla")
+    make = (lambda: torch.rand(3, 5) > 0.5) if dtype is torch.bool else (
+        lambda: (torch.randn(3, 5) * 100).to(dtype))
+    kept = []
+    before = fx2xla.metrics()["staged_inputs"]
+    for _ in range(6):
+        x, y = make(), make()
+        out = c(x, y)
+        torch.testing.assert_close(out, f(x, y), rtol=0, atol=0)
+        kept.append((out, f(x, y)))
+    assert staged_since(before) == 2 * 5  # both inputs, every call after the first
+    for out, expected in kept:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x.reshape(4, 2) + 0,
+    lambda x: x.clone(),
+    lambda x: x.t().contiguous(),
+    lambda x: x[0] * 1,
+    lambda x: x.to(torch.float64),
+], ids=["reshape", "clone", "transpose", "select", "cast"])
+def test_results_do_not_alias_the_staging_buffer(fn):
+    """Results that XLA could have taken straight from the input keep their values when the
+    next call writes new values into the same staging buffer."""
+    c = torch.compile(fn, backend="fx2xla")
+    inputs = [torch.randn(2, 4) for _ in range(4)]
+    outs = [c(x) for x in inputs]
+    for x, out in zip(inputs, outs):
+        torch.testing.assert_close(out, fn(x), rtol=0, atol=0)
+
+
+def test_edge_shapes_and_a_changing_shape():
+    """0-d and empty inputs, and a dynamic dimension: a call whose shape differs from its
+    staging buffer's imports its input and is still right."""
+    c = torch.compile(lambda x: x * 3 - 1, backend="fx2xla")
+    for x in [torch.tensor(2.5), torch.tensor(-1.0), torch.empty(0, 3), torch.empty(0, 3)]:
+        torch.testing.assert_close(c(x), x * 3 - 1, rtol=0, atol=0)
+    d = torch.compile(lambda x: x * 0.5 + 2, backend="fx2xla", dynamic=True)
+    for n in (3, 5, 5, 7, 3, 3):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(d(x), x * 0.5 + 2, rtol=0, atol=0)
+
+
+def test_large_and_grad_inputs_are_imported():
+    """An input above STAGE_MAX_BYTES, or one that requires grad, is imported as before."""
+    n = STAGE_MAX_BYTES // 4 + 1
+    c = torch.compile(lambda x: x + 1, backend="fx2xla")
+    before = fx2xla.metrics()["staged_inputs"]
+    for _ in range(3):
+        x = torch.randn(n)
+        torch.testing.assert_close(c(x), x + 1, rtol=0, atol=0)
+    assert staged_since(before) == 0
+    w = torch.randn(4, 4)
+    g = torch.compile(lambda x: (x @ w).relu(), backend="fx2xla")
+    for _ in range(3):
+        x = torch.randn(8, 4, requires_grad=True)
+        out = g(x)
+        torch.testing.assert_close(out, (x @ w).relu(), rtol=1e-6, atol=1e-6)
+        out.sum().backward()
+        torch.testing.assert_close(x.grad, ((x @ w) > 0).float() @ w.t(), rtol=1e-6, atol=1e-6)
+
+
+def test_many_threads_each_get_their_own_values():
+    """Calls in flight at once from eight threads each stage into their own buffers: every
+    result is its own input's."""
+    w = torch.randn(16, 16)
+    c = torch.compile(lambda x: torch.tanh(x @ w) * 2, backend="fx2xla")
+    inputs = [torch.randn(4, 16) for _ in range(8)]
+    c(inputs[0])
+    before = fx2xla.metrics()["staged_inputs"]
+    results = calls_in_threads(c, inputs, calls=40)
+    for i, outs in results.items():
+        expected = torch.tanh(inputs[i] @ w) * 2
+        for out in outs:
+            torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert staged_since(before) > 0
+
+
+def test_off_with_the_environment_variable(tmp_path):
+    """FX2XLA_STAGE_INPUTS=0 (read when a graph compiles) imports every input; results agree."""
+    script = textwrap.dedent("""
+        import torch, fx2xla
+        c = torch.compile(lambda x: x * 2 + 1, backend="fx2xla")
+        for _ in range(4):
+            x = torch.randn(6)
+            torch.testing.assert_close(c(x), x * 2 + 1, rtol=0, atol=0)
+        print("staged", fx2xla.metrics()["staged_inputs"])
+    """)
+    for value, staged in (("0", 0), ("1", 3)):
+        env = {**os.environ, "FX2XLA_STAGE_INPUTS": value}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"staged {staged}" in out.stdout
+
+
+def test_index_checked_graph_stages_and_still_raises():
+    """A graph with index checks stages its ids too; an out-of-range id still raises
+    IndexOutOfRangeError, and the calls after it are right again."""
+    table = torch.randn(50, 8)
+    c = torch.compile(lambda ids: torch.nn.functional.embedding(ids, table) * 2, backend="fx2xla")
+    before = fx2xla.metrics()["staged_inputs"]
+    for _ in range(4):
+        ids = torch.randint(0, 50, (6,))
+        torch.testing.assert_close(c(ids), table[ids] * 2, rtol=0, atol=0)
+    assert staged_since(before) == 2 * 3  # the ids, and the table (a captured tensor: an input, not a parameter)
+    with pytest.raises(fx2xla.IndexOutOfRangeError):
+        c(torch.tensor([1, 2, 3, 4, 5, 50]))
+    for _ in range(3):
+        ids = torch.randint(0, 50, (6,))
+        torch.testing.assert_close(c(ids), table[ids] * 2, rtol=0, atol=0)
