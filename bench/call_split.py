@@ -7,8 +7,8 @@ Each backend is wrapped so that the callable it hands Dynamo is timed on its own
   wrappers between them and the backend. Both backends pay it; how long it takes depends on
   what the call before left in the caches.
 - `inside`: the backend's callable. fx2xla's is split further:
-  - `import`: the inputs' hand-off (resident weights checked, the others imported over DLPack),
-    `metrics()["import_seconds"]`;
+  - `import`: the inputs' hand-off (resident weights checked, small fresh inputs copied into
+    their staging buffers, the others imported over DLPack), `metrics()["import_seconds"]`;
   - `execute`: the launch and the export of its results, `metrics()["execute_seconds"]` (both
     kept because this sets FX2XLA_TIME_EXECUTE=1 before compiling);
   - `other`: the rest of `inside`: fx2xla's Python around them (the traceback pause, the check
