@@ -53,7 +53,9 @@ def test_results_do_not_alias_the_staging_buffer(fn):
     next call writes new values into the same staging buffer."""
     c = torch.compile(fn, backend="fx2xla")
     inputs = [torch.randn(2, 4) for _ in range(4)]
+    before = fx2xla.metrics()["staged_inputs"]
     outs = [c(x) for x in inputs]
+    assert staged_since(before) == len(inputs) - 1
     for x, out in zip(inputs, outs):
         torch.testing.assert_close(out, fn(x), rtol=0, atol=0)
 
