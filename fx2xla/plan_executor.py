@@ -149,9 +149,8 @@ class Specialization:
         self.direct = self.plain_outputs and not plan.mutations and not checks and not self.twins
         # A call whose results are all exported tensors (the index checks' verdict among them)
         # returns only once each is exported, which on the CPU waits for the execution: its
-        # staged inputs (PlanExecutor._import) may be reused after it.
-        self.stages = (self.plain_outputs and not plan.mutations and not self.twins and plan.num_outputs > 0
-                       and plan.platform == "cpu")
+        # staged inputs (PlanExecutor._import, CPU only) may be reused after it.
+        self.stages = self.plain_outputs and not plan.mutations and not self.twins and plan.num_outputs > 0
         # CPU: a long executable launched while torch's OpenMP workers spin runs with them parked
         # (torch_kernels.run_parked); decided here from XLA's cost analysis.
         self.park = plan.platform == "cpu" and torch_kernels.worth_parking(exe)
