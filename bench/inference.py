@@ -4,10 +4,11 @@
 
 Prints a table of medians and ratios (÷ eager, ÷ Inductor), the first call of each compiler
 (Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR), and fx2xla's per-call overhead on a
-tiny graph next to eager, Inductor, Dynamo's own floor and a raw PJRT execute of the same
-executable; writes raw numbers to bench/results/inference.json. The cost of the run-time index
-checks (options={"check_indices": True}, the default) is the column `chk`: fx2xla with checks
-÷ fx2xla without, interleaved in the same rounds, and per call on a tiny embedding lookup.
+tiny graph next to eager, Inductor, Dynamo's own floor, a raw PJRT execute of the same
+executable and two backends that do no more than jaxlib must (`per_call_overhead`); writes
+raw numbers to bench/results/inference.json. The cost of the run-time index checks
+(options={"check_indices": True}, the default) is the column `chk`: fx2xla with checks ÷ fx2xla
+without, interleaved in the same rounds, and per call on a tiny embedding lookup.
 Column `tk`: fx2xla ÷ fx2xla with XLA's own CPU kernels (options={"torch_kernels": False}); `sl`
 (models with convolutions): fx2xla ÷ the same executable with torch's kernels on whole batches
 (fx2xla.torch_kernels.batch_slicing(False)); `pk` (the same models): fx2xla ÷ the same
@@ -55,6 +56,50 @@ def tiny_imported(x):  # the same again: compiled with FX2XLA_STAGE_INPUTS=0
     return x * 2 + 1
 
 
+def tiny_minimal(x):  # and again: compiled with minimal_backend (one code object per backend)
+    return x * 2 + 1
+
+
+def tiny_execute_only(x):  # and again: compiled with execute_only_backend
+    return x * 2 + 1
+
+
+def execute_only_backend(exe, buf):
+    """A Dynamo backend whose call only runs the executable on a buffer XLA already holds and
+    drops its results, returning its input: less than any backend can do and still compute."""
+
+    def backend(gm, example_inputs):
+        args = [buf]
+        execute = exe.execute_sharded
+
+        def call(x):
+            execute(args)
+            return (x,)
+
+        return call
+
+    return backend
+
+
+def minimal_backend(launch, stage: torch.Tensor, buf):
+    """A Dynamo backend doing the least a call through jaxlib can do: copy the input into
+    `stage`, a tensor whose memory XLA holds as `buf`, then `launch` the executable on it
+    (fx2xla's launcher: jaxlib's C++ result handlers, a DLPack export per result). No plan, no
+    checks, no traceback pause, one thread only: a floor for any backend built on jaxlib's
+    Python API, with Dynamo's frame and the caches a real call leaves around it."""
+
+    def backend(gm, example_inputs):
+        args = [buf]
+
+        def call(x):
+            stage.copy_(x)
+            return launch(args)
+
+        return call
+
+    return backend
+
+
 def compiled_with(fn, x, **env):
     """`fn` compiled with fx2xla and called once on `x` while the environment variables `env`
     are set (fx2xla reads them when a graph compiles), then restored."""
@@ -80,8 +125,13 @@ def per_call_overhead(rounds: int) -> dict:
     instead of staging it (FX2XLA_STAGE_INPUTS=0), and raw PJRT executes of fx2xla's executable on a resident
     buffer: the public `LoadedExecutable.execute` and fx2xla's launcher (the fast path it uses,
     including the DLPack export of the output), and the DLPack import of the input alone.
-    `jaxlib_floor` adds Dynamo's empty call, the import and the raw execute: what a call through
-    jaxlib pays before any code of fx2xla's. Medians of interleaved rounds, in one run."""
+    `jaxlib_floor` adds Dynamo's empty call, the import and the raw execute, each timed hot on its
+    own. Two backends run them as one call, alternating with Dynamo's code as a real call does:
+    `jaxlib_execute_only` runs the executable on a held buffer and drops its results
+    (`execute_only_backend`); `jaxlib_minimal` copies the input into a buffer XLA holds and
+    launches the executable with fx2xla's launcher (`minimal_backend`), and
+    `fx2xla_over_jaxlib_minimal` is what fx2xla's own code adds to it. Medians of interleaved
+    rounds, in one run."""
     from fx2xla.runtime import default_device, executable_cache
     from fx2xla.runtime.executor import make_launcher
     from fx2xla.runtime.handoff import import_tensor
@@ -105,11 +155,20 @@ def per_call_overhead(rounds: int) -> dict:
     device = default_device().jax_device
     buf = import_tensor(x, device)
     launch = make_launcher(exe)
+    stage = torch.empty_like(x)
+    minimal = torch.compile(tiny_minimal, backend=minimal_backend(launch, stage, import_tensor(stage, device)),
+                            fullgraph=True)
+    got, want = minimal(x), tiny(x)
+    if not torch.equal(got, want):  # exact: the same executable as fx2xla's
+        raise AssertionError(f"jaxlib_minimal: {got} against eager's {want}")
+    execute_only = torch.compile(tiny_execute_only, backend=execute_only_backend(exe, buf), fullgraph=True)
+    execute_only(x)
     contenders = {"eager": tiny, "inductor": inductor, "dynamo_floor": floor, "dynamo_empty_backend": empty,
                   "fx2xla": compiled, "fx2xla_twins_all": twins_all, "fx2xla_input_imported": imported,
                   "fx2xla_graph_without_dynamo": graph.call_unboxed,
                   "raw_pjrt_execute": lambda _: exe.execute([buf]), "raw_fx2xla_launch": lambda _: launch([buf]),
-                  "raw_dlpack_import": lambda t: import_tensor(t, device)}
+                  "raw_dlpack_import": lambda t: import_tensor(t, device), "jaxlib_minimal": minimal,
+                  "jaxlib_execute_only": execute_only}
     res = {}
     for clock_name, clock in (("wall", time.perf_counter), ("cpu", time.thread_time)):
         med = interleaved_medians(contenders, (x,), rounds=rounds, calls_per_round=2000, clock=clock)
@@ -118,6 +177,7 @@ def per_call_overhead(rounds: int) -> dict:
         # What any call through jaxlib pays before fx2xla's own code: Dynamo's frame, one input's
         # DLPack import and the execute (the export and the output tensor not counted).
         med["jaxlib_floor"] = med["dynamo_empty_backend"] + med["raw_dlpack_import"] + med["raw_pjrt_execute"]
+        med["fx2xla_over_jaxlib_minimal"] = med["fx2xla"] - med["jaxlib_minimal"]
         res[clock_name] = med
     # The index checks' per-call cost: one 8-id embedding lookup, checked and unchecked.
     table, ids = torch.randn(100, 16), torch.randint(0, 100, (8,))
