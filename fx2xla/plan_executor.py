@@ -352,6 +352,8 @@ class PlanExecutor:
                     continue
             dense = (t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED
                      else t.permute(perm).clone(memory_format=torch.contiguous_format) if kind is _RELAID
+                     # a strided input to be staged is copied once, into its staging buffer, below
+                     else t if stages is not None and len(bufs) in self._stageable
                      else t.contiguous())
             if move is _TORCH_MOVE:  # a CPU scalar beside CUDA tensors, moved before the order below.
                 # Not pinned: a copy of pageable memory returns once the bytes are staged, with
@@ -392,14 +394,16 @@ class PlanExecutor:
             import_tensor, device, owned_copies = self.import_tensor, self.jax_device, self._owned_copies
             for pos, dense, step, t in fresh:
                 move = step.move
-                if stages is not None and pos in self._stageable and not dense.requires_grad:
+                if stages is not None and pos in self._stageable:
                     staged = stages.get(pos)
-                    if staged is not None and staged[0].shape == dense.shape and staged[0].dtype == dense.dtype:
+                    if (staged is not None and staged[0].shape == dense.shape and staged[0].dtype == dense.dtype
+                            and not dense.requires_grad):
                         staged[0].copy_(dense)
                         bufs[pos] = staged[1]
                         self.staged_inputs += 1
                         continue
-                    if dense.nbytes <= STAGE_MAX_BYTES:  # staged from the next call on
+                    dense = dense.contiguous()  # left strided above for the copy: imported dense
+                    if dense.nbytes <= STAGE_MAX_BYTES and not dense.requires_grad:  # staged from the next call on
                         stage = torch.empty_like(dense, memory_format=torch.contiguous_format)
                         stages[pos] = (stage, import_tensor(stage, device))
                 if move is _NO_MOVE or move is _TORCH_MOVE:

@@ -91,6 +91,36 @@ def test_large_and_grad_inputs_are_imported():
         torch.testing.assert_close(x.grad, ((x @ w) > 0).float() @ w.t(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("view", [lambda b: b.t(), lambda b: b[:, ::2], lambda b: b[1:, 1:]],
+                         ids=["transposed", "strided-columns", "offset"])
+def test_strided_inputs_are_staged(view):
+    """Strided views (copied straight into their staging buffer, not made dense first) are
+    staged from the second call on, leave their base tensors as they were, and give eager's
+    results exactly (a max reduction: its result is dense whatever the input's strides, so
+    the call stages); one that requires grad is imported, with eager's gradient."""
+    def f(x):
+        return x.amax(dim=0) * 2 - 1
+
+    c = torch.compile(f, backend="fx2xla")
+    before = fx2xla.metrics()["staged_inputs"]
+    for _ in range(4):
+        base = torch.randn(6, 8)
+        kept = base.clone()
+        x = view(base)
+        assert not x.is_contiguous()
+        torch.testing.assert_close(c(x), f(x), rtol=0, atol=0)
+        assert torch.equal(base, kept)
+    assert staged_since(before) == 3
+    base = torch.randn(6, 8, requires_grad=True)
+    out = c(view(base))
+    torch.testing.assert_close(out, f(view(base)), rtol=0, atol=0)
+    out.sum().backward()
+    eager_base = base.detach().clone().requires_grad_()
+    f(view(eager_base)).sum().backward()
+    torch.testing.assert_close(base.grad, eager_base.grad, rtol=0, atol=0)
+    assert staged_since(before) == 3
+
+
 def test_many_threads_each_get_their_own_values():
     """Calls in flight at once from eight threads each stage into their own buffers: every
     result is its own input's."""
