@@ -31,7 +31,10 @@ scales the whole K cache and copies K and V once per query head every step. `--l
 "fx2xla:linear-as-is": fx2xla with options={"transposed_linear_weights": False}, which reads
 each nn.Linear weight as torch holds it ([out, in]) instead of a copy laid out [in, out].
 `--unmerged` adds "fx2xla:unmerged": fx2xla with options={"merge_linears": False}, one matmul per
-nn.Linear instead of one for the q/k/v projections and one for gate and up.
+nn.Linear instead of one for the q/k/v projections and one for gate and up. `--imported-inputs`
+adds "fx2xla:imported-inputs": fx2xla with FX2XLA_STAGE_INPUTS=0 while it compiles, so each step
+imports its small fresh inputs (ids, positions, mask) over DLPack instead of copying them into
+buffers XLA holds.
 
 Writes bench/results/decode.json.
 """
@@ -75,7 +78,8 @@ def contenders(args) -> tuple:
             + (("fx2xla:not-in-place",) if args.not_in_place else ())
             + (("fx2xla:decomposed-attention",) if args.decomposed_attention else ())
             + (("fx2xla:linear-as-is",) if args.linear_as_is else ())
-            + (("fx2xla:unmerged",) if args.unmerged else ()))
+            + (("fx2xla:unmerged",) if args.unmerged else ())
+            + (("fx2xla:imported-inputs",) if args.imported_inputs else ()))
 
 
 _step_times: dict = {}  # id(model) -> seconds of each compiled decode step it ran
@@ -117,7 +121,9 @@ def make_generate(model, name: str, ids, new_tokens: int):
                    else {"fallback": "eager"} if name == "fx2xla:not-in-place"
                    else {"attention_op": False} if name == "fx2xla:decomposed-attention"
                    else {"transposed_linear_weights": False} if name == "fx2xla:linear-as-is"
-                   else {"merge_linears": False} if name == "fx2xla:unmerged" else None)
+                   else {"merge_linears": False} if name == "fx2xla:unmerged"
+                   # the default's value: a backend of its own, so that Dynamo compiles it apart
+                   else {"check_indices": True} if name == "fx2xla:imported-inputs" else None)
         kw["compile_config"] = compile_config(name.split(":")[0], options)
 
     def generate(**extra):
@@ -143,10 +149,13 @@ def bench_batch(batch: int, args) -> dict:
     for name in names:  # first calls: the compiles (Dynamo, and the backend's)
         if name == "fx2xla:not-in-place":
             os.environ["FX2XLA_INPLACE"] = "0"  # read when its graphs are planned, in this call
+        if name == "fx2xla:imported-inputs":
+            os.environ["FX2XLA_STAGE_INPUTS"] = "0"  # read when its executors are made, in this call
         t0 = time.perf_counter()
         outs[name] = gens[name]()
         res["first_call_s"][name] = time.perf_counter() - t0
         os.environ.pop("FX2XLA_INPLACE", None)
+        os.environ.pop("FX2XLA_STAGE_INPUTS", None)
     # Numerics: ids against eager's; every step's logits against eager's.
     res["ids_match_eager"] = {n: bool(torch.equal(outs[n], outs["eager"])) for n in names}
     logits = {n: torch.stack(gens[n](output_logits=True, return_dict_in_generate=True).logits) for n in names}
@@ -190,6 +199,9 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_decomposed_attention_cpu"] = cmed["fx2xla:decomposed-attention"] / cmed["fx2xla"]
     if "fx2xla:no-skinny" in med:
         res["fx2xla_vs_no_skinny_tokens_per_s"] = med["fx2xla:no-skinny"] / med["fx2xla"]
+    if "fx2xla:linear-as-is" in med:
+        res["fx2xla_vs_linear_as_is_tokens_per_s"] = med["fx2xla:linear-as-is"] / med["fx2xla"]
+        res["fx2xla_vs_linear_as_is_cpu"] = cmed["fx2xla:linear-as-is"] / cmed["fx2xla"]
     smed = {n: statistics.median(v) for n, v in steps.items() if v}
     res["step_median_s"] = smed
     if "fx2xla" in smed and "inductor" in smed:
@@ -198,6 +210,10 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_unmerged_step"] = smed["fx2xla"] / smed["fx2xla:unmerged"]
         res["fx2xla_vs_unmerged_tokens_per_s"] = med["fx2xla:unmerged"] / med["fx2xla"]
         res["fx2xla_vs_unmerged_cpu"] = cmed["fx2xla:unmerged"] / cmed["fx2xla"]
+    if "fx2xla:imported-inputs" in med:
+        res["fx2xla_vs_imported_inputs_tokens_per_s"] = med["fx2xla:imported-inputs"] / med["fx2xla"]
+        res["fx2xla_vs_imported_inputs_cpu"] = cmed["fx2xla:imported-inputs"] / cmed["fx2xla"]
+        res["fx2xla_vs_imported_inputs_step"] = smed["fx2xla"] / smed["fx2xla:imported-inputs"]
     if "fx2xla:linear-as-is" in med:
         res["fx2xla_vs_linear_as_is_tokens_per_s"] = med["fx2xla:linear-as-is"] / med["fx2xla"]
         res["fx2xla_vs_linear_as_is_cpu"] = cmed["fx2xla:linear-as-is"] / cmed["fx2xla"]
@@ -223,6 +239,8 @@ def main() -> None:
                         "(option transposed_linear_weights=False)")
     p.add_argument("--unmerged", action="store_true",
                    help="also time fx2xla with one matmul per nn.Linear (option merge_linears=False)")
+    p.add_argument("--imported-inputs", action="store_true",
+                   help="also time fx2xla importing every fresh input over DLPack (FX2XLA_STAGE_INPUTS=0)")
     p.add_argument("--gap-ms", type=float, default=50.0, help="sleep before each timed call")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     a = p.parse_args()
@@ -262,6 +280,10 @@ def main() -> None:
                   f" (cpu time: {r['fx2xla_vs_unmerged_cpu']:.2f}); step time {r['fx2xla_vs_unmerged_step']:.2f}")
         if "fx2xla_vs_not_in_place_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:not-in-place tokens/s {r['fx2xla_vs_not_in_place_tokens_per_s']:.2f}")
+        if "fx2xla_vs_imported_inputs_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:imported-inputs tokens/s {r['fx2xla_vs_imported_inputs_tokens_per_s']:.3f}"
+                  f" (cpu time: {r['fx2xla_vs_imported_inputs_cpu']:.3f}); step time "
+                  f"{r['fx2xla_vs_imported_inputs_step']:.3f}")
     results["load_after"] = load()
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")

@@ -147,10 +147,13 @@ class Specialization:
         self.checks = checks
         self.raise_failed = make_check_raiser(plan.platform) if checks else None
         self.direct = self.plain_outputs and not plan.mutations and not checks and not self.twins
-        # A call whose results are all exported tensors (the index checks' verdict among them)
-        # returns only once each is exported, which on the CPU waits for the execution: its
-        # staged inputs (PlanExecutor._import, CPU only) may be reused after it.
-        self.stages = self.plain_outputs and not plan.mutations and not self.twins and plan.num_outputs > 0
+        # A call that exports at least one result (the index checks' verdict counts) returns only
+        # once it is exported, which on the CPU waits for the result, and so for the whole
+        # execution: XLA:CPU's client defines every result of one execution by the same event.
+        # Its staged inputs (PlanExecutor._import, CPU only) may be reused after it. Results
+        # written in place leave as jax Arrays, unexported: a call with only those does not
+        # stage; neither does a sharded call (its results may stay jax Arrays).
+        self.stages = placed is None and (bool(checks) or len(self.in_place) < len(plan.results))
         # CPU: a long executable launched while torch's OpenMP workers spin runs with them parked
         # (torch_kernels.run_parked); decided here from XLA's cost analysis.
         self.park = plan.platform == "cpu" and torch_kernels.worth_parking(exe)

@@ -121,6 +121,75 @@ def test_strided_inputs_are_staged(view):
     assert staged_since(before) == 3
 
 
+class Accumulator(torch.nn.Module):
+    """A decode step's shape in small: a buffer written in place every call (as a static KV
+    cache is, by position) and a result computed from it and from the call's fresh inputs."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(width, width))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("w", torch.randint(-3, 4, (width, width), generator=torch.Generator().manual_seed(0))
+                             .to(torch.float32))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(0, pos, x)
+        self.steps.add_(1)
+        return self.cache @ self.w + pos.to(torch.float32).sum(), self.steps * 10
+
+
+@pytest.mark.parametrize("width", [4, 64], ids=["inline", "asynchronous"])
+def test_calls_that_write_inputs_in_place_stage(width):
+    """A call that writes a buffer in place and returns another result stages its fresh inputs
+    from the second call on; results and the buffers after every call are eager's, exactly
+    (integer-valued floats). At width 64 the executable is long enough for XLA:CPU to run it
+    on its own thread (not inline), so the next call's copies into the staging buffers would
+    race with it, were the call to return before the execution ends."""
+    eager, compiled_module = Accumulator(width), Accumulator(width)
+    c = torch.compile(compiled_module, backend="fx2xla")
+    before = fx2xla.metrics()["staged_inputs"]
+    kept = []
+    calls = 6 if width == 4 else 40
+    with torch.no_grad():
+        for step in range(calls):
+            x = torch.randint(-50, 50, (1, width)).to(torch.float32)
+            pos = torch.tensor([step % width])
+            out, want = c(x, pos), eager(x, pos)
+            for o, w in zip(out, want):
+                torch.testing.assert_close(o, w, rtol=0, atol=0)
+            kept.append((out, [w.clone() for w in want]))
+            torch.testing.assert_close(compiled_module.cache, eager.cache, rtol=0, atol=0)
+            torch.testing.assert_close(compiled_module.steps, eager.steps, rtol=0, atol=0)
+    assert staged_since(before) == 2 * (calls - 1)
+    for out, want in kept:
+        for o, w in zip(out, want):
+            torch.testing.assert_close(o, w, rtol=0, atol=0)
+
+
+def test_calls_whose_only_results_are_written_in_place_import():
+    """A call that only writes a buffer in place exports no result, so nothing waits for its
+    execution before it returns: its inputs are imported, never staged, and the buffer ends as
+    eager's."""
+    class Adder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("total", torch.zeros(4))
+
+        def forward(self, x):
+            self.total.add_(x)
+
+    eager, compiled_module = Adder(), Adder()
+    c = torch.compile(compiled_module, backend="fx2xla")
+    before = fx2xla.metrics()["staged_inputs"]
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randint(-9, 9, (4,)).to(torch.float32)
+            c(x)
+            eager(x)
+            torch.testing.assert_close(compiled_module.total, eager.total, rtol=0, atol=0)
+    assert staged_since(before) == 0
+
+
 def test_many_threads_each_get_their_own_values():
     """Calls in flight at once from eight threads each stage into their own buffers: every
     result is its own input's."""
