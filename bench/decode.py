@@ -61,6 +61,9 @@ import fx2xla  # noqa: E402,F401  (registers the backend)
 from fx2xla.testing import llama  # noqa: E402
 
 CONTENDERS = ("eager", "inductor", "fx2xla")
+# Contenders compiled with an fx2xla switch set to 0 during their first call, when their graphs
+# are planned and their executors made.
+COMPILE_ENV = {"fx2xla:not-in-place": "FX2XLA_INPLACE", "fx2xla:imported-inputs": "FX2XLA_STAGE_INPUTS"}
 
 
 def compile_config(backend: str, options: dict | None = None):
@@ -147,15 +150,14 @@ def bench_batch(batch: int, args) -> dict:
     res: dict = {"batch": batch, "dtype": args.dtype, "prompt": args.prompt, "new_tokens": args.new_tokens, "first_call_s": {}}
     outs = {}
     for name in names:  # first calls: the compiles (Dynamo, and the backend's)
-        if name == "fx2xla:not-in-place":
-            os.environ["FX2XLA_INPLACE"] = "0"  # read when its graphs are planned, in this call
-        if name == "fx2xla:imported-inputs":
-            os.environ["FX2XLA_STAGE_INPUTS"] = "0"  # read when its executors are made, in this call
+        env = COMPILE_ENV.get(name)
+        if env:
+            os.environ[env] = "0"
         t0 = time.perf_counter()
         outs[name] = gens[name]()
         res["first_call_s"][name] = time.perf_counter() - t0
-        os.environ.pop("FX2XLA_INPLACE", None)
-        os.environ.pop("FX2XLA_STAGE_INPUTS", None)
+        if env:
+            os.environ.pop(env, None)
     # Numerics: ids against eager's; every step's logits against eager's.
     res["ids_match_eager"] = {n: bool(torch.equal(outs[n], outs["eager"])) for n in names}
     logits = {n: torch.stack(gens[n](output_logits=True, return_dict_in_generate=True).logits) for n in names}
