@@ -34,7 +34,9 @@ each nn.Linear weight as torch holds it ([out, in]) instead of a copy laid out [
 nn.Linear instead of one for the q/k/v projections and one for gate and up. `--imported-inputs`
 adds "fx2xla:imported-inputs": fx2xla with FX2XLA_STAGE_INPUTS=0 while it compiles, so each step
 imports its small fresh inputs (ids, positions, mask) over DLPack instead of copying them into
-buffers XLA holds.
+buffers XLA holds. `--weight-rhs` adds "fx2xla:weight-rhs": fx2xla with
+options={"linear_weight_lhs": False}, which computes each matmul of 4-64 rows as x . W^T instead
+of (W . x^T)^T (batch 8; batch 1 is one row, the same program either way).
 
 Writes bench/results/decode.json.
 """
@@ -82,7 +84,8 @@ def contenders(args) -> tuple:
             + (("fx2xla:decomposed-attention",) if args.decomposed_attention else ())
             + (("fx2xla:linear-as-is",) if args.linear_as_is else ())
             + (("fx2xla:unmerged",) if args.unmerged else ())
-            + (("fx2xla:imported-inputs",) if args.imported_inputs else ()))
+            + (("fx2xla:imported-inputs",) if args.imported_inputs else ())
+            + (("fx2xla:weight-rhs",) if args.weight_rhs else ()))
 
 
 _step_times: dict = {}  # id(model) -> seconds of each compiled decode step it ran
@@ -125,6 +128,7 @@ def make_generate(model, name: str, ids, new_tokens: int):
                    else {"attention_op": False} if name == "fx2xla:decomposed-attention"
                    else {"transposed_linear_weights": False} if name == "fx2xla:linear-as-is"
                    else {"merge_linears": False} if name == "fx2xla:unmerged"
+                   else {"linear_weight_lhs": False} if name == "fx2xla:weight-rhs"
                    # the default's value: a backend of its own, so that Dynamo compiles it apart
                    else {"check_indices": True} if name == "fx2xla:imported-inputs" else None)
         kw["compile_config"] = compile_config(name.split(":")[0], options)
@@ -216,9 +220,10 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_imported_inputs_tokens_per_s"] = med["fx2xla:imported-inputs"] / med["fx2xla"]
         res["fx2xla_vs_imported_inputs_cpu"] = cmed["fx2xla:imported-inputs"] / cmed["fx2xla"]
         res["fx2xla_vs_imported_inputs_step"] = smed["fx2xla"] / smed["fx2xla:imported-inputs"]
-    if "fx2xla:linear-as-is" in med:
-        res["fx2xla_vs_linear_as_is_tokens_per_s"] = med["fx2xla:linear-as-is"] / med["fx2xla"]
-        res["fx2xla_vs_linear_as_is_cpu"] = cmed["fx2xla:linear-as-is"] / cmed["fx2xla"]
+    if "fx2xla:weight-rhs" in med:
+        res["fx2xla_vs_weight_rhs_tokens_per_s"] = med["fx2xla:weight-rhs"] / med["fx2xla"]
+        res["fx2xla_vs_weight_rhs_cpu"] = cmed["fx2xla:weight-rhs"] / cmed["fx2xla"]
+        res["fx2xla_vs_weight_rhs_step"] = smed["fx2xla"] / smed["fx2xla:weight-rhs"]
     return res
 
 
@@ -243,6 +248,8 @@ def main() -> None:
                    help="also time fx2xla with one matmul per nn.Linear (option merge_linears=False)")
     p.add_argument("--imported-inputs", action="store_true",
                    help="also time fx2xla importing every fresh input over DLPack (FX2XLA_STAGE_INPUTS=0)")
+    p.add_argument("--weight-rhs", action="store_true",
+                   help="also time fx2xla computing matmuls of 4-64 rows as x . W^T (option linear_weight_lhs=False)")
     p.add_argument("--gap-ms", type=float, default=50.0, help="sleep before each timed call")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     a = p.parse_args()
@@ -286,6 +293,9 @@ def main() -> None:
             print(f"      fx2xla ÷ fx2xla:imported-inputs tokens/s {r['fx2xla_vs_imported_inputs_tokens_per_s']:.3f}"
                   f" (cpu time: {r['fx2xla_vs_imported_inputs_cpu']:.3f}); step time "
                   f"{r['fx2xla_vs_imported_inputs_step']:.3f}")
+        if "fx2xla_vs_weight_rhs_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:weight-rhs tokens/s {r['fx2xla_vs_weight_rhs_tokens_per_s']:.3f}"
+                  f" (cpu time: {r['fx2xla_vs_weight_rhs_cpu']:.3f}); step time {r['fx2xla_vs_weight_rhs_step']:.3f}")
     results["load_after"] = load()
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")

@@ -20,7 +20,9 @@ options={"channels_last": False} (batch norm, ReLU and pooling on NCHW values, t
 each convolution); `at` (models with attention): fx2xla ÷ fx2xla with options={"attention_op":
 False} (torch's math decomposition of attention instead of fx2xla's rule on the one op); `lw`
 (float32 models with nn.Linear): fx2xla ÷ fx2xla with options={"transposed_linear_weights":
-False} (each weight read as torch holds it, [out, in], instead of a copy laid out [in, out]).
+False} (each weight read as torch holds it, [out, in], instead of a copy laid out [in, out]); `wl`
+(the same models): fx2xla ÷ fx2xla with options={"linear_weight_lhs": False} (matmuls of 4-64 rows
+as x . W^T instead of (W . x^T)^T; the models at 512 rows compute the same program either way).
 """
 from __future__ import annotations
 
@@ -246,6 +248,10 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
             as_is = torch.compile(model, backend="fx2xla", fullgraph=True, options={"transposed_linear_weights": False})
             as_is(*args)
             contenders["fx2xla_linear_as_is"] = as_is
+            # matmuls of a few rows as x . W^T, not with the weight on the dot's left
+            rhs = torch.compile(model, backend="fx2xla", fullgraph=True, options={"linear_weight_lhs": False})
+            rhs(*args)
+            contenders["fx2xla_weight_rhs"] = rhs
         if has_attention(model):
             # torch's math decomposition of attention instead of fx2xla's rule on the one op
             decomposed = torch.compile(model, backend="fx2xla", fullgraph=True, options={"attention_op": False})
@@ -269,6 +275,8 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
         res["channels_last_ratio"] = med["fx2xla"] / med["fx2xla_not_channels_last"]
     if "fx2xla_linear_as_is" in med:
         res["linear_layout_ratio"] = med["fx2xla"] / med["fx2xla_linear_as_is"]
+    if "fx2xla_weight_rhs" in med:
+        res["weight_lhs_ratio"] = med["fx2xla"] / med["fx2xla_weight_rhs"]
     if "fx2xla_decomposed_attention" in med:
         res["attention_op_ratio"] = med["fx2xla"] / med["fx2xla_decomposed_attention"]
     res["index_checks"] = checks
@@ -295,7 +303,7 @@ def main() -> None:
         e = o["embedding_lookup"]
         print(f"  index checks on an 8-id embedding lookup: {e['delta_s'] * 1e6:+.1f} us per call "
               f"({fmt_time(e['checked_s'])} checked vs {fmt_time(e['unchecked_s'])}; ratio {e['ratio']:.3f})")
-    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'ip':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s}"
+    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'ip':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s} {'wl':>5s}"
     print(header)
     for dt_name in a.dtypes.split(","):
         dtype = getattr(torch, dt_name)
@@ -317,7 +325,8 @@ def main() -> None:
                   f"{r.get('batch_slicing_ratio', float('nan')):5.2f} {r.get('packed_weights_ratio', float('nan')):5.2f} "
                   f"{r.get('in_place_writes_ratio', float('nan')):5.2f} "
                   f"{r.get('channels_last_ratio', float('nan')):5.2f} "
-                  f"{r.get('attention_op_ratio', float('nan')):5.2f} {r.get('linear_layout_ratio', float('nan')):5.2f}")
+                  f"{r.get('attention_op_ratio', float('nan')):5.2f} {r.get('linear_layout_ratio', float('nan')):5.2f} "
+                  f"{r.get('weight_lhs_ratio', float('nan')):5.2f}")
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")
 

@@ -76,6 +76,10 @@ OPTIONS = {
                                   "larger ones where a dot of their shape, timed once per machine, takes at most "
                                   "0.85 of the time (the copy takes those weights' memory again); \"always\": every "
                                   "such weight; False: they are read as torch holds them"),
+    "linear_weight_lhs": (True, "on the CPU, inference graphs compute float32 matmuls of 4-64 rows against a "
+                          "transposed weight (nn.Linear's) as (W . x^T)^T, the weight as the dot's left operand, "
+                          "which XLA:CPU's dot runs faster at those rows; their weights stay as torch holds them "
+                          "(not laid out [in, out]); False: x . W^T"),
     "merge_linears": (True, "on the CPU, inference graphs multiply one activation of 2-64 rows by the float32 "
                       "nn.Linear weights that read it (q/k/v projections, gate and up) in one matmul, against "
                       "the weights concatenated once per update in torch (the copy takes those weights' memory "
@@ -92,7 +96,7 @@ def _check_options(options: dict | None) -> dict:
         raise ValueError(f"fx2xla: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
     opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
     opts["torch_kernels"] = torch_kernels.kinds(opts["torch_kernels"])  # a ValueError names a bad kind
-    for name in ("channels_last", "attention_op", "merge_linears"):
+    for name in ("channels_last", "attention_op", "merge_linears", "linear_weight_lhs"):
         if not isinstance(opts[name], bool):
             raise ValueError(f"fx2xla: option {name}={opts[name]!r}; expected True or False")
     check_linear_layout(opts["transposed_linear_weights"], "fx2xla: option ")
@@ -211,6 +215,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                 relaid_weights=kind == "inference" and options.get("_steady_weights", True),
                 linear_weights_kn=options["transposed_linear_weights"],
                 merge_linears=options["merge_linears"], training=kind != "inference",
+                linear_weight_lhs=options["linear_weight_lhs"],
             ),
             static_input_indices(len(example_inputs)),
         )
@@ -227,7 +232,8 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              channels_last=options["channels_last"],
                              relaid_weights=kind == "inference" and options.get("_steady_weights", True),
                              linear_weights_kn=options["transposed_linear_weights"],
-                             merge_linears=options["merge_linears"], training=kind != "inference")
+                             merge_linears=options["merge_linears"], training=kind != "inference",
+                             linear_weight_lhs=options["linear_weight_lhs"])
     if saved is not None:
         saved[1].extend(compiled.output_strides())
     if kind == "forward" and offload is not None:

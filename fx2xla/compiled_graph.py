@@ -94,7 +94,8 @@ class CompiledGraph:
                  annotations=None, solution=None, sharded_outputs: bool = False, offload=None,
                  input_names: list[str] | None = None, torch_kernels=True, saved_outputs=frozenset(),
                  channels_last: bool = True, relaid_weights: bool = False,
-                 linear_weights_kn: bool | str = True, merge_linears: bool = False, training: bool = False):
+                 linear_weights_kn: bool | str = True, merge_linears: bool = False, training: bool = False,
+                 linear_weight_lhs: bool = False):
         """`offload`: host offloading (offload.py): (input positions, output positions) whose
         values live in host memory, or None. `solution`: auto-sharding's, kept as
         `auto_sharding` for reports. `input_names`: the user's names of the inputs (`L['x']`),
@@ -104,7 +105,9 @@ class CompiledGraph:
         resident convolution weights imported channels-last, and with `linear_weights_kn` (the
         option transposed_linear_weights) float32 nn.Linear weights laid out [in, out] on the CPU
         (plan.build_plan); with `merge_linears` (the option of that name) too, the linears of a CPU
-        inference graph that read one activation are one matmul (lowering/merge_linears.py).
+        inference graph that read one activation are one matmul (lowering/merge_linears.py), and
+        with `linear_weight_lhs` (the option of that name) its float32 matmuls of 4-64 rows
+        against such weights compute (W . x^T)^T (lowering/linalg.py).
         `training`: a forward or backward graph, whose returned results the next graph reads
         (kept as twins on the CPU too: plan_executor.twin_results)."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
@@ -133,7 +136,8 @@ class CompiledGraph:
                                       saved_outputs, channels_last, channels_last and relaid_weights,
                                       channels_last and relaid_weights
                                       and "convolution" in _torch_kernels.kinds(torch_kernels),
-                                      linear_weights_kn if relaid_weights and device.platform == "cpu" else False)
+                                      linear_weights_kn if relaid_weights and device.platform == "cpu" else False,
+                                      linear_weight_lhs and relaid_weights and device.platform == "cpu")
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:

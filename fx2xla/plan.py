@@ -198,6 +198,10 @@ class GraphPlan:
     operand_constraints: dict = field(default_factory=dict)
     # The values computed channels-last between convolutions on the CPU (lowering/channels_last.py).
     channels_last: Any = _channels_last.NONE
+    # CPU inference matmuls of a few rows computed with their weight as the dot's left operand,
+    # (W . x^T)^T (lowering/linalg.py: weight_lhs_matmuls); their weights are passed as torch
+    # holds them.
+    weight_lhs: frozenset = frozenset()
 
     @property
     def platform(self) -> str:
@@ -367,7 +371,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                resident: set[int] | None = None, annotations=None, solution=None, offload=None,
                bumps: frozenset[int] = frozenset(), saved: frozenset[int] = frozenset(),
                channels_last: bool = True, relaid_weights: bool = False, pinned_weights: bool = False,
-               linear_weights_kn: bool | str = False) -> GraphPlan:
+               linear_weights_kn: bool | str = False, linear_weight_lhs: bool = False) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -387,7 +391,9 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     resident float32 weights that only matmuls of several rows read transposed (nn.Linear's) are
     imported laid out [in, out] where XLA:CPU's dot reads them faster so on this machine
     (`lowering.linalg.kn_weights`), "always": all of them (callers ask for it in CPU inference
-    graphs and packages exported on a CPU; never over a mesh)."""
+    graphs and packages exported on a CPU; never over a mesh). `linear_weight_lhs`: float32
+    matmuls of 4-64 rows against such a weight compute (W . x^T)^T, the weight as torch holds it
+    (`lowering.linalg.weight_lhs_matmuls`; CPU inference graphs, never over a mesh)."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -413,7 +419,9 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                 and (device.platform == "cpu" or (device.platform == "cuda" and _twins.enabled())))
     laid = (_channels_last.plan_channels_last(gm, example_inputs, device.platform, mesh_id) if channels_last
             else _channels_last.NONE)
-    kn = (_linalg.kn_weights(gm, example_inputs, always=linear_weights_kn == "always")
+    weight_lhs = (_linalg.weight_lhs_matmuls(gm) if linear_weight_lhs and mesh_id is None
+                  and device.platform == "cpu" else frozenset())
+    kn = (_linalg.kn_weights(gm, example_inputs, always=linear_weights_kn == "always", weight_lhs=weight_lhs)
           if linear_weights_kn and mesh_id is None else frozenset())
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
@@ -535,7 +543,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         position = placeholders.index(dst)
         mutations.append(Mutation(position, result(node, home=inputs[position].device, memory=inputs[position].memory_kind)))
     return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
-                     mesh_id, shardings, constraints, operand_constraints, laid)
+                     mesh_id, shardings, constraints, operand_constraints, laid, weight_lhs)
 
 
 def _reshape_of(meta, base_meta) -> bool:

@@ -122,7 +122,8 @@ class PrecompiledGraph(SerializableCallable):
                               torch_kernels=options.get("torch_kernels", True),
                               channels_last=options.get("channels_last", True), relaid_weights=True,
                               linear_weights_kn=options.get("transposed_linear_weights", True),
-                              merge_linears=options.get("merge_linears", True))
+                              merge_linears=options.get("merge_linears", True),
+                              linear_weight_lhs=options.get("linear_weight_lhs", True))
         return cls(graph, options)
 
 
@@ -131,7 +132,8 @@ def precompiled(graph, options: dict) -> PrecompiledGraph:
     kept = {k: options[k] for k in ("device_index", "check_indices", "torch_kernels")}
     return PrecompiledGraph(graph, {**kept, "channels_last": options.get("channels_last", True),
                                     "transposed_linear_weights": options.get("transposed_linear_weights", True),
-                                    "merge_linears": options.get("merge_linears", True)})
+                                    "merge_linears": options.get("merge_linears", True),
+                                    "linear_weight_lhs": options.get("linear_weight_lhs", True)})
 
 
 def refused() -> Fx2XlaError:

@@ -113,8 +113,63 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
         a, ca = jnp.swapaxes(a, -1, -2), n - 2
     if _is_transposed(ctx, rhs):  # b = W^T: contract W's column dim instead
         b, cb = jnp.swapaxes(b, -1, -2), n - 1
+        if ctx.weight_lhs and n == 2 and ca == 1:
+            return _weight_on_the_left(a, b)
     batch = tuple(range(n - 2))
     return dot(a, b, ((ca,), (cb,)), (batch, batch))
+
+
+# Rows of the float32 matmuls x[M, K] @ W.T (W [N, K], as nn.Linear holds it) that CPU inference
+# graphs compute as (W . x^T)^T (the plan's `weight_lhs`, option linear_weight_lhs). With the
+# weight as the dot's left operand, XLA:CPU's dot (YNNPACK) streams it as the wide operand of the
+# product instead of packing it as the narrow one: on the AVX2 EPYC, 4 to 64 rows took 0.6-0.85 of
+# the time of x . W^T with W read from memory (docs/benchmarks.md, "Weights on the left of a
+# few-row matmul"); 2 rows are faster with W laid out [in, out], one row and 128 the same either way.
+WEIGHT_LHS_ROWS = (4, 64)
+
+
+def _weight_on_the_left(x, w):
+    """x[M, K] . w[N, K]^T computed as (w . x^T)^T. XLA's simplifier would fold the transposes
+    back into x . w^T; the optimization barriers keep x^T and the product as computed, and XLA
+    fuses each small transpose into its neighbour (x's producer, the product's reader)."""
+    xt = lax.optimization_barrier(jnp.swapaxes(x, 0, 1))
+    return jnp.swapaxes(lax.optimization_barrier(dot(w, xt, ((1,), (0,)))), 0, 1)
+
+
+def _static_rows(x) -> int | None:
+    """The row count of the 2-D value `x` (a FakeTensor) if it is static, else None."""
+    import torch
+
+    rows = x.shape[0]
+    return None if isinstance(rows, torch.SymInt) else int(rows)
+
+
+def weight_lhs_matmuls(gm) -> frozenset:
+    """mm/addmm nodes of `gm` (a CPU inference graph) that multiply a float32 activation of
+    WEIGHT_LHS_ROWS rows (static) by a transposed dense float32 2-D tensor (nn.Linear's weight,
+    or merge_linears' concatenation of weights): the plan computes them as (W . x^T)^T."""
+    import torch
+
+    found = set()
+    for u in gm.graph.nodes:
+        if u.op != "call_function":
+            continue
+        rhs, lhs = {aten.mm.default: (1, 0), aten.addmm.default: (2, 1)}.get(u.target, (None, None))
+        if rhs is None:
+            continue
+        t, x = u.args[rhs], u.args[lhs]
+        if not (isinstance(t, torch.fx.Node) and isinstance(x, torch.fx.Node) and swaps_2d(t)
+                and isinstance(t.args[0], torch.fx.Node) and t not in u.args[:rhs]):
+            continue
+        w, xv = t.args[0].meta.get("val"), x.meta.get("val")
+        if not (isinstance(w, torch.Tensor) and isinstance(xv, torch.Tensor) and w.dim() == 2 and xv.dim() == 2
+                and w.dtype == xv.dtype == torch.float32 and w.is_contiguous() and xv.is_contiguous()
+                and not any(isinstance(s, torch.SymInt) for s in w.shape) and w.numel() > 0):
+            continue
+        rows = _static_rows(xv)
+        if rows is not None and WEIGHT_LHS_ROWS[0] <= rows <= WEIGHT_LHS_ROWS[1]:
+            found.add(u)
+    return frozenset(found)
 
 
 # Weight layout for XLA:CPU's float32 dot. nn.Linear stores W as [out, in] and multiplies
@@ -143,12 +198,13 @@ def check_linear_layout(value, where: str) -> None:
         raise ValueError(f"{where}transposed_linear_weights={value!r}; expected True, False or 'always'")
 
 
-def kn_weights(gm, example_inputs, always: bool = False) -> frozenset:
+def kn_weights(gm, example_inputs, always: bool = False, weight_lhs: frozenset = frozenset()) -> frozenset:
     """Placeholders of `gm` that only float32 matmuls of 2 rows or more read, as their
     transposed right operand (nn.Linear's weight), and whose dots XLA:CPU runs faster with the
     weight laid out [in, out] on this machine (runtime.dot_layout.prefer_kn, at the most rows
     any of them has; `always`: every such weight): the CPU plan imports them laid out [in, out]
-    (InputKind.RELAID, perm (1, 0)), once while unchanged."""
+    (InputKind.RELAID, perm (1, 0)), once while unchanged. A weight that a matmul of
+    `weight_lhs` (weight_lhs_matmuls) reads stays as torch holds it, which that matmul reads."""
     import torch
 
     from ..runtime import dot_layout
@@ -165,6 +221,9 @@ def kn_weights(gm, example_inputs, always: bool = False) -> frozenset:
                 ok = False
                 break
             for u in t.users:
+                if u in weight_lhs:
+                    ok = False
+                    break
                 rhs, lhs = {aten.mm.default: (1, 0), aten.addmm.default: (2, 1)}.get(u.target, (None, None))
                 x = u.args[lhs].meta.get("val") if rhs is not None else None
                 if (rhs is None or u.args[rhs] is not t or t in u.args[:rhs] or x is None or x.dim() != 2

@@ -226,6 +226,8 @@ class LoweringContext:
     # The node is lowered on channels-last values (channels_last.py): its 4-D operands and
     # results are NHWC, and out_shape says so.
     channels_last: bool = False
+    # A matmul the plan computes with its weight as the dot's left operand (GraphPlan.weight_lhs).
+    weight_lhs: bool = False
 
     def check_index(self, index, size: int, *, negative: bool, dim: int | None = None,
                     what: str = "index") -> None:

@@ -105,8 +105,11 @@ def test_empty_and_noncontiguous(check):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_weight_transpose_is_folded(check, tmp_path, monkeypatch, dtype):
     # nn.Linear's permute(W) must not be materialised: the optimized HLO of an inference MLP
-    # has no transpose or copy, and (bf16) no float32 convert of a weight. float32 weights reach
-    # it laid out [in, out] (option transposed_linear_weights), bf16 ones as torch holds them.
+    # transposes or copies no weight, and (bf16) converts none to float32. At 8 rows float32
+    # weights reach it as torch holds them and are the dots' left operands (option
+    # linear_weight_lhs: the products are [out, rows], and only those small activations are
+    # transposed); bf16 ones as torch holds them too, read transposed by dots of [rows, out],
+    # with no transpose or copy at all.
     monkeypatch.setenv("FX2XLA_DUMP_DIR", str(tmp_path))
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)).to(dtype)
@@ -115,7 +118,9 @@ def test_linear_weight_transpose_is_folded(check, tmp_path, monkeypatch, dtype):
     (hlo_file,) = glob.glob(os.path.join(str(tmp_path), "*.hlo.txt"))
     hlo = open(hlo_file).read()
     ops = re.findall(r"= \w+\[([\d,]*)\]\S* (\w+)\(", hlo)  # `%name = f32[8,128]{1,0} op(`
-    first = "64,128" if dtype == torch.float32 else "128,64"
-    assert ("8,128", "dot") in ops and (first, "parameter") in ops, hlo
+    product = "128,8" if dtype == torch.float32 else "8,128"
+    assert (product, "dot") in ops and ("128,64", "parameter") in ops, hlo
     weights = {"128,64", "64,128", "32,128", "128,32"}
-    assert not [(s, op) for s, op in ops if op in ("transpose", "copy") or (op == "convert" and s in weights)], hlo
+    moved = [(s, op) for s, op in ops if op in ("transpose", "copy")]
+    assert not [(s, op) for s, op in moved if s in weights or dtype != torch.float32], hlo
+    assert not [(s, op) for s, op in ops if op == "convert" and s in weights], hlo

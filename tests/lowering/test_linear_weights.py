@@ -10,10 +10,14 @@ faster. What these tests hold it to:
 - the optimized HLO reads the weight as passed: no transpose is left in the program;
 - weights left as they are: one-row matmuls, bf16, a weight the embedding also reads (tied
   lm_head), a weight read untransposed, training graphs, the option off;
-- a weight changed in place or replaced is imported again, and results follow eager;
+- a weight changed in place or replaced is imported again, and results follow eager (also with
+  the weight on the left of its matmuls, option linear_weight_lhs);
 - a LLaMA forward matches eager with its projections relaid;
-- four threads calling one compiled MLP get eager's results;
-- a bad option value is a clear error."""
+- four threads calling one compiled MLP get eager's results (weights relaid, and on the left);
+- a bad option value is a clear error.
+
+The helper `run` compiles with option linear_weight_lhs off: at 4-64 rows that option computes
+the matmul with the weight as torch holds it instead (tests/lowering/test_weight_lhs.py)."""
 from __future__ import annotations
 
 import copy
@@ -33,7 +37,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
+def fresh():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -43,14 +47,15 @@ def _new_graphs(before):
     return [g for g in live_graphs if id(g) not in before]
 
 
-def _laid(graphs) -> int:
+def laid_count(graphs) -> int:
     return sum(p.kind is InputKind.RELAID and p.perm == (1, 0) for g in graphs for p in g.plan.inputs)
 
 
 def run(model, *args, **options):
-    """Compiled `model` on args under no_grad: (result, the new graphs)."""
+    """Compiled `model` on args under no_grad, option linear_weight_lhs off unless given:
+    (result, the new graphs)."""
     before = {id(g) for g in live_graphs}
-    compiled = torch.compile(model, backend="fx2xla", options=options or None)
+    compiled = torch.compile(model, backend="fx2xla", options={"linear_weight_lhs": False, **options})
     with torch.no_grad():
         out = compiled(*args)
     return out, _new_graphs(before), compiled
@@ -68,14 +73,14 @@ def test_mlp_weights_are_laid_out_in_out(shape):
     with torch.no_grad():
         expected = model(x)
     torch.testing.assert_close(out, expected, **TOL)
-    assert _laid(graphs) == 2
+    assert laid_count(graphs) == 2
     hlo = optimized_hlo_text(graphs[0].static.exe)
     params = set(re.findall(r"= (f32\[[\d,]+\])\{[\d,]*\} parameter\(", hlo))
     assert {"f32[64,256]", "f32[256,48]"} <= params and not {"f32[256,64]", "f32[48,256]"} & params, params
     assert "transpose(" not in hlo, hlo
     torch._dynamo.reset()
     off, off_graphs, _ = run(model, x, transposed_linear_weights=False)
-    assert _laid(off_graphs) == 0
+    assert laid_count(off_graphs) == 0
     torch.testing.assert_close(out, off, **TOL)
 
 
@@ -121,12 +126,13 @@ def test_weights_left_as_they_are(case):
     out, graphs, _ = run(model, x)
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), **tol)
-    assert _laid(graphs) == laid
+    assert laid_count(graphs) == laid
 
 
 def test_training_graphs_keep_their_weights():
-    """A training step reads weights as torch holds them (they change every step) and its
-    gradients match eager's."""
+    """A training step reads weights as torch holds them (they change every step), computes its
+    matmuls as x . W^T (no weight on the left, option linear_weight_lhs), and its gradients match
+    eager's."""
     torch.manual_seed(0)
     model = mlp(32, 64, 16)
     ref = copy.deepcopy(model)
@@ -134,18 +140,23 @@ def test_training_graphs_keep_their_weights():
     before = {id(g) for g in live_graphs}
     torch.compile(model, backend="fx2xla")(x).sum().backward()
     ref(x).sum().backward()
-    assert _laid(_new_graphs(before)) == 0
+    assert laid_count(_new_graphs(before)) == 0
+    assert not any(g.plan.weight_lhs for g in _new_graphs(before))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_changed_weights_follow():
-    """A weight changed in place, then one replaced: the next calls import the new values."""
+@pytest.mark.parametrize("weight_lhs", [False, True], ids=["relaid", "weight_lhs"])
+def test_changed_weights_follow(weight_lhs):
+    """A weight changed in place, then one replaced: the next calls import the new values,
+    relaid, and (option linear_weight_lhs, tests/lowering/test_weight_lhs.py) read as torch
+    holds them by matmuls with the weight on the left."""
     torch.manual_seed(0)
     model = mlp(32, 64, 16).eval()
     x = torch.randn(8, 32)
-    out, graphs, compiled = run(model, x)
-    assert _laid(graphs) == 2
+    out, graphs, compiled = run(model, x, linear_weight_lhs=weight_lhs)
+    assert laid_count(graphs) == (0 if weight_lhs else 2)
+    assert sum(len(g.plan.weight_lhs) for g in graphs) == (2 if weight_lhs else 0)
     with torch.no_grad():
         model[0].weight.mul_(-0.5)
         torch.testing.assert_close(compiled(x), model(x), **TOL)
@@ -155,16 +166,18 @@ def test_changed_weights_follow():
 
 def test_dynamic_batch():
     """Under dynamic=True the rows are symbolic (Dynamo specializes 0 and 1): weights relaid,
-    and batch sizes 2, 5 and 9 match eager."""
+    no matmul with its weight on the left (option linear_weight_lhs, on here: it needs static
+    rows), and batch sizes 2, 5, 9 and 40 match eager."""
     torch.manual_seed(0)
     model = mlp(32, 64, 16).eval()
     before = {id(g) for g in live_graphs}
     compiled = torch.compile(model, backend="fx2xla", dynamic=True)
     with torch.no_grad():
-        for batch in (2, 5, 9):
+        for batch in (2, 5, 9, 40):
             x = torch.randn(batch, 32)
             torch.testing.assert_close(compiled(x), model(x), **TOL)
-    assert _laid(_new_graphs(before)) == 2
+    assert laid_count(_new_graphs(before)) == 2
+    assert not any(g.plan.weight_lhs for g in _new_graphs(before))
 
 
 def test_llama_forward():
@@ -181,14 +194,16 @@ def test_llama_forward():
         with torch.no_grad():
             torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
         # unmerged: q, k, v, o, gate, up, down per layer, and lm_head (untied in this config)
-        assert _laid(graphs) == laid
+        assert laid_count(graphs) == laid
 
 
-def test_threads():
-    """Four threads calling one compiled MLP at once, 5 calls each, get eager's results."""
+@pytest.mark.parametrize("weight_lhs", [False, True], ids=["relaid", "weight_lhs"])
+def test_threads(weight_lhs):
+    """Four threads calling one compiled MLP at once, 5 calls each, get eager's results, with
+    its weights relaid and with them on the left of its matmuls."""
     torch.manual_seed(0)
     model = mlp(32, 64, 16).eval()
-    compiled = torch.compile(model, backend="fx2xla")
+    compiled = torch.compile(model, backend="fx2xla", options={"linear_weight_lhs": weight_lhs})
     inputs = [torch.randn(8, 32) for _ in range(4)]
     with torch.no_grad():
         compiled(inputs[0])
@@ -220,7 +235,7 @@ def test_weights_created_under_inference_mode_stay_as_they_are():
         before = {id(g) for g in live_graphs}
         with torch.inference_mode():
             x = torch.randn(4, 3, 32, 32)
-            out = torch.compile(model, backend="fx2xla")(x)
+            out = torch.compile(model, backend="fx2xla", options={"linear_weight_lhs": False})(x)
             torch.testing.assert_close(out, model(x), **TOL)
         graphs = _new_graphs(before)
         assert sum(p.kind is InputKind.RELAID for g in graphs for p in g.plan.inputs) == relaid
