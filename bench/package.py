@@ -5,6 +5,7 @@
 Per model (fx2xla.testing.model_cases, float32, random weights): the model exported with
 fx2xla.export and loaded with fx2xla.load ("package"), the same with
 `transposed_linear_weights=False` ("package:as-is": nn.Linear weights as torch holds them), the
+same with `linear_weight_lhs=False` ("package:weight-rhs": matmuls of 4-64 rows as x . W^T), the
 same package loaded with FX2XLA_TORCH_KERNELS=0 ("package:xla-kernels": the plain executable,
 XLA's convolutions, where "package" runs the one with torch's), torch.compile with fx2xla,
 Inductor, and eager, called on the same inputs, interleaved in rounds (bench/harness.py);
@@ -42,6 +43,8 @@ def run_model(case, rounds: int, folder: str) -> dict:
         "package": fx2xla.load(package),
         "package:as-is": fx2xla.load(fx2xla.export(model, args, os.path.join(folder, case.name + "-as-is"),
                                                    transposed_linear_weights=False)),
+        "package:weight-rhs": fx2xla.load(fx2xla.export(model, args, os.path.join(folder, case.name + "-rhs"),
+                                                        linear_weight_lhs=False)),
         "package:xla-kernels": xla_kernels_load(package),
     }
     errors = {}
@@ -56,6 +59,7 @@ def run_model(case, rounds: int, folder: str) -> dict:
                        "package/eager": med["package"] / med["eager"],
                        "package/fx2xla": med["package"] / med["fx2xla"],
                        "package/package:as-is": med["package"] / med["package:as-is"],
+                       "package/package:weight-rhs": med["package"] / med["package:weight-rhs"],
                        "package/package:xla-kernels": med["package"] / med["package:xla-kernels"]}}
 
 
@@ -83,7 +87,8 @@ def main() -> None:
     results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "models": {}}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'model':8s} {'eager':>10s} {'inductor':>10s} {'fx2xla':>10s} {'package':>10s} {'pkg:as-is':>10s}"
-          f" {'pkg/ind':>8s} {'pkg/eager':>9s} {'pkg/fx':>7s} {'pkg/as-is':>9s} {'pkg/xla-k':>9s} {'max rel err':>11s}")
+          f" {'pkg/ind':>8s} {'pkg/eager':>9s} {'pkg/fx':>7s} {'pkg/as-is':>9s} {'pkg/rhs':>8s} {'pkg/xla-k':>9s}"
+          f" {'max rel err':>11s}")
     with tempfile.TemporaryDirectory() as folder:
         for case in cases:
             r = run_model(case, a.rounds, folder)
@@ -93,7 +98,7 @@ def main() -> None:
             print(f"{case.name:8s} {fmt_time(m['eager']):>10s} {fmt_time(m['inductor']):>10s} {fmt_time(m['fx2xla']):>10s}"
                   f" {fmt_time(m['package']):>10s} {fmt_time(m['package:as-is']):>10s} {q['package/inductor']:8.2f}"
                   f" {q['package/eager']:9.2f} {q['package/fx2xla']:7.2f} {q['package/package:as-is']:9.2f}"
-                  f" {q['package/package:xla-kernels']:9.2f}"
+                  f" {q['package/package:weight-rhs']:8.2f} {q['package/package:xla-kernels']:9.2f}"
                   f" {max(r['max_rel_err'].values()):11.2e}{'' if ok else '  MISMATCH'}")
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")

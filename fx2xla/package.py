@@ -349,7 +349,8 @@ def _warn_unsharded(model, example_inputs, gm) -> None:
 
 
 def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=None,
-           check_indices: bool = True, transposed_linear_weights: bool | str = True) -> str:
+           check_indices: bool = True, transposed_linear_weights: bool | str = True,
+           linear_weight_lhs: bool = True) -> str:
     """Export `model` at `example_inputs` (positional tensors) through `torch.export`, lower it
     with fx2xla's rules for the device its parameters live on, compile it, and write a package
     to the folder `path` (created; an existing package there is replaced). Returns `path`.
@@ -367,12 +368,19 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     transposed_linear_weights: exported on a CPU, float32 nn.Linear weights that only matmuls of
     two rows or more read are laid out [in, out] where XLA:CPU's dot reads them faster so on the
     exporting machine, as torch.compile's option of that name decides it (the loaded model holds
-    them so, once); "always": every such weight; False keeps them as torch holds them."""
+    them so, once); "always": every such weight; False keeps them as torch holds them.
+
+    linear_weight_lhs: exported on a CPU with static shapes, float32 matmuls of 4-64 rows against
+    such a weight compute (W . x^T)^T, the weight as torch holds it, as torch.compile's option of
+    that name does (a dynamic batch has no static row count: its matmuls stay x . W^T); False:
+    x . W^T."""
 
     example_inputs = tuple(example_inputs)
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
         raise TypeError("fx2xla.export: example_inputs must be a tuple of tensors (the model's positional inputs)")
     check_linear_layout(transposed_linear_weights, "fx2xla.export: ")
+    if not isinstance(linear_weight_lhs, bool):
+        raise ValueError(f"fx2xla.export: linear_weight_lhs={linear_weight_lhs!r}; expected True or False")
     t0 = time.perf_counter()
     record = {}  # the output tree, or the PackageError that refused an output
     try:
@@ -416,8 +424,9 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     # `layouts`); the manifest's "linear_weights_kn" says which export option made them.
     cpu = device.platform == "cpu"
     kn = transposed_linear_weights if cpu and transposed_linear_weights else False
+    lhs = cpu and linear_weight_lhs
     plan, lowered = _lower(gm, fakes, device, inputs, concrete if dynamic else None, check_indices, kn,
-                           relaid_weights=cpu)
+                           relaid_weights=cpu, linear_weight_lhs=lhs)
     # XLA's kernels only in the portable module: a package compiles anywhere, with or without a
     # build of the kernel library. Beside it, an executable with the library's custom calls,
     # which loads where the same build of the library runs (its key says which).
@@ -460,7 +469,8 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
         "compile_options": compile_options(device.platform).SerializeAsString().hex(),
         "inputs": inputs, "plan": plan_record(plan), "written_outputs": written,
         "output_tree": record["tree"],
-        "dynamic": dynamic, "check_indices": check_indices, "linear_weights_kn": kn, "variants": [variant],
+        "dynamic": dynamic, "check_indices": check_indices, "linear_weights_kn": kn,
+        "weight_lhs_matmuls": len(plan.weight_lhs), "variants": [variant],
         "export_seconds": time.perf_counter() - t0,
         "files": {name: {"sha256": _sha256(os.path.join(path, name)), "bytes": os.path.getsize(os.path.join(path, name))}
                   for name in files},
@@ -491,10 +501,11 @@ def _dims(fake: torch.Tensor, ranges) -> list:
 
 
 def _lower(gm, fakes, device, inputs, concrete, check_indices, linear_weights_kn: bool = False,
-           kernels: bool = False, relaid_weights: bool = False, layouts=None):
+           kernels: bool = False, relaid_weights: bool = False, layouts=None, linear_weight_lhs: bool = False):
     """(plan, lowered) of an exported graph on `device`, at the shapes of `concrete` (all
     placeholders' values) or, for static graphs (None), at the example shapes.
-    `linear_weights_kn`, `relaid_weights` (and pinned weights with it): plan.build_plan's.
+    `linear_weights_kn`, `relaid_weights` (and pinned weights with it), `linear_weight_lhs`:
+    plan.build_plan's.
     `kernels`: the module may call the kernel library (a module for this machine only; the
     portable one never does). `layouts`: per input, the (kind, perm) a loaded package's plan
     passes it in, which the module takes whatever this device's plan would choose (the
@@ -502,7 +513,7 @@ def _lower(gm, fakes, device, inputs, concrete, check_indices, linear_weights_kn
 
     resident = {i for i, spec in enumerate(inputs) if spec["kind"] != "user"}
     plan = build_plan(gm, fakes, device, resident, relaid_weights=relaid_weights, pinned_weights=relaid_weights,
-                      linear_weights_kn=linear_weights_kn)
+                      linear_weights_kn=linear_weights_kn, linear_weight_lhs=linear_weight_lhs)
     if layouts is not None:
         plan.inputs = [dataclasses.replace(p, kind=kind, perm=perm) for p, (kind, perm) in zip(plan.inputs, layouts)]
     if plan.concats:
@@ -697,7 +708,8 @@ class LoadedModel:
         concrete = [next(user) if held is None else held for held in self._args]
         lowered, exe = compile_lowered(
             lambda: _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"],
-                           kernels=_kernels_here(self.device), layouts=[(p.kind, p.perm) for p in self.plan.inputs])[1],
+                           kernels=_kernels_here(self.device), layouts=[(p.kind, p.perm) for p in self.plan.inputs],
+                           linear_weight_lhs=bool(self.manifest.get("weight_lhs_matmuls")))[1],
             lambda text: compile_module(text, self.device), f"package {self.path!r}")
         self.compiled_from_module = True
         return self._variant(exe, _variant_json(lowered, [list(a.shape) for a in args]))

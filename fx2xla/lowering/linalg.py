@@ -122,9 +122,10 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
 # Rows of the float32 matmuls x[M, K] @ W.T (W [N, K], as nn.Linear holds it) that CPU inference
 # graphs compute as (W . x^T)^T (the plan's `weight_lhs`, option linear_weight_lhs). With the
 # weight as the dot's left operand, XLA:CPU's dot (YNNPACK) streams it as the wide operand of the
-# product instead of packing it as the narrow one: on the AVX2 EPYC, 4 to 64 rows took 0.6-0.85 of
-# the time of x . W^T with W read from memory (docs/benchmarks.md, "Weights on the left of a
-# few-row matmul"); 2 rows are faster with W laid out [in, out], one row and 128 the same either way.
+# product instead of packing it as the narrow one. On the AVX2 EPYC, a stack of Linear layers at 4
+# to 64 rows took 0.34-0.71 of the time of either other form with its 32 MiB of weights read from
+# memory, 0.62-1.07 with 5.4 MiB in cache (docs/benchmarks.md, "Weights on the left of a few-row
+# matmul"); 2 rows are faster with W laid out [in, out], 1 and 128 rows gain nothing.
 WEIGHT_LHS_ROWS = (4, 64)
 
 

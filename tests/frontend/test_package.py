@@ -19,6 +19,7 @@ naming its type and what to change."""
 import collections
 import gc
 import json
+import re
 import os
 import subprocess
 import sys
@@ -502,14 +503,16 @@ def test_linear_weights_laid_out_in_out_on_a_cpu(tmp_path, dynamic):
     them (plan kind "relaid", perm [1, 0]); the loaded model holds each weight in that order once
     and passes it as a view (kind PERMUTED), and matches eager (float32 rtol 1e-4, atol 1e-5) and
     torch.compile's result (rtol 1e-6, atol 1e-6), at the example batch and, exported with a
-    dynamic batch, at batches it lowers when called. bf16 weights stay as torch holds them."""
+    dynamic batch, at batches it lowers when called. bf16 weights stay as torch holds them.
+    Exported and compiled with linear_weight_lhs=False: at 8 static rows that option keeps the
+    weights as torch holds them (test_weights_on_the_left_in_a_package)."""
     from fx2xla.plan import InputKind
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
     x = torch.randn(8, 16)
     shapes = ({0: torch.export.Dim("batch", min=2, max=64)},) if dynamic else None
-    path = fx2xla.export(model, (x,), str(tmp_path / "pkg"), dynamic_shapes=shapes)
+    path = fx2xla.export(model, (x,), str(tmp_path / "pkg"), dynamic_shapes=shapes, linear_weight_lhs=False)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["linear_weights_kn"] is True
@@ -519,7 +522,7 @@ def test_linear_weights_laid_out_in_out_on_a_cpu(tmp_path, dynamic):
     assert [p.kind for p in run.plan.inputs[:4]] == [InputKind.PERMUTED, InputKind.TENSOR, InputKind.PERMUTED,
                                                      InputKind.TENSOR]
     with torch.no_grad():
-        compiled = torch.compile(model, backend="fx2xla")
+        compiled = torch.compile(model, backend="fx2xla", options={"linear_weight_lhs": False})
         for n in ((8, 5, 40) if dynamic else (8,)):
             xn = torch.randn(n, 16)
             out = run(xn)
@@ -529,6 +532,46 @@ def test_linear_weights_laid_out_in_out_on_a_cpu(tmp_path, dynamic):
     path = fx2xla.export(bf16, (x.bfloat16(),), str(tmp_path / "bf16"))
     with open(os.path.join(path, "manifest.json")) as f:
         assert [p["kind"] for p in json.load(f)["plan"]["inputs"]] == ["tensor", "tensor", "tensor"]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_weights_on_the_left_in_a_package(tmp_path, dynamic):
+    """A package exported on a CPU at 8 static rows computes its float32 matmuls with the weight
+    on the dot's left, as a compiled CPU graph does (option linear_weight_lhs): the manifest
+    counts both matmuls, no weight is relaid, its StableHLO module computes the products
+    [out, rows] between optimization barriers, and the loaded model's result matches eager (float32 rtol 1e-4, atol 1e-5) and torch.compile's
+    (rtol 1e-6, atol 1e-6). Exported with a dynamic batch, the rows are symbolic: none is
+    counted, and batches 8, 5 and 40 match eager. A bad value is refused before anything is
+    exported."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(8, 16)
+    shapes = ({0: torch.export.Dim("batch", min=2, max=64)},) if dynamic else None
+    path = fx2xla.export(model, (x,), str(tmp_path / "pkg"), dynamic_shapes=shapes)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["weight_lhs_matmuls"] == (0 if dynamic else 2)
+    from jax.extend.mlir import ir
+    from jaxlib.mlir.dialects import stablehlo
+
+    with ir.Context() as context:  # the module's text, for a look at its ops (no dialect checks)
+        context.allow_unregistered_dialects = True
+        module = str(ir.Module.parse(stablehlo.deserialize_portable_artifact_str(
+            (tmp_path / "pkg" / "module-0.stablehlo").read_bytes())))
+    dots = re.findall(r"dot_general.*-> (tensor<[^>]*>)", module)
+    assert ("optimization_barrier" in module and dots == ["tensor<32x8xf32>", "tensor<8x8xf32>"]) != dynamic, module
+    if not dynamic:
+        assert [p["kind"] for p in manifest["plan"]["inputs"]] == ["tensor"] * 5
+    run = fx2xla.load(path)
+    with torch.no_grad():
+        if not dynamic:
+            torch.testing.assert_close(run(x), torch.compile(model, backend="fx2xla")(x), rtol=1e-6, atol=1e-6)
+        for n in ((8, 5, 40) if dynamic else (8,)):
+            xn = torch.randn(n, 16)
+            torch.testing.assert_close(run(xn), model(xn), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"linear_weight_lhs='yes'; expected True or False"):
+        fx2xla.export(model, (x,), str(tmp_path / "bad"), linear_weight_lhs="yes")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_linear_weights_as_torch_holds_them_on_request(tmp_path):
