@@ -105,9 +105,10 @@ class CompiledGraph:
         resident convolution weights imported channels-last, and with `linear_weights_kn` (the
         option transposed_linear_weights) float32 nn.Linear weights laid out [in, out] on the CPU
         (plan.build_plan); with `merge_linears` (the option of that name) too, the linears of a CPU
-        inference graph that read one activation are one matmul (lowering/merge_linears.py), and
-        with `linear_weight_lhs` (the option of that name) its float32 matmuls of 4-64 rows
-        against such weights compute (W . x^T)^T (lowering/linalg.py).
+        inference graph that read one activation are one matmul (lowering/merge_linears.py).
+        `linear_weight_lhs` (the option of that name): a CPU inference graph's float32 matmuls
+        of 4-64 rows against a transposed weight compute (W . x^T)^T (lowering/linalg.py); it
+        copies no weight, so it applies to weights that are inference tensors too.
         `training`: a forward or backward graph, whose returned results the next graph reads
         (kept as twins on the CPU too: plan_executor.twin_results)."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
@@ -137,7 +138,7 @@ class CompiledGraph:
                                       channels_last and relaid_weights
                                       and "convolution" in _torch_kernels.kinds(torch_kernels),
                                       linear_weights_kn if relaid_weights and device.platform == "cpu" else False,
-                                      linear_weight_lhs and relaid_weights and device.platform == "cpu")
+                                      linear_weight_lhs and not training and device.platform == "cpu")
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:

@@ -13,6 +13,7 @@ W passed as torch holds it. What these tests hold it to:
   training graphs: tests/lowering/test_linear_weights.py's test_dynamic_batch and
   test_training_graphs_keep_their_weights);
 - LLaMA's merged q/k/v and gate/up matmuls take it too, and its logits match eager's;
+- a model whose parameters are inference tensors takes it too;
 - a bad option value is a clear error.
 A weight changed in place or replaced, and four threads calling one compiled model, are
 tests/lowering/test_linear_weights.py's test_changed_weights_follow and test_threads, run with
@@ -115,6 +116,19 @@ def test_left_as_it_is(case):
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), **tol)
     assert _on_the_left(graphs) == 0
+
+
+def test_weights_created_under_inference_mode():
+    """A model built under torch.inference_mode (its parameters inference tensors, imported on
+    every call, so never relaid): the weight on the left copies nothing, so its matmuls take
+    it all the same, and results match eager."""
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        model = mlp(32, 64, 16).eval()
+        x = torch.randn(8, 32)
+        out, graphs, _ = run(model, x)
+        torch.testing.assert_close(out, model(x), **TOL)
+    assert _on_the_left(graphs) == 2 and laid_count(graphs) == 0
 
 
 def test_llama_merged_linears():
