@@ -196,7 +196,8 @@ def test_bad_option_value():
 
 
 def test_export_takes_the_option(cache, tmp_path, monkeypatch):
-    """fx2xla.export: "always" relays without asking and the loaded package gives eager's result;
+    """fx2xla.export: "always" relays without asking and the loaded package gives eager's result
+    (exported with linear_weight_lhs=False: at 8 rows that keeps the weights as torch holds them);
     a bad value is refused before anything is exported."""
     import fx2xla
 
@@ -207,7 +208,8 @@ def test_export_takes_the_option(cache, tmp_path, monkeypatch):
         raise AssertionError("prefer_kn asked under transposed_linear_weights='always'")
 
     monkeypatch.setattr(dot_layout, "prefer_kn", refuse)
-    run = fx2xla.load(fx2xla.export(model, (x,), str(tmp_path / "pkg"), transposed_linear_weights="always"))
+    run = fx2xla.load(fx2xla.export(model, (x,), str(tmp_path / "pkg"), transposed_linear_weights="always",
+                                    linear_weight_lhs=False))
     with torch.no_grad():
         torch.testing.assert_close(run(x), model(x), **TOL)
     manifest = json.loads((tmp_path / "pkg" / "manifest.json").read_text())
