@@ -1,6 +1,7 @@
 """LLaMA decoding with a static KV cache: transformers `generate`, eager vs Inductor vs fx2xla.
 
     .venv/bin/python bench/decode.py [--batches 1,8] [--new-tokens 64] [--rounds 7] [--dtype bfloat16]
+        [--max-cache-len N]
 
 The model is fx2xla.testing.llama() (4 layers x 256, 4 heads, 2 KV heads, vocab 1000: the
 configuration bench/inference.py uses), random weights. Each contender is its own copy of the
@@ -8,7 +9,9 @@ model (the same weights) and decodes greedily with `cache_implementation="static
 transformers compile generation: the prompt (16 tokens) runs eagerly, and transformers compiles
 the decode step (`CompileConfig(backend=..., fullgraph=True)`; on CPU that needs its
 `_compile_all_devices` flag) -- "eager" passes `disable_compile=True`. `min_new_tokens` makes
-every call decode exactly `--new-tokens` tokens.
+every call decode exactly `--new-tokens` tokens. `--max-cache-len N` sizes the static cache
+for N positions (generate's `max_cache_len`; by default prompt + new tokens): every step's
+attention reads all N, as a server's cache sized for its longest request does.
 
 Measured per batch size, in one process: the first call of each (its compiles; Inductor with a
 cold TORCHINDUCTOR_CACHE_DIR, fx2xla with a cold FX2XLA_CACHE_DIR), then whole `generate`
@@ -116,9 +119,11 @@ def _timed_compiled_calls() -> None:
     PreTrainedModel.get_compiled_call = get_compiled_call
 
 
-def make_generate(model, name: str, ids, new_tokens: int):
+def make_generate(model, name: str, ids, new_tokens: int, max_cache_len: int | None = None):
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
               do_sample=False, cache_implementation="static", pad_token_id=0)
+    if max_cache_len:
+        kw["max_cache_len"] = max_cache_len
     if name == "eager":
         kw["disable_compile"] = True
     else:
@@ -150,8 +155,9 @@ def bench_batch(batch: int, args) -> dict:
     ids = torch.randint(1, base.config.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(1))
     names = contenders(args)
     models = {name: copy.deepcopy(base) for name in names}
-    gens = {name: make_generate(models[name], name, ids, args.new_tokens) for name in names}
-    res: dict = {"batch": batch, "dtype": args.dtype, "prompt": args.prompt, "new_tokens": args.new_tokens, "first_call_s": {}}
+    gens = {name: make_generate(models[name], name, ids, args.new_tokens, args.max_cache_len) for name in names}
+    res: dict = {"batch": batch, "dtype": args.dtype, "prompt": args.prompt, "new_tokens": args.new_tokens,
+                 "max_cache_len": args.max_cache_len, "first_call_s": {}}
     outs = {}
     for name in names:  # first calls: the compiles (Dynamo, and the backend's)
         env = COMPILE_ENV.get(name)
@@ -250,6 +256,8 @@ def main() -> None:
                    help="also time fx2xla importing every fresh input over DLPack (FX2XLA_STAGE_INPUTS=0)")
     p.add_argument("--weight-rhs", action="store_true",
                    help="also time fx2xla computing matmuls of 4-64 rows as x . W^T (option linear_weight_lhs=False)")
+    p.add_argument("--max-cache-len", type=int, default=None,
+                   help="the static cache's length (generate's max_cache_len; default: prompt + new tokens)")
     p.add_argument("--gap-ms", type=float, default=50.0, help="sleep before each timed call")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     a = p.parse_args()

@@ -14,6 +14,8 @@ outputs against a float64 eager copy, within 4x eager's own bfloat16 error and a
 - a training graph keeps torch's decomposition, and its gradients match eager's;
 - a transformers LLaMA (grouped-query attention) decodes the same tokens as eager with a
   static cache, and an 8-layer one folded into a loop keeps the op inside the loop's body;
+- at batch 1 (and 2) with a longer static cache, decoding gives eager's tokens and logits, and
+  the compiled step copies no cache;
 - with dynamic shapes, three sequence lengths match eager."""
 from __future__ import annotations
 
@@ -179,6 +181,40 @@ def test_llama_decode_with_grouped_query_attention_matches_eager():
         compiled = model.generate(ids, compile_config=config, **kw)
     assert torch.equal(compiled, eager)
     assert any(FLASH in targets(g) for g in live_graphs if id(g) not in before)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_batch_one_decode_copies_no_cache(batch):
+    """A LLaMA (2 layers, GQA) decoding 6 tokens with a 96-position static cache, compiled step
+    against eager: the same ids, logits within float32 rtol 1e-4 / atol 1e-5. At batch 1 the
+    rule multiplies and sums (nn._summed_attention): the step's optimized HLO copies no cache
+    (XLA copies a cache written in place four times over when a batched dot reads it through a
+    reshape). At batch 2 the rule keeps its batched dots, which XLA reads in place too."""
+    from fx2xla.testing import llama
+    from transformers import CompileConfig
+
+    torch.manual_seed(0)
+    model = llama(layers=2, hidden=64).eval()
+    ids = torch.randint(1, model.config.vocab_size, (batch, 6), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+              cache_implementation="static", pad_token_id=0, max_cache_len=96, output_logits=True,
+              return_dict_in_generate=True)
+    config = CompileConfig(backend="fx2xla", fullgraph=True, mode=None)
+    config._compile_all_devices = True
+    with torch.no_grad():
+        eager = model.generate(ids, disable_compile=True, **kw)
+        before = {id(g) for g in live_graphs}
+        compiled = model.generate(ids, compile_config=config, **kw)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), **tolerance(torch.float32))
+    graphs = [g for g in live_graphs if id(g) not in before]
+    kv = model.config.num_key_value_heads
+    head = model.config.hidden_size // model.config.num_attention_heads
+    cache = f"f32[{batch},{kv},96,{head}]"
+    hlo = "".join(optimized_hlo_text(g.static.exe) for g in graphs)
+    assert cache in hlo, hlo  # the pattern below can match
+    copies = re.findall(re.escape(cache) + r"\{[\d,]*\} copy\(", hlo)
+    assert not copies, copies
 
 
 def test_dynamic_lengths_match_eager():
