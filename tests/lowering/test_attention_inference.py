@@ -163,24 +163,32 @@ def test_training_graph_keeps_decomposition_and_grads_match():
         torch.testing.assert_close(got.grad, want.grad, **tolerance(torch.float32, 10))
 
 
-def test_llama_decode_with_grouped_query_attention_matches_eager():
+def decode_llama(batch: int, **extra):
+    """A 2-layer GQA LLaMA decoding 6 tokens after 6 with a static cache, greedily, eagerly and
+    with its step compiled by fx2xla (generate's `extra` arguments to both): (model, eager's
+    result, fx2xla's, the graphs the compiled step made)."""
     from fx2xla.testing import llama
     from transformers import CompileConfig
 
     torch.manual_seed(0)
     model = llama(layers=2, hidden=64).eval()
     assert model.config.num_key_value_heads < model.config.num_attention_heads
-    ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, model.config.vocab_size, (batch, 6), generator=torch.Generator().manual_seed(1))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-              cache_implementation="static", pad_token_id=0)
+              cache_implementation="static", pad_token_id=0, **extra)
     config = CompileConfig(backend="fx2xla", fullgraph=True, mode=None)
     config._compile_all_devices = True
     with torch.no_grad():
         eager = model.generate(ids, disable_compile=True, **kw)
         before = {id(g) for g in live_graphs}
         compiled = model.generate(ids, compile_config=config, **kw)
+    return model, eager, compiled, [g for g in live_graphs if id(g) not in before]
+
+
+def test_llama_decode_with_grouped_query_attention_matches_eager():
+    _, eager, compiled, graphs = decode_llama(2)
     assert torch.equal(compiled, eager)
-    assert any(FLASH in targets(g) for g in live_graphs if id(g) not in before)
+    assert any(FLASH in targets(g) for g in graphs)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -190,24 +198,10 @@ def test_batch_one_decode_copies_no_cache(batch):
     rule multiplies and sums (nn._summed_attention): the step's optimized HLO copies no cache
     (XLA copies a cache written in place four times over when a batched dot reads it through a
     reshape). At batch 2 the rule keeps its batched dots, which XLA reads in place too."""
-    from fx2xla.testing import llama
-    from transformers import CompileConfig
-
-    torch.manual_seed(0)
-    model = llama(layers=2, hidden=64).eval()
-    ids = torch.randint(1, model.config.vocab_size, (batch, 6), generator=torch.Generator().manual_seed(1))
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-              cache_implementation="static", pad_token_id=0, max_cache_len=96, output_logits=True,
-              return_dict_in_generate=True)
-    config = CompileConfig(backend="fx2xla", fullgraph=True, mode=None)
-    config._compile_all_devices = True
-    with torch.no_grad():
-        eager = model.generate(ids, disable_compile=True, **kw)
-        before = {id(g) for g in live_graphs}
-        compiled = model.generate(ids, compile_config=config, **kw)
+    model, eager, compiled, graphs = decode_llama(batch, max_cache_len=96, output_logits=True,
+                                                  return_dict_in_generate=True)
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), **tolerance(torch.float32))
-    graphs = [g for g in live_graphs if id(g) not in before]
     kv = model.config.num_key_value_heads
     head = model.config.hidden_size // model.config.num_attention_heads
     cache = f"f32[{batch},{kv},96,{head}]"
