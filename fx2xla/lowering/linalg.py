@@ -137,12 +137,8 @@ def _weight_on_the_left(x, w):
     return jnp.swapaxes(lax.optimization_barrier(dot(w, xt, ((1,), (0,)))), 0, 1)
 
 
-def _static_rows(x) -> int | None:
-    """The row count of the 2-D value `x` (a FakeTensor) if it is static, else None."""
-    import torch
-
-    rows = x.shape[0]
-    return None if isinstance(rows, torch.SymInt) else int(rows)
+# The operand positions (right, left) of the matmuls nn.Linear lowers to.
+_LINEAR_OPERANDS = {aten.mm.default: (1, 0), aten.addmm.default: (2, 1)}
 
 
 def weight_lhs_matmuls(gm) -> frozenset:
@@ -155,7 +151,7 @@ def weight_lhs_matmuls(gm) -> frozenset:
     for u in gm.graph.nodes:
         if u.op != "call_function":
             continue
-        rhs, lhs = {aten.mm.default: (1, 0), aten.addmm.default: (2, 1)}.get(u.target, (None, None))
+        rhs, lhs = _LINEAR_OPERANDS.get(u.target, (None, None))
         if rhs is None:
             continue
         t, x = u.args[rhs], u.args[lhs]
@@ -167,8 +163,8 @@ def weight_lhs_matmuls(gm) -> frozenset:
                 and w.dtype == xv.dtype == torch.float32 and w.is_contiguous() and xv.is_contiguous()
                 and not any(isinstance(s, torch.SymInt) for s in w.shape) and w.numel() > 0):
             continue
-        rows = _static_rows(xv)
-        if rows is not None and WEIGHT_LHS_ROWS[0] <= rows <= WEIGHT_LHS_ROWS[1]:
+        rows = xv.shape[0]
+        if not isinstance(rows, torch.SymInt) and WEIGHT_LHS_ROWS[0] <= rows <= WEIGHT_LHS_ROWS[1]:
             found.add(u)
     return frozenset(found)
 
@@ -225,7 +221,7 @@ def kn_weights(gm, example_inputs, always: bool = False, weight_lhs: frozenset =
                 if u in weight_lhs:
                     ok = False
                     break
-                rhs, lhs = {aten.mm.default: (1, 0), aten.addmm.default: (2, 1)}.get(u.target, (None, None))
+                rhs, lhs = _LINEAR_OPERANDS.get(u.target, (None, None))
                 x = u.args[lhs].meta.get("val") if rhs is not None else None
                 if (rhs is None or u.args[rhs] is not t or t in u.args[:rhs] or x is None or x.dim() != 2
                         or (not isinstance(x.shape[0], torch.SymInt) and x.shape[0] < 2)):

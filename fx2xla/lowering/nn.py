@@ -25,7 +25,7 @@ from torch.ops import aten
 from .. import torch_kernels
 from .linalg import accumulation_dtype, dot, dot_result_dtype, matmul_precision
 from .dtypes import to_jax_dtype
-from .registry import base_key, concrete_shape, register_lowering
+from .registry import base_key, concrete_shape, current_platform, register_lowering
 from .shape import canonical_dim
 
 
@@ -785,8 +785,6 @@ SUMMED_ATTENTION_ROWS = 8
 
 
 def _summed_attention(half: bool, batch: int, kv_heads: int, rows: int) -> bool:
-    from .registry import current_platform
-
     return (not half and (batch == 1 or kv_heads == 1) and rows <= SUMMED_ATTENTION_ROWS
             and current_platform() == "cpu")
 
@@ -832,7 +830,7 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, keep=None, dropout_p=0.0):
             return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype), lse
         p = jnp.where(keep, p, jnp.zeros((), p.dtype))
         total = total * jnp.asarray(1.0 - dropout_p, total.dtype)
-    p = p.astype(v.dtype).reshape(b, v.shape[1], groups * length, p.shape[3])
+    p = p.astype(v.dtype).reshape(b, v.shape[1], rows, p.shape[3])
     if summed:
         out = jnp.sum(p[..., None] * v[:, :, None], axis=-2).reshape(b, heads, length, v.shape[3])
     else:
