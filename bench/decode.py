@@ -25,7 +25,7 @@ every contender's generated ids against eager's, and fx2xla's and Inductor's log
 step against eager's (one untimed call with output_logits=True).
 
 `--no-skinny` adds a fourth contender, "fx2xla:no-skinny": fx2xla without the kernel library's
-one-row bf16 matmul (option torch_kernels="convolution"), which gives such a matmul to XLA's dot
+one-row bf16 matmul (option torch_kernels=["convolution", "attention"]), which gives such a matmul to XLA's dot
 as two rows instead. `--not-in-place` adds "fx2xla:not-in-place": fx2xla with FX2XLA_INPLACE=0
 while it compiles, so each step writes the whole KV cache to a new buffer instead of updating
 it where it is (runtime/inplace.py). `--decomposed-attention` adds "fx2xla:decomposed-attention":
@@ -88,7 +88,8 @@ def contenders(args) -> tuple:
             + (("fx2xla:linear-as-is",) if args.linear_as_is else ())
             + (("fx2xla:unmerged",) if args.unmerged else ())
             + (("fx2xla:imported-inputs",) if args.imported_inputs else ())
-            + (("fx2xla:weight-rhs",) if args.weight_rhs else ()))
+            + (("fx2xla:weight-rhs",) if args.weight_rhs else ())
+            + (("fx2xla:xla-attention",) if args.xla_attention else ()))
 
 
 _step_times: dict = {}  # id(model) -> seconds of each compiled decode step it ran
@@ -128,7 +129,8 @@ def make_generate(model, name: str, ids, new_tokens: int, max_cache_len: int | N
         kw["disable_compile"] = True
     else:
         # Options make Dynamo keep this contender's compiled step apart from fx2xla's.
-        options = ({"torch_kernels": "convolution"} if name == "fx2xla:no-skinny"
+        options = ({"torch_kernels": ["convolution", "attention"]} if name == "fx2xla:no-skinny"
+                   else {"torch_kernels": ["convolution", "skinny_matmul"]} if name == "fx2xla:xla-attention"
                    else {"fallback": "eager"} if name == "fx2xla:not-in-place"
                    else {"attention_op": False} if name == "fx2xla:decomposed-attention"
                    else {"transposed_linear_weights": False} if name == "fx2xla:linear-as-is"
@@ -230,6 +232,10 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_weight_rhs_tokens_per_s"] = med["fx2xla:weight-rhs"] / med["fx2xla"]
         res["fx2xla_vs_weight_rhs_cpu"] = cmed["fx2xla:weight-rhs"] / cmed["fx2xla"]
         res["fx2xla_vs_weight_rhs_step"] = smed["fx2xla"] / smed["fx2xla:weight-rhs"]
+    if "fx2xla:xla-attention" in med:
+        res["fx2xla_vs_xla_attention_tokens_per_s"] = med["fx2xla:xla-attention"] / med["fx2xla"]
+        res["fx2xla_vs_xla_attention_cpu"] = cmed["fx2xla:xla-attention"] / cmed["fx2xla"]
+        res["fx2xla_vs_xla_attention_step"] = smed["fx2xla"] / smed["fx2xla:xla-attention"]
     return res
 
 
@@ -254,6 +260,9 @@ def main() -> None:
                    help="also time fx2xla with one matmul per nn.Linear (option merge_linears=False)")
     p.add_argument("--imported-inputs", action="store_true",
                    help="also time fx2xla importing every fresh input over DLPack (FX2XLA_STAGE_INPUTS=0)")
+    p.add_argument("--xla-attention", action="store_true",
+                   help="also time fx2xla computing attention with XLA's dots instead of torch's flash-attention "
+                        "kernel (option torch_kernels without 'attention')")
     p.add_argument("--weight-rhs", action="store_true",
                    help="also time fx2xla computing matmuls of 4-64 rows as x . W^T (option linear_weight_lhs=False)")
     p.add_argument("--max-cache-len", type=int, default=None,
@@ -304,6 +313,10 @@ def main() -> None:
         if "fx2xla_vs_weight_rhs_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:weight-rhs tokens/s {r['fx2xla_vs_weight_rhs_tokens_per_s']:.3f}"
                   f" (cpu time: {r['fx2xla_vs_weight_rhs_cpu']:.3f}); step time {r['fx2xla_vs_weight_rhs_step']:.3f}")
+        if "fx2xla_vs_xla_attention_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:xla-attention tokens/s {r['fx2xla_vs_xla_attention_tokens_per_s']:.3f}"
+                  f" (cpu time: {r['fx2xla_vs_xla_attention_cpu']:.3f}); step time "
+                  f"{r['fx2xla_vs_xla_attention_step']:.3f}")
     results["load_after"] = load()
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")

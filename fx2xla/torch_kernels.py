@@ -17,6 +17,11 @@ A convolution on a packed weight (`weight_packing`) writes its result into XLA's
 (zeroed, then added to by torch's in-place op), instead of into a tensor of torch's that the
 handler then copies: `in_place_writes(False)` copies instead.
 
+`fx2xla_torch_attention` runs torch's CPU flash-attention kernel (the one eager runs) for
+inference attention of 32 query rows or more, where XLA:CPU's per-head batched dots run far
+below its GEMM rate; its work is cut by batch, or by kv head, the same way, and each part's
+results are the kernel's bit for bit (lowering/nn.py `_torch_attention` says when it applies).
+
 The library also holds one kernel of fx2xla's own, `fx2xla_skinny_matmul`: bf16 matmuls of one
 row (decode steps at batch 1), for which XLA:CPU converts every weight to float32 on each call
 and then takes a slow path (see `skinny` below). The option `torch_kernels` picks which kinds of
@@ -56,13 +61,14 @@ from .runtime.disk_cache import default_cache_dir
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_kernels.cc"
 # The FFI handlers the library exports, each registered for XLA:CPU under its own name.
-TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward", "fx2xla_skinny_matmul")
+TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward", "fx2xla_torch_attention",
+           "fx2xla_skinny_matmul")
 # torch dtypes the handlers take (the FFI element types they map to torch's).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-# The kinds of custom call lowering may use (option torch_kernels): torch's convolutions, and the
-# library's own skinny bf16 matmul (below).
-KINDS = ("convolution", "skinny_matmul")
+# The kinds of custom call lowering may use (option torch_kernels): torch's convolutions, torch's
+# flash attention (below), and the library's own skinny bf16 matmul (below).
+KINDS = ("convolution", "skinny_matmul", "attention")
 _kinds: contextvars.ContextVar = contextvars.ContextVar("fx2xla_torch_kernels_kinds", default=frozenset(KINDS))
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # once load() ran: (registered, the library's path or why not)
@@ -197,6 +203,7 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_torch_team_running.argtypes = []
         lib.fx2xla_parked_calls.restype = ctypes.c_int64
         lib.fx2xla_skinny_matmul_calls.restype = ctypes.c_int64
+        lib.fx2xla_torch_attention_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_kernels_pin.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         lib.fx2xla_torch_kernels_unpin.argtypes = [ctypes.c_void_p]
         lib.fx2xla_torch_kernels_pinned.restype = ctypes.c_int64
@@ -353,15 +360,28 @@ def parking_on() -> bool:
 def worth_parking(exe) -> bool:
     """Whether calls of `exe` (a CPU executable) check for torch's running workers: the library
     is loaded, parking is not off, and XLA's cost analysis puts the executable at
-    PARK_MIN_FLOPS or PARK_MIN_BYTES or more. Decided once per executable."""
+    PARK_MIN_FLOPS or PARK_MIN_BYTES or more, or it calls one of the library's handlers (their
+    work is not in the cost analysis: an attention of 4 x 4 x 128 x 128 counts as no flops, and
+    ran 1.5-3.6x slower beside spinning workers). Decided once per executable."""
     if not parking_on():
         return False
     try:
         cost = exe.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        return cost.get("flops", 0.0) >= PARK_MIN_FLOPS or cost.get("bytes accessed", 0.0) >= PARK_MIN_BYTES
-    except Exception:  # noqa: BLE001  no cost analysis: no parking
+        if cost.get("flops", 0.0) >= PARK_MIN_FLOPS or cost.get("bytes accessed", 0.0) >= PARK_MIN_BYTES:
+            return True
+    except Exception:  # noqa: BLE001  no cost analysis: the handlers decide
+        pass
+    return calls_handlers(exe)
+
+
+def calls_handlers(exe) -> bool:
+    """Whether the optimized program of `exe` calls any of the library's handlers."""
+    try:
+        text = "\n".join(m.to_string() for m in exe.hlo_modules())
+    except Exception:  # noqa: BLE001  no HLO to read (a deserialized executable may have none)
         return False
+    return any(f'custom_call_target="{t}"' in text for t in TARGETS)
 
 
 def torch_team_running() -> bool:
@@ -421,6 +441,12 @@ def skinny(rows: int) -> bool:
     """Whether a bf16 matmul of `rows` rows goes to the skinny kernel (when the library is
     available)."""
     return rows == 1
+
+
+def attention_calls() -> int:
+    """How many attention handler calls ran in this process (0 where the library is not
+    loaded)."""
+    return int(_lib.fx2xla_torch_attention_calls()) if load()[0] else 0
 
 
 def skinny_calls() -> int:

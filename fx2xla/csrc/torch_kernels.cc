@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/convolution_backward.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mkldnn_reorder_conv2d_weight.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -20,6 +21,7 @@
 #include <atomic>
 #include <algorithm>
 #include <condition_variable>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -459,6 +461,110 @@ ffi::Error ConvolutionBackward(ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::A
 
 
 // ---------------------------------------------------------------------------------------------
+// Attention: torch's CPU flash-attention kernel (at::_scaled_dot_product_flash_attention_for_cpu,
+// the kernel eager and Inductor run) on XLA's buffers. XLA:CPU computes attention as two batched
+// dots around a softmax, whose small per-head GEMMs run at a fraction of its large ones' rate:
+// BERT's attention at 4 x 128 took 2.1 ms a layer against the kernel's 0.84 ms (docs/
+// benchmarks.md, "torch's attention inside the executable").
+//
+// q [B, H, L, E], k [B, KV, S, E], v [B, KV, S, Ev] with H = KV * g: kv head j serves query heads
+// [j g, (j + 1) g), as torch's enable_gqa pairs them. Each operand and the output is laid out
+// either as that shape ("head-major") or as [B, L, H, E] ("sequence-major", what a projection
+// followed by a view writes; `*_seq` attributes), and is viewed here with the strides of the
+// other so that no operand is transposed. `mask` (when `has_mask`) is an additive mask of rank 4
+// broadcastable to [B, H, L, S]. `lse`, float32 [B, H, L] or empty, receives the kernel's
+// logsumexp.
+//
+// Work is cut across XLA's intra-op threads into slices of the batch, or where the batch is
+// smaller than the thread count, of the kv heads; each slice runs the kernel single-threaded.
+// Every (batch, head) pair's result is the kernel's, bit for bit the whole call's: the kernel
+// computes each pair on its own, with blocking that depends on L and S only. A kv head shared by
+// several query heads is passed to the kernel as a stride-0 view of its g copies.
+
+std::atomic<int64_t> attention_calls{0};  // fx2xla_torch_attention_calls
+
+// Below this many multiply-adds (B H L S (E + Ev)), one thread runs the whole call: waking another
+// would cost about what its share saves (a decode step's attention).
+constexpr int64_t kAttentionSplitMacs = 1 << 20;
+
+at::Tensor head_major(at::Tensor t, int64_t seq) { return seq ? t.transpose(1, 2) : t; }
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
+                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, int64_t q_seq, int64_t k_seq,
+                     int64_t v_seq, int64_t out_seq, int64_t has_mask, int64_t is_causal, double scale) {
+  auto dtype = torch_dtype(q.element_type());
+  if (!dtype || k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      out->element_type() != q.element_type() || lse->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("fx2xla_torch_attention: unsupported dtypes");
+  if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || v.dimensions().size() != 4 ||
+      out->dimensions().size() != 4 || (has_mask && mask.dimensions().size() != 4))
+    return ffi::Error::InvalidArgument("fx2xla_torch_attention: operands must have rank 4");
+  auto mask_dtype = has_mask ? torch_dtype(mask.element_type()) : dtype;
+  if (!mask_dtype) return ffi::Error::InvalidArgument("fx2xla_torch_attention: unsupported mask dtype");
+  return guarded("torch attention", [&] {
+    at::Tensor qt = head_major(as_tensor(q, *dtype), q_seq), kt = head_major(as_tensor(k, *dtype), k_seq);
+    at::Tensor vt = head_major(as_tensor(v, *dtype), v_seq), ot = head_major(as_tensor(*out, *dtype), out_seq);
+    std::optional<at::Tensor> mt;
+    if (has_mask) mt = as_tensor(mask, *mask_dtype);
+    bool want_lse = lse->element_count() > 0;
+    at::Tensor lt = want_lse ? as_tensor(*lse, at::kFloat) : at::Tensor();
+    int64_t b = qt.size(0), heads = qt.size(1), kv = kt.size(1);
+    TORCH_CHECK(kv > 0 && heads % kv == 0 && vt.size(1) == kv && kt.size(0) == b && vt.size(0) == b,
+                "query heads ", heads, " and kv heads ", kv, " do not pair");
+    int64_t g = heads / kv;
+    // NaN: the kernel's default, 1 / sqrt(E), computed as eager computes it.
+    std::optional<double> opt_scale = std::isnan(scale) ? std::nullopt : std::optional<double>(scale);
+    // One kernel call: batch [b0, b1), kv heads [j0, j1).
+    auto run = [&](int64_t b0, int64_t b1, int64_t j0, int64_t j1) {
+      auto part = [&](const at::Tensor& t, int64_t h0, int64_t h1) {
+        return t.slice(0, b0, b1).slice(1, h0, h1);
+      };
+      auto part_mask = [&](int64_t h0, int64_t h1) -> std::optional<at::Tensor> {
+        if (!mt) return std::nullopt;
+        at::Tensor m = *mt;
+        if (m.size(0) > 1) m = m.slice(0, b0, b1);
+        if (m.size(1) > 1) m = m.slice(1, h0, h1);
+        return m;
+      };
+      // Without grouping, one call takes the kv heads' range; with it, one call per kv head, its
+      // K and V repeated g times as a stride-0 view.
+      int64_t step = g == 1 ? j1 - j0 : 1;
+      for (int64_t j = j0; j < j1; j += step) {
+        int64_t h0 = j * g, h1 = (j + step) * g;
+        at::Tensor ks = part(kt, j, j + step), vs = part(vt, j, j + step);
+        if (g > 1) {
+          ks = ks.expand({b1 - b0, g, ks.size(2), ks.size(3)});
+          vs = vs.expand({b1 - b0, g, vs.size(2), vs.size(3)});
+        }
+        auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(part(qt, h0, h1), ks, vs, 0.0, is_causal != 0,
+                                                                     part_mask(h0, h1), opt_scale);
+        part(ot, h0, h1).copy_(o);
+        if (want_lse) part(lt, h0, h1).copy_(l);
+      }
+    };
+    attention_calls.fetch_add(1, std::memory_order_relaxed);
+    int64_t macs = b * heads * qt.size(2) * kt.size(2) * (qt.size(3) + vt.size(3));
+    int64_t threads = std::min(pool.num_threads(), usable_cores());
+    // Slices of the batch where it has a sample per thread, else of the kv heads.
+    bool by_batch = b >= threads;
+    int64_t n = by_batch ? b : kv;
+    int64_t parts = slicing.load(std::memory_order_relaxed) && macs >= kAttentionSplitMacs && threads > 1
+                        ? std::min(threads, n) : 1;
+    if (parts == 1) {
+      SingleThreaded one;
+      return run(0, b, 0, kv);
+    }
+    run_split(parts, pool, [&](int64_t i) {
+      auto [lo, hi] = slice_bounds(i, n, parts);
+      if (by_batch)
+        run(lo, hi, 0, kv);
+      else
+        run(0, b, lo, hi);
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Skinny matmuls: y[M, N] = x[M, K] . W accumulated in float32, x and W in bfloat16, for one
 // row (a decode step at batch 1). Its cost is reading W once. XLA:CPU's bf16 dot of one row
 // converts W to float32 in a pass of its own and then takes a slow path (fx2xla/torch_kernels.py
@@ -664,6 +770,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_convolution_backward, ConvolutionBack
                                   .Attr<int64_t>("channels_last"));
 
 // W laid out [N, K] where w_nk is 1, else [K, N].
+XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_attention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("q_seq")
+                                  .Attr<int64_t>("k_seq")
+                                  .Attr<int64_t>("v_seq")
+                                  .Attr<int64_t>("out_seq")
+                                  .Attr<int64_t>("has_mask")
+                                  .Attr<int64_t>("is_causal")
+                                  .Attr<double>("scale"));
+
+// How many attention handler calls ran so far, in this process.
+extern "C" int64_t fx2xla_torch_attention_calls() { return attention_calls.load(); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_skinny_matmul, SkinnyMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
