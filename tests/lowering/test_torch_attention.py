@@ -175,13 +175,15 @@ def test_dynamic_shapes_take_the_kernel_per_signature():
     def fn(q, k, v):
         return projected(q, k, v, heads=H, kv_heads=KV, is_causal=True)
 
-    calls = attention_calls()
     dyn = torch.compile(fn, backend="fx2xla", dynamic=True)
+    seen = []  # per length: (length, kernel calls, max |difference| from eager)
     with torch.no_grad():
         for length in (TORCH_ATTENTION_ROWS, TORCH_ATTENTION_ROWS + 5, TORCH_ATTENTION_ROWS + 9):
             args = tensors((2, length, H * E), (2, length, KV * E), (2, length, KV * E), seed=length)
-            assert torch.equal(dyn(*args), fn(*args))
-    assert attention_calls() == calls + 3
+            calls = attention_calls()
+            out = dyn(*args)
+            seen.append((length, attention_calls() - calls, float((out - fn(*args)).abs().max())))
+    assert all(c == 1 and d == 0 for _, c, d in seen), seen
 
 
 def test_executable_with_the_kernel_parks_spinning_workers():
