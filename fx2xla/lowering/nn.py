@@ -887,7 +887,7 @@ def _unrepeated_node(ctx, i: int):
 # torch's CPU flash-attention kernel as an XLA FFI custom call (fx2xla/torch_kernels.py, csrc
 # "Attention"): XLA:CPU's batched dots of one head each run far below its GEMM rate (BERT 4L's
 # attention at 4 x 128: 2.1 ms a layer against the kernel's 0.84 ms). The kernel is the one eager
-# ran for this op, so results are eager's bit for bit. Operands whose node swaps the head and
+# ran for this op, so results are eager's (bit for bit in the tests). Operands whose node swaps the head and
 # sequence dims of a [B, L, H, E] value (a projection's view, transposed) are passed as that value
 # and read with strides, and so is the output where every use swaps it back: no transpose is
 # materialized on either side. Below TORCH_ATTENTION_ROWS query rows (decode steps) XLA's own
