@@ -898,19 +898,20 @@ _HEAD_SWAP = (0, 2, 1, 3)
 _TORCH_ATTENTION_DTYPES = frozenset((jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
+def _swaps_heads(node) -> bool:
+    """Whether `node` transposes dims 1 and 2 of a rank-4 tensor (permute or transpose)."""
+    if not isinstance(node, torch.fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
+        return False
+    if node.meta["val"].dim() != 4:
+        return False
+    if node.target is aten.permute.default:
+        return tuple(d % 4 for d in node.args[1]) == _HEAD_SWAP
+    return node.target is aten.transpose.int and sorted(d % 4 for d in node.args[1:3]) == [1, 2]
+
+
 def _head_swapped(ctx, node):
     """The traced [B, L, H, E] value `node` (a rank-4 node) transposes dims 1 and 2 of, or None."""
-    if not isinstance(node, torch.fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
-        return None
-    if node.meta["val"].dim() != 4:
-        return None
-    if node.target is aten.permute.default:
-        swaps = tuple(d % 4 for d in node.args[1]) == _HEAD_SWAP
-    elif node.target is aten.transpose.int:
-        swaps = sorted(d % 4 for d in node.args[1:3]) == [1, 2]
-    else:
-        swaps = False
-    src = node.args[0] if swaps else None
+    src = node.args[0] if _swaps_heads(node) else None
     return ctx.values.get(src) if isinstance(src, torch.fx.Node) else None
 
 
@@ -930,9 +931,7 @@ def _attention_operand(ctx, i: int, value):
 def _output_swapped_back(ctx) -> bool:
     """Whether every use of the attention's output transposes its dims 1 and 2."""
     uses = [u for g in ctx.node.users if g.target is operator.getitem and g.args[1] == 0 for u in g.users]
-    return bool(uses) and all(
-        (u.target is aten.permute.default and tuple(d % 4 for d in u.args[1]) == _HEAD_SWAP)
-        or (u.target is aten.transpose.int and sorted(d % 4 for d in u.args[1:3]) == [1, 2]) for u in uses)
+    return bool(uses) and all(_swaps_heads(u) for u in uses)
 
 
 def _torch_attention(ctx, q, k, v, attn_mask, is_causal, scale):
@@ -941,6 +940,8 @@ def _torch_attention(ctx, q, k, v, attn_mask, is_causal, scale):
     TORCH_ATTENTION_ROWS query rows, dtypes or shapes the handler does not take (dynamic or
     empty ones)."""
     if ctx.spmd or ctx.platform != "cpu" or ctx.values is None or not torch_kernels.available("attention"):
+        return None
+    if q.ndim != 4 or not isinstance(q.shape[2], int) or q.shape[2] < TORCH_ATTENTION_ROWS:
         return None
     qa, q_seq = _attention_operand(ctx, 0, q)
     ka, k_seq = _attention_operand(ctx, 1, k)
@@ -957,8 +958,6 @@ def _torch_attention(ctx, q, k, v, attn_mask, is_causal, scale):
     if attn_mask is not None and attn_mask.dtype not in (dtype, jnp.float32):
         return None
     b, heads, length, _ = q.shape
-    if length < TORCH_ATTENTION_ROWS:
-        return None
     kv = ka.shape[2 if k_seq else 1]
     if heads % kv or va.shape[2 if v_seq else 1] != kv or v.shape[-1] != q.shape[-1]:
         return None
