@@ -34,9 +34,21 @@ def _run_threads(work, n=THREADS):
         raise errors[0]
 
 
-def _mlp(hidden=64):
+def _mlp():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 8)).eval()
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).eval()
+
+
+class _Wrapped(torch.nn.Module):
+    """A module whose forward is a code object of its own, so that Dynamo keeps its graphs apart
+    from those of a bare Sequential."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
 
 
 def _gpt2():
@@ -89,13 +101,13 @@ def test_concurrent_first_calls_of_a_new_shape_compile_it_once():
 
 def test_a_compile_and_a_warmup_racing_calls():
     """One thread compiles a new model and another warms a third one up while two threads
-    serve a warm model: nothing fails, every result is right. The third model is an MLP of
-    another width: Dynamo keys compiled graphs by code and guards, not by module, so a same-shape
-    twin warmed at batch 6 would leave a graph with a dynamic batch that then serves the warm
-    model too, whose program (no weight on the dot's left at a dynamic row count) differs from its
-    own by rounding."""
+    serve a warm model: nothing fails, every result is right. The third model is wrapped in a
+    module of its own class: Dynamo keys compiled graphs by code and guards, not by module, so a
+    bare Sequential warmed at batch 6 (of any width) would leave a graph with dynamic sizes that
+    then serves the warm model too, whose program (no weight on the dot's left at a dynamic row
+    count) differs from its own by rounding."""
     torch._dynamo.reset()
-    warm, fresh, warmed = _mlp(), _gpt2(), _mlp(hidden=48)
+    warm, fresh, warmed = _mlp(), _gpt2(), _Wrapped(_mlp())
     serve = torch.compile(warm, backend="fx2xla")
     x = torch.randn(4, 32)
     with torch.no_grad():
