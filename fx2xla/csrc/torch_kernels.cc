@@ -108,14 +108,34 @@ ffi::Error guarded(const char* what, F&& body) {
 // at::get_num_threads(): that runs first here, or it would undo the setting inside the first slice
 // a thread runs (a team of torch's threads started from XLA's thread, and a kernel chosen for
 // several threads: torch picks oneDNN for 1x1 filters only then).
+//
+// MKL (torch's BLAS on x86) keeps a count of its own, and takes it instead of OpenMP's. Once the
+// process called torch.set_num_threads, torch has made that count explicit (MKL's dynamic
+// adjustment off) and sets it on every thread torch initializes, this one included. A gemm the
+// kernel calls here, outside any parallel region, would then start MKL's own team of that many
+// threads from XLA's thread, and its blocking for several threads gives other bits than eager's
+// call, which runs MKL inside torch's parallel region on one thread (a 37-row attention: 1.8e-7
+// apart). MKL's count for this thread is 1 for the scope too, where torch's library has MKL.
+extern "C" int mkl_set_num_threads_local_(const int* threads) __attribute__((weak));  // Fortran ABI
+
 class SingleThreaded {
  public:
 #if AT_PARALLEL_OPENMP
-  SingleThreaded() : saved_((at::get_num_threads(), omp_get_max_threads())) { omp_set_num_threads(1); }
-  ~SingleThreaded() { omp_set_num_threads(saved_); }
+  SingleThreaded() : saved_((at::get_num_threads(), omp_get_max_threads())) {
+    omp_set_num_threads(1);
+    if (mkl_set_num_threads_local_) {
+      int one = 1;
+      mkl_saved_ = mkl_set_num_threads_local_(&one);  // the thread's own count before: 0 is none
+    }
+  }
+  ~SingleThreaded() {
+    omp_set_num_threads(saved_);
+    if (mkl_set_num_threads_local_) mkl_set_num_threads_local_(&mkl_saved_);
+  }
 
  private:
   int saved_;
+  int mkl_saved_ = 0;
 #endif
 };
 
