@@ -41,6 +41,14 @@ buffers XLA holds. `--weight-rhs` adds "fx2xla:weight-rhs": fx2xla with
 options={"linear_weight_lhs": False}, which computes each matmul of 4-64 rows as x . W^T instead
 of (W . x^T)^T (batch 8; batch 1 is one row, the same program either way).
 
+`--split` also takes fx2xla's step apart at each batch size: per step, fx2xla's graph (its
+`CompiledGraph` call) and, inside it, the executable's launch through the export of its results;
+the rest of a token (`generate`'s Python, Dynamo's guards, transformers' wrappers) is what every
+contender pays. It then times XLA reading the model's weights once, as sums of each weight in
+one executable: hot (the same weights every call, as a step finds them if they stayed in the
+caches) and from memory (four copies in turn). From these it prints the executable time that
+1.25x Inductor's tokens/s would need, with everything else in the token as measured.
+
 Writes bench/results/decode.json.
 """
 from __future__ import annotations
@@ -151,6 +159,85 @@ def load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
+class StepSplit:
+    """Times fx2xla's decode-step graph per call, and its executable's launch (through the
+    export of its results) inside it: the graph that ran most in the call `watch` is given."""
+
+    def __init__(self):
+        from fx2xla.compiled_graph import CompiledGraph
+
+        self.graph_s: list = []
+        self.launch_s: list = []
+        self._graph = None
+        self._launches: list = []  # (specialization, its own launch)
+        original = CompiledGraph.__call__
+        split = self
+
+        def call(graph, args):
+            t0 = time.perf_counter()
+            out = original(graph, args)
+            if graph is split._graph:
+                split.graph_s.append(time.perf_counter() - t0)
+            return out
+
+        self._restore = lambda: setattr(CompiledGraph, "__call__", original)
+        CompiledGraph.__call__ = call
+
+    def watch(self, call):
+        from fx2xla.metrics import live_graphs
+
+        before = {id(g): g.executor.executions for g in live_graphs if getattr(g, "executor", None)}
+        call()
+        graph = max((g for g in live_graphs if getattr(g, "executor", None)),
+                    key=lambda g: g.executor.executions - before.get(id(g), 0))
+        # a static graph's one executable, or a dynamic one's per signature
+        specs = [graph.static] if graph.static is not None else list(graph._specializations.values())
+        for spec in specs:
+            launch = spec.launch
+
+            def timed(bufs, launch=launch):
+                t0 = time.perf_counter()
+                out = launch(bufs)
+                self.launch_s.append(time.perf_counter() - t0)
+                return out
+
+            self._launches.append((spec, launch))
+            spec.launch = timed
+        self._graph = graph
+
+    def close(self):
+        for spec, launch in self._launches:
+            spec.launch = launch
+        self._restore()
+
+
+def weight_read_s(model, calls: int = 200) -> dict:
+    """XLA reading every parameter of `model` once, a sum of each in one executable: the median
+    per call hot (one set of weights every call) and from memory (four copies in turn), less
+    the median call of the same executable on one-element arrays (its launch)."""
+    import jax
+    import jax.numpy as jnp
+
+    weights = [p.detach().float().numpy() for p in model.parameters()]
+    read = jax.jit(lambda ws: [w.sum() for w in ws])
+    sets = [[jax.device_put(w.copy()) for w in weights] for _ in range(4)]
+    tiny = [jnp.zeros((1,), jnp.float32) for _ in weights]
+
+    def median(pick) -> float:
+        times = []
+        for i in range(calls):
+            ws = pick(i)
+            t0 = time.perf_counter()
+            jax.block_until_ready(read(ws))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    median(lambda i: sets[i % 4])  # compiled, and the copies touched once
+    launch = median(lambda i: tiny)
+    return {"hot_s": median(lambda i: sets[0]) - launch, "from_memory_s": median(lambda i: sets[i % 4]) - launch,
+            "launch_s": launch, "weight_bytes": sum(w.nbytes for w in weights)}
+
+
 def bench_batch(batch: int, args) -> dict:
     torch.manual_seed(0)
     base = llama(layers=args.layers, hidden=args.hidden).eval().to(getattr(torch, args.dtype))
@@ -181,18 +268,28 @@ def bench_batch(batch: int, args) -> dict:
         pass
     for g in gens.values():  # one warm call each
         g()
+    split = None
+    if args.split:
+        split = StepSplit()
+        split.watch(gens["fx2xla"])  # the graph that runs most in a call: the decode step's
     orders = [[names[i] for i in row] for row in balanced_orders(len(names))]
     wall = {n: [] for n in names}
     cpu = {n: [] for n in names}
     steps = {n: [] for n in names}  # per timed call: the median of its compiled steps
+    graph_steps, launch_steps = [], []  # --split: fx2xla's per timed call, medians of its steps
     for r in range(args.rounds):
         for name in orders[r % len(orders)]:
             time.sleep(args.gap_ms / 1e3)
             step_times = _step_times.setdefault(id(models[name]), [])
             step_times.clear()
             t0, c0 = time.perf_counter(), time.process_time()
+            if split is not None and name == "fx2xla":
+                g0, l0 = len(split.graph_s), len(split.launch_s)
             gens[name]()
             wall[name].append(time.perf_counter() - t0)
+            if split is not None and name == "fx2xla":
+                graph_steps.append(statistics.median(split.graph_s[g0:]))
+                launch_steps.append(statistics.median(split.launch_s[l0:]))
             if step_times:
                 steps[name].append(statistics.median(step_times))
             cpu[name].append(time.process_time() - c0)
@@ -236,7 +333,23 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_xla_attention_tokens_per_s"] = med["fx2xla:xla-attention"] / med["fx2xla"]
         res["fx2xla_vs_xla_attention_cpu"] = cmed["fx2xla:xla-attention"] / cmed["fx2xla"]
         res["fx2xla_vs_xla_attention_step"] = smed["fx2xla"] / smed["fx2xla:xla-attention"]
+    if split is not None:
+        split.close()
+        res["split"] = step_split(res, med, graph_steps, launch_steps, weight_read_s(models["fx2xla"]), args)
+        res["split"].update(graph_calls=len(split.graph_s), launch_calls=len(split.launch_s))
     return res
+
+
+def step_split(res, med, graph_steps, launch_steps, floor, args) -> dict:
+    """--split's figures (seconds per step; see the module docstring)."""
+    steps = args.new_tokens  # generate's timed call: the prompt's eager call, then new_tokens - 1 steps
+    token = med["fx2xla"] / steps
+    graph, launch = statistics.median(graph_steps), statistics.median(launch_steps)
+    needed = med["inductor"] / steps / 1.25 - (token - launch)  # the executable 1.25x would need
+    return {"token_s": token, "inductor_token_s": med["inductor"] / steps, "graph_s": graph, "launch_s": launch,
+            "graph_rest_s": graph - launch, "outside_graph_s": token - graph,
+            "step_s": res["step_median_s"].get("fx2xla"), "needed_launch_for_1_25x_s": needed,
+            "weight_read": floor}
 
 
 def main() -> None:
@@ -267,6 +380,8 @@ def main() -> None:
                    help="also time fx2xla computing matmuls of 4-64 rows as x . W^T (option linear_weight_lhs=False)")
     p.add_argument("--max-cache-len", type=int, default=None,
                    help="the static cache's length (generate's max_cache_len; default: prompt + new tokens)")
+    p.add_argument("--split", action="store_true",
+                   help="also take fx2xla's decode step apart and time XLA reading the weights (module docstring)")
     p.add_argument("--gap-ms", type=float, default=50.0, help="sleep before each timed call")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     a = p.parse_args()
@@ -301,6 +416,14 @@ def main() -> None:
             print("      compiled step alone (median): " + ", ".join(
                 f"{n} {t * 1e3:.2f} ms" for n, t in r["step_median_s"].items())
                 + (f"; fx2xla ÷ Inductor {r['fx2xla_vs_inductor_step']:.2f}" if "fx2xla_vs_inductor_step" in r else ""))
+        if "split" in r:
+            sp, w = r["split"], r["split"]["weight_read"]
+            print(f"      fx2xla per new token {sp['token_s'] * 1e3:.2f} ms (Inductor {sp['inductor_token_s'] * 1e3:.2f}):"
+                  f" outside its graph {sp['outside_graph_s'] * 1e3:.2f}, graph {sp['graph_s'] * 1e3:.2f} ="
+                  f" executable launch to export {sp['launch_s'] * 1e3:.2f} + the rest {sp['graph_rest_s'] * 1e3:.2f}")
+            print(f"      1.25x Inductor's tokens/s needs an executable of {sp['needed_launch_for_1_25x_s'] * 1e3:.2f} ms;"
+                  f" XLA reads the {w['weight_bytes'] / 2**20:.1f} MiB of weights in {w['hot_s'] * 1e3:.2f} ms hot,"
+                  f" {w['from_memory_s'] * 1e3:.2f} ms from memory (launch {w['launch_s'] * 1e3:.3f} ms taken off)")
         if "fx2xla_vs_unmerged_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:unmerged tokens/s {r['fx2xla_vs_unmerged_tokens_per_s']:.2f}"
                   f" (cpu time: {r['fx2xla_vs_unmerged_cpu']:.2f}); step time {r['fx2xla_vs_unmerged_step']:.2f}")
