@@ -204,6 +204,7 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_parked_calls.restype = ctypes.c_int64
         lib.fx2xla_skinny_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_attention_calls.restype = ctypes.c_int64
+        lib.fx2xla_torch_kernels_hold_mkl.restype = ctypes.c_int
         lib.fx2xla_torch_kernels_pin.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         lib.fx2xla_torch_kernels_unpin.argtypes = [ctypes.c_void_p]
         lib.fx2xla_torch_kernels_pinned.restype = ctypes.c_int64
@@ -447,6 +448,14 @@ def attention_calls() -> int:
     """How many attention handler calls ran in this process (0 where the library is not
     loaded)."""
     return int(_lib.fx2xla_torch_attention_calls()) if load()[0] else 0
+
+
+def holds_mkl_threads() -> bool:
+    """Whether the handlers hold MKL's thread count to one on their thread, as they do
+    OpenMP's: where torch's library has MKL (its BLAS on x86). After torch.set_num_threads,
+    MKL would otherwise run a kernel's gemms on a team of its own started from XLA's thread,
+    with other bits than eager's. False where the library is not loaded."""
+    return bool(_lib.fx2xla_torch_kernels_hold_mkl()) if load()[0] else False
 
 
 def skinny_calls() -> int:

@@ -33,6 +33,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -115,26 +116,39 @@ ffi::Error guarded(const char* what, F&& body) {
 // kernel calls here, outside any parallel region, would then start MKL's own team of that many
 // threads from XLA's thread, and its blocking for several threads gives other bits than eager's
 // call, which runs MKL inside torch's parallel region on one thread (a 37-row attention: 1.8e-7
-// apart). MKL's count for this thread is 1 for the scope too, where torch's library has MKL.
-extern "C" int mkl_set_num_threads_local_(const int* threads) __attribute__((weak));  // Fortran ABI
+// apart). MKL's count for this thread is 1 for the scope too, where torch's library has MKL: the
+// MKL linked into libtorch_cpu, looked up there (another MKL the process may hold has counts of
+// its own), through its Fortran-style entry, which takes the count by address.
+using MklSetLocal = int (*)(const int*);
+MklSetLocal mkl_set_local() {
+  static const MklSetLocal fn = []() -> MklSetLocal {
+#if AT_MKL_ENABLED()
+    if (void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD))
+      return reinterpret_cast<MklSetLocal>(dlsym(lib, "mkl_set_num_threads_local_"));
+#endif
+    return nullptr;
+  }();
+  return fn;
+}
 
 class SingleThreaded {
  public:
 #if AT_PARALLEL_OPENMP
-  SingleThreaded() : saved_((at::get_num_threads(), omp_get_max_threads())) {
+  SingleThreaded() : saved_((at::get_num_threads(), omp_get_max_threads())), mkl_(mkl_set_local()) {
     omp_set_num_threads(1);
-    if (mkl_set_num_threads_local_) {
+    if (mkl_) {
       int one = 1;
-      mkl_saved_ = mkl_set_num_threads_local_(&one);  // the thread's own count before: 0 is none
+      mkl_saved_ = mkl_(&one);  // the thread's own count before: 0 is none
     }
   }
   ~SingleThreaded() {
     omp_set_num_threads(saved_);
-    if (mkl_set_num_threads_local_) mkl_set_num_threads_local_(&mkl_saved_);
+    if (mkl_) mkl_(&mkl_saved_);
   }
 
  private:
   int saved_;
+  MklSetLocal mkl_;
   int mkl_saved_ = 0;
 #endif
 };
@@ -809,6 +823,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_attention, Attention,
 
 // How many attention handler calls ran so far, in this process.
 extern "C" int64_t fx2xla_torch_attention_calls() { return attention_calls.load(); }
+// Whether handlers hold MKL's thread count for their thread too (torch's library has MKL).
+extern "C" int fx2xla_torch_kernels_hold_mkl() { return mkl_set_local() != nullptr; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_skinny_matmul, SkinnyMatmul,
                               ffi::Ffi::Bind()

@@ -194,7 +194,9 @@ def test_explicit_torch_thread_count_keeps_eager_bits(length):
     each thread torch initializes. The handler's kernel runs its gemms outside any parallel
     region, where MKL would then run them on n threads, with other bits than eager's (it runs
     MKL inside its parallel region, on one thread): 1.8e-7 apart at these lengths, whose blocks
-    end in partial vectors. The handler holds MKL to one thread too, so the bits are eager's."""
+    end in partial vectors. The handler holds MKL to one thread too, where torch has MKL (it
+    finds MKL's setter exactly then), so the bits are eager's."""
+    assert torch_kernels.holds_mkl_threads() == torch.backends.mkl.is_available()
     before = torch.get_num_threads()
     torch.set_num_threads(max(2, before))
     try:
