@@ -341,7 +341,8 @@ def bench_batch(batch: int, args) -> dict:
 
 
 def step_split(res, med, graph_steps, launch_steps, floor, args) -> dict:
-    """--split's figures (seconds per step; see the module docstring)."""
+    """--split's figures, in seconds: per new token (the `generate` call's median over its new
+    tokens) and, for the graph and its launch, per decode step (see the module docstring)."""
     steps = args.new_tokens  # generate's timed call: the prompt's eager call, then new_tokens - 1 steps
     token = med["fx2xla"] / steps
     graph, launch = statistics.median(graph_steps), statistics.median(launch_steps)
