@@ -803,7 +803,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_convolution_backward, ConvolutionBack
                                   .Attr<int64_t>("weight_mask")
                                   .Attr<int64_t>("channels_last"));
 
-// W laid out [N, K] where w_nk is 1, else [K, N].
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_attention, Attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -826,6 +825,7 @@ extern "C" int64_t fx2xla_torch_attention_calls() { return attention_calls.load(
 // Whether handlers hold MKL's thread count for their thread too (torch's library has MKL).
 extern "C" int fx2xla_torch_kernels_hold_mkl() { return mkl_set_local() != nullptr; }
 
+// W laid out [N, K] where w_nk is 1, else [K, N].
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_skinny_matmul, SkinnyMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
