@@ -25,7 +25,7 @@ every contender's generated ids against eager's, and fx2xla's and Inductor's log
 step against eager's (one untimed call with output_logits=True).
 
 `--no-skinny` adds a fourth contender, "fx2xla:no-skinny": fx2xla without the kernel library's
-one-row bf16 matmul (option torch_kernels=["convolution", "attention"]), which gives such a matmul to XLA's dot
+one-row bf16 matmul (option torch_kernels=["convolution", "attention", "few_rows_matmul"]), which gives such a matmul to XLA's dot
 as two rows instead. `--not-in-place` adds "fx2xla:not-in-place": fx2xla with FX2XLA_INPLACE=0
 while it compiles, so each step writes the whole KV cache to a new buffer instead of updating
 it where it is (runtime/inplace.py). `--decomposed-attention` adds "fx2xla:decomposed-attention":
@@ -39,7 +39,10 @@ adds "fx2xla:imported-inputs": fx2xla with FX2XLA_STAGE_INPUTS=0 while it compil
 imports its small fresh inputs (ids, positions, mask) over DLPack instead of copying them into
 buffers XLA holds. `--weight-rhs` adds "fx2xla:weight-rhs": fx2xla with
 options={"linear_weight_lhs": False}, which computes each matmul of 4-64 rows as x . W^T instead
-of (W . x^T)^T (batch 8; batch 1 is one row, the same program either way).
+of (W . x^T)^T (batch 8; batch 1 is one row, the same program either way). `--no-few-rows` adds
+"fx2xla:no-few-rows": fx2xla without the kernel library's few-row float32 matmul (option
+torch_kernels=["convolution", "skinny_matmul", "attention"]), which computes the 2-8 row
+matmuls of a step at batch 2-8 with the weight on the dot's left instead.
 
 `--split` also takes fx2xla's step apart at each batch size: per step, fx2xla's graph (its
 `CompiledGraph` call) and, inside it, the executable's launch through the export of its results;
@@ -97,6 +100,7 @@ def contenders(args) -> tuple:
             + (("fx2xla:unmerged",) if args.unmerged else ())
             + (("fx2xla:imported-inputs",) if args.imported_inputs else ())
             + (("fx2xla:weight-rhs",) if args.weight_rhs else ())
+            + (("fx2xla:no-few-rows",) if args.no_few_rows else ())
             + (("fx2xla:xla-attention",) if args.xla_attention else ()))
 
 
@@ -137,8 +141,10 @@ def make_generate(model, name: str, ids, new_tokens: int, max_cache_len: int | N
         kw["disable_compile"] = True
     else:
         # Options make Dynamo keep this contender's compiled step apart from fx2xla's.
-        options = ({"torch_kernels": ["convolution", "attention"]} if name == "fx2xla:no-skinny"
-                   else {"torch_kernels": ["convolution", "skinny_matmul"]} if name == "fx2xla:xla-attention"
+        options = ({"torch_kernels": ["convolution", "attention", "few_rows_matmul"]} if name == "fx2xla:no-skinny"
+                   else {"torch_kernels": ["convolution", "skinny_matmul", "few_rows_matmul"]}
+                   if name == "fx2xla:xla-attention"
+                   else {"torch_kernels": ["convolution", "skinny_matmul", "attention"]} if name == "fx2xla:no-few-rows"
                    else {"fallback": "eager"} if name == "fx2xla:not-in-place"
                    else {"attention_op": False} if name == "fx2xla:decomposed-attention"
                    else {"transposed_linear_weights": False} if name == "fx2xla:linear-as-is"
@@ -325,6 +331,10 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_imported_inputs_tokens_per_s"] = med["fx2xla:imported-inputs"] / med["fx2xla"]
         res["fx2xla_vs_imported_inputs_cpu"] = cmed["fx2xla:imported-inputs"] / cmed["fx2xla"]
         res["fx2xla_vs_imported_inputs_step"] = smed["fx2xla"] / smed["fx2xla:imported-inputs"]
+    if "fx2xla:no-few-rows" in med:
+        res["fx2xla_vs_no_few_rows_tokens_per_s"] = med["fx2xla:no-few-rows"] / med["fx2xla"]
+        res["fx2xla_vs_no_few_rows_cpu"] = cmed["fx2xla:no-few-rows"] / cmed["fx2xla"]
+        res["fx2xla_vs_no_few_rows_step"] = smed["fx2xla"] / smed["fx2xla:no-few-rows"]
     if "fx2xla:weight-rhs" in med:
         res["fx2xla_vs_weight_rhs_tokens_per_s"] = med["fx2xla:weight-rhs"] / med["fx2xla"]
         res["fx2xla_vs_weight_rhs_cpu"] = cmed["fx2xla:weight-rhs"] / cmed["fx2xla"]
@@ -377,6 +387,8 @@ def main() -> None:
     p.add_argument("--xla-attention", action="store_true",
                    help="also time fx2xla computing attention with XLA's dots instead of torch's flash-attention "
                         "kernel (option torch_kernels without 'attention')")
+    p.add_argument("--no-few-rows", action="store_true",
+                   help="also time fx2xla without its few-row float32 matmul kernel")
     p.add_argument("--weight-rhs", action="store_true",
                    help="also time fx2xla computing matmuls of 4-64 rows as x . W^T (option linear_weight_lhs=False)")
     p.add_argument("--max-cache-len", type=int, default=None,
@@ -434,6 +446,9 @@ def main() -> None:
             print(f"      fx2xla ÷ fx2xla:imported-inputs tokens/s {r['fx2xla_vs_imported_inputs_tokens_per_s']:.3f}"
                   f" (cpu time: {r['fx2xla_vs_imported_inputs_cpu']:.3f}); step time "
                   f"{r['fx2xla_vs_imported_inputs_step']:.3f}")
+        if "fx2xla_vs_no_few_rows_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:no-few-rows tokens/s {r['fx2xla_vs_no_few_rows_tokens_per_s']:.3f}"
+                  f" (cpu time: {r['fx2xla_vs_no_few_rows_cpu']:.3f}); step time {r['fx2xla_vs_no_few_rows_step']:.3f}")
         if "fx2xla_vs_weight_rhs_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:weight-rhs tokens/s {r['fx2xla_vs_weight_rhs_tokens_per_s']:.3f}"
                   f" (cpu time: {r['fx2xla_vs_weight_rhs_cpu']:.3f}); step time {r['fx2xla_vs_weight_rhs_step']:.3f}")

@@ -60,9 +60,11 @@ OPTIONS = {
                 'a list of both; None: nothing offloaded (see fx2xla/offload.py)'),
     "torch_kernels": (True, "on the CPU, the kernel library's custom calls inside the executable, where it is built "
                       "(python -m fx2xla kernels status; FX2XLA_TORCH_KERNELS=0 turns them off everywhere): "
-                      "convolutions run torch's own kernels (oneDNN), and bf16 matmuls of one row the library's "
-                      "streaming kernel; False: XLA's own kernels; "
-                      "\"convolution\" or \"skinny_matmul\" (or a list): only those"),
+                      "convolutions run torch's own kernels (oneDNN), attention of 32 query rows or more torch's "
+                      "flash-attention kernel, bf16 matmuls of one row the library's streaming kernel, and "
+                      "float32 inference matmuls of 2-8 rows against nn.Linear's weight its few-row kernel; "
+                      "False: XLA's own kernels; \"convolution\", \"attention\", \"skinny_matmul\" or "
+                      "\"few_rows_matmul\" (or a list): only those"),
     "channels_last": (True, "on the CPU, batch norm, pooling and pointwise ops between 2-D convolutions run on "
                       "channels-last values, and a training step's activations cross to its backward "
                       "channels-last; False: NCHW values, transposed around each convolution "

@@ -138,7 +138,10 @@ class CompiledGraph:
                                       channels_last and relaid_weights
                                       and "convolution" in _torch_kernels.kinds(torch_kernels),
                                       linear_weights_kn if relaid_weights and device.platform == "cpu" else False,
-                                      linear_weight_lhs and not training and device.platform == "cpu")
+                                      linear_weight_lhs and not training and device.platform == "cpu",
+                                      not training and device.platform == "cpu"
+                                      and "few_rows_matmul" in _torch_kernels.kinds(torch_kernels)
+                                      and _torch_kernels.available("few_rows_matmul"))
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:

@@ -372,8 +372,10 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
 
     linear_weight_lhs: exported on a CPU with static shapes, float32 matmuls of 4-64 rows against
     such a weight compute (W . x^T)^T, the weight as torch holds it, as torch.compile's option of
-    that name does (a dynamic batch has no static row count: its matmuls stay x . W^T); False:
-    x . W^T."""
+    that name does (a dynamic batch has no static row count: its matmuls stay x . W^T); those of
+    2-8 rows run in the kernel library's few-row matmul where the library is built (as
+    torch.compile's option torch_kernels does by default; the package's portable module computes
+    them as (W . x^T)^T). False: x . W^T, on weights laid out as transposed_linear_weights says."""
 
     example_inputs = tuple(example_inputs)
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
@@ -425,8 +427,11 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     cpu = device.platform == "cpu"
     kn = transposed_linear_weights if cpu and transposed_linear_weights else False
     lhs = cpu and linear_weight_lhs
+    # Matmuls of 2-8 rows in the kernel library's few-row matmul where it is built here: the
+    # native module calls it; the portable one computes them with the weight on the left.
+    few = lhs and _torch_kernels.available("few_rows_matmul")
     plan, lowered = _lower(gm, fakes, device, inputs, concrete if dynamic else None, check_indices, kn,
-                           relaid_weights=cpu, linear_weight_lhs=lhs)
+                           relaid_weights=cpu, linear_weight_lhs=lhs, few_row_kernel=few)
     # XLA's kernels only in the portable module: a package compiles anywhere, with or without a
     # build of the kernel library. Beside it, an executable with the library's custom calls,
     # which loads where the same build of the library runs (its key says which).
@@ -470,7 +475,7 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
         "inputs": inputs, "plan": plan_record(plan), "written_outputs": written,
         "output_tree": record["tree"],
         "dynamic": dynamic, "check_indices": check_indices, "linear_weights_kn": kn,
-        "weight_lhs_matmuls": len(plan.weight_lhs), "variants": [variant],
+        "weight_lhs_matmuls": len(plan.weight_lhs), "few_row_matmuls": len(plan.few_rows), "variants": [variant],
         "export_seconds": time.perf_counter() - t0,
         "files": {name: {"sha256": _sha256(os.path.join(path, name)), "bytes": os.path.getsize(os.path.join(path, name))}
                   for name in files},
@@ -501,11 +506,12 @@ def _dims(fake: torch.Tensor, ranges) -> list:
 
 
 def _lower(gm, fakes, device, inputs, concrete, check_indices, linear_weights_kn: bool = False,
-           kernels: bool = False, relaid_weights: bool = False, layouts=None, linear_weight_lhs: bool = False):
+           kernels: bool = False, relaid_weights: bool = False, layouts=None, linear_weight_lhs: bool = False,
+           few_row_kernel: bool = False):
     """(plan, lowered) of an exported graph on `device`, at the shapes of `concrete` (all
     placeholders' values) or, for static graphs (None), at the example shapes.
-    `linear_weights_kn`, `relaid_weights` (and pinned weights with it), `linear_weight_lhs`:
-    plan.build_plan's.
+    `linear_weights_kn`, `relaid_weights` (and pinned weights with it), `linear_weight_lhs`,
+    `few_row_kernel`: plan.build_plan's.
     `kernels`: the module may call the kernel library (a module for this machine only; the
     portable one never does). `layouts`: per input, the (kind, perm) a loaded package's plan
     passes it in, which the module takes whatever this device's plan would choose (the
@@ -513,7 +519,8 @@ def _lower(gm, fakes, device, inputs, concrete, check_indices, linear_weights_kn
 
     resident = {i for i, spec in enumerate(inputs) if spec["kind"] != "user"}
     plan = build_plan(gm, fakes, device, resident, relaid_weights=relaid_weights, pinned_weights=relaid_weights,
-                      linear_weights_kn=linear_weights_kn, linear_weight_lhs=linear_weight_lhs)
+                      linear_weights_kn=linear_weights_kn, linear_weight_lhs=linear_weight_lhs,
+                      few_row_kernel=few_row_kernel)
     if layouts is not None:
         plan.inputs = [dataclasses.replace(p, kind=kind, perm=perm) for p, (kind, perm) in zip(plan.inputs, layouts)]
     if plan.concats:
@@ -709,7 +716,8 @@ class LoadedModel:
         lowered, exe = compile_lowered(
             lambda: _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"],
                            kernels=_kernels_here(self.device), layouts=[(p.kind, p.perm) for p in self.plan.inputs],
-                           linear_weight_lhs=bool(self.manifest.get("weight_lhs_matmuls")))[1],
+                           linear_weight_lhs=bool(self.manifest.get("weight_lhs_matmuls")),
+                           few_row_kernel=bool(self.manifest.get("few_row_matmuls")))[1],
             lambda text: compile_module(text, self.device), f"package {self.path!r}")
         self.compiled_from_module = True
         return self._variant(exe, _variant_json(lowered, [list(a.shape) for a in args]))

@@ -202,6 +202,9 @@ class GraphPlan:
     # (W . x^T)^T (lowering/linalg.py: weight_lhs_matmuls); their weights are passed as torch
     # holds them.
     weight_lhs: frozenset = frozenset()
+    # CPU inference matmuls of 2-8 rows computed in the kernel library's few-row matmul
+    # (lowering/linalg.py: few_row_matmuls); their weights too are passed as torch holds them.
+    few_rows: frozenset = frozenset()
 
     @property
     def platform(self) -> str:
@@ -371,7 +374,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                resident: set[int] | None = None, annotations=None, solution=None, offload=None,
                bumps: frozenset[int] = frozenset(), saved: frozenset[int] = frozenset(),
                channels_last: bool = True, relaid_weights: bool = False, pinned_weights: bool = False,
-               linear_weights_kn: bool | str = False, linear_weight_lhs: bool = False) -> GraphPlan:
+               linear_weights_kn: bool | str = False, linear_weight_lhs: bool = False,
+               few_row_kernel: bool = False) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -393,7 +397,10 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     (`lowering.linalg.kn_weights`), "always": all of them (callers ask for it in CPU inference
     graphs and packages exported on a CPU; never over a mesh). `linear_weight_lhs`: float32
     matmuls of 4-64 rows against such a weight compute (W . x^T)^T, the weight as torch holds it
-    (`lowering.linalg.weight_lhs_matmuls`; CPU inference graphs, never over a mesh)."""
+    (`lowering.linalg.weight_lhs_matmuls`; CPU inference graphs, never over a mesh).
+    `few_row_kernel`: float32 matmuls of 2-8 rows against such a weight run in the kernel
+    library's few-row matmul instead (`lowering.linalg.few_row_matmuls`; the same graphs, where
+    the library may run), the weight as torch holds it."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -419,9 +426,10 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                 and (device.platform == "cpu" or (device.platform == "cuda" and _twins.enabled())))
     laid = (_channels_last.plan_channels_last(gm, example_inputs, device.platform, mesh_id) if channels_last
             else _channels_last.NONE)
-    weight_lhs = (_linalg.weight_lhs_matmuls(gm) if linear_weight_lhs and mesh_id is None
-                  and device.platform == "cpu" else frozenset())
-    kn = (_linalg.kn_weights(gm, example_inputs, always=linear_weights_kn == "always", weight_lhs=weight_lhs)
+    cpu_single = mesh_id is None and device.platform == "cpu"
+    few_rows = _linalg.few_row_matmuls(gm) if few_row_kernel and cpu_single else frozenset()
+    weight_lhs = (_linalg.weight_lhs_matmuls(gm) - few_rows if linear_weight_lhs and cpu_single else frozenset())
+    kn = (_linalg.kn_weights(gm, example_inputs, always=linear_weights_kn == "always", weight_lhs=weight_lhs | few_rows)
           if linear_weights_kn and mesh_id is None else frozenset())
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
@@ -543,7 +551,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         position = placeholders.index(dst)
         mutations.append(Mutation(position, result(node, home=inputs[position].device, memory=inputs[position].memory_kind)))
     return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
-                     mesh_id, shardings, constraints, operand_constraints, laid, weight_lhs)
+                     mesh_id, shardings, constraints, operand_constraints, laid, weight_lhs, few_rows)
 
 
 def _reshape_of(meta, base_meta) -> bool:

@@ -78,6 +78,24 @@ def calls_in_threads(fn, inputs, calls: int) -> dict:
     return results
 
 
+def llama_decode_step(model, batch: int):
+    """A decode step of a transformers causal LM, one token after a cached 5-token prompt, at
+    `batch`: (step, token, mask, eager's logits). `step(token, mask)` runs the model over a cache
+    of its own (a step writes its cache), built when `llama_decode_step` is called; eager's
+    logits come from another such cache."""
+    ids = torch.randint(1, 1000, (batch, 6))
+    mask = torch.ones(batch, 6, dtype=torch.long)
+
+    def stepper():
+        with torch.no_grad():
+            cache = model(ids[:, :5], use_cache=True).past_key_values
+        return lambda tok, mask: model(tok, attention_mask=mask, cache=cache).logits
+
+    with torch.no_grad():
+        expected = stepper()(ids[:, 5:], mask)
+    return stepper(), ids[:, 5:], mask, expected
+
+
 def assert_matches_eager(fn, *args, tol_scale: float = 1.0, fullgraph: bool = True, dynamic=False, **kwargs):
     """Run `fn` eagerly and compiled with fx2xla on the same inputs; assert outputs match in
     value, dtype, shape and strides. Returns the compiled outputs."""

@@ -216,14 +216,16 @@ struct SplitState {
   }
 };
 
+// `helpers`: at most this many tasks go to the pool (by default one per part past the first).
 void run_split(int64_t parts, ffi::ThreadPool& pool, const std::function<void(int64_t)>& body,
-               bool calls_torch = true) {
+               bool calls_torch = true, int64_t helpers = -1) {
   if (calls_torch) sliced_calls.fetch_add(1, std::memory_order_relaxed);
   auto state = std::make_shared<SplitState>();
   state->parts = parts;
   state->calls_torch = calls_torch;
   state->body = &body;
-  for (int64_t i = 1; i < parts; ++i) pool.Schedule([state] { state->work(); });
+  int64_t tasks = helpers < 0 ? parts - 1 : std::min(parts - 1, helpers);
+  for (int64_t i = 0; i < tasks; ++i) pool.Schedule([state] { state->work(); });
   state->work();
   std::unique_lock<std::mutex> lock(state->mu);
   state->cv.wait(lock, [&] { return state->finished == parts; });
@@ -766,6 +768,141 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Few-row float32 matmuls: y[M, N] = x[M, K] . W^T with W laid out [N, K], as nn.Linear holds
+// it, for the 2-8 rows of a decode step at a small batch (lowering/linalg.py: FEW_ROWS). Its cost
+// is reading W once, from L3 or memory, and the multiply-adds. Each row of W is loaded once, in
+// 8-float chunks read ahead of use, and multiplied into every row of x (a few KiB, which stays
+// in L1): one accumulator per row of x, summed across lanes once per row of W. Rows of x beyond 8
+// are taken 8 at a time against the same row of W, then in L1. Blocks of several W rows against
+// fewer x rows (3 x 4, 2 x 4) were faster on weights in L2 but slower on a decode step's, read
+// from L3 (docs/benchmarks.md, "Few-row float32 matmuls"). Columns are cut into chunks for XLA's
+// intra-op threads as the skinny kernel's are.
+
+std::atomic<int64_t> few_rows_calls{0};  // fx2xla_few_rows_matmul_calls
+
+// Multiply-adds are fused (vfmadd) as MKL's are: the library is built in ISO C++ mode, which
+// otherwise keeps them as separate multiplies and adds.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
+typedef float f32x8u __attribute__((vector_size(32), aligned(4)));
+
+// The lane sums of v[0..7] as lanes 0..7 (v[r] for r >= R is zero).
+template <int R>
+inline __attribute__((always_inline)) f32x8 hsum8(const f32x8* v) {
+  f32x8 z = {}, p[8];
+  for (int r = 0; r < 8; ++r) p[r] = r < R ? v[r] : z;
+  f32x8 t[4], u[2];
+  for (int i = 0; i < 4; ++i)  // lanes: [a01 b01 a23 b23 a45 b45 a67 b67] of the pair (a, b)
+    t[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)  // lanes: [a0-3 b0-3 c0-3 d0-3 a4-7 b4-7 c4-7 d4-7]
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// W is read ahead of use by this many floats (2 KiB: the rest of a short row and the start of the
+// next). The weights of a decode step are read once per step, from L3 or memory, and the
+// hardware's prefetcher alone left the kernel waiting on them (docs/benchmarks.md).
+constexpr int64_t kFewRowsAhead = 512;
+
+// y[i, 0] = x[i, :] . w[:] for the R rows i of x (row stride k) and one row w of W (y's row
+// stride n). Each chunk of w is loaded once for R multiply-adds; x stays in L1.
+template <int R>
+inline __attribute__((always_inline)) void row_dots(const float* x, const float* w, float* y, int64_t k,
+                                                    int64_t n, bool ahead) {
+  f32x8 acc[R] = {};
+  int64_t t = 0;
+  for (; t + 8 <= k; t += 8) {
+    if (ahead && (t & 15) == 0) __builtin_prefetch(w + t + kFewRowsAhead, 0, 0);
+    f32x8 wv = *reinterpret_cast<const f32x8u*>(w + t);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] += *reinterpret_cast<const f32x8u*>(x + r * k + t) * wv;
+  }
+  f32x8 s = hsum8<R>(acc);
+  for (int r = 0; r < R; ++r) {
+    float v = s[r];
+    for (int64_t u = t; u < k; ++u) v += x[r * k + u] * w[u];
+    y[r * n] = v;
+  }
+}
+
+// Rows [0, m) of y, columns [lo, hi). Rows beyond 8 are taken 8 at a time against the same row
+// of W, which the first 8 brought into L1 (only they read ahead).
+FX2XLA_CLONES void few_rows(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n,
+                            int64_t lo, int64_t hi) {
+  for (int64_t j = lo; j < hi; ++j) {
+    const float* wr = w + j * k;
+    for (int64_t i = 0; i < m; i += 8) {
+      const float* xi = x + i * k;
+      float* yi = y + i * n + j;
+      bool ahead = i == 0;
+      switch (std::min<int64_t>(m - i, 8)) {
+        case 8: row_dots<8>(xi, wr, yi, k, n, ahead); break;
+        case 7: row_dots<7>(xi, wr, yi, k, n, ahead); break;
+        case 6: row_dots<6>(xi, wr, yi, k, n, ahead); break;
+        case 5: row_dots<5>(xi, wr, yi, k, n, ahead); break;
+        case 4: row_dots<4>(xi, wr, yi, k, n, ahead); break;
+        case 3: row_dots<3>(xi, wr, yi, k, n, ahead); break;
+        case 2: row_dots<2>(xi, wr, yi, k, n, ahead); break;
+        default: row_dots<1>(xi, wr, yi, k, n, ahead); break;
+      }
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+// Below this many bytes of W, one thread reads it (as kSkinnySplitBytes; at 128 KiB, a decode
+// step at 8 rows was slower than at 512).
+constexpr int64_t kFewRowsSplitBytes = 512 << 10;
+
+ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                         ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (x.element_type() != ffi::DataType::F32 || w.element_type() != ffi::DataType::F32 ||
+      y->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("fx2xla_few_rows_matmul: x, W and y must be float32");
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("fx2xla_few_rows_matmul: x, W and y must be matrices");
+  int64_t m = xd[0], k = xd[1], n = wd[0];
+  if (wd[1] != k || yd[0] != m || yd[1] != n)
+    return ffi::Error::InvalidArgument("fx2xla_few_rows_matmul: shapes do not chain");
+  few_rows_calls.fetch_add(1, std::memory_order_relaxed);
+  auto xs = static_cast<const float*>(x.untyped_data());
+  auto ws = static_cast<const float*>(w.untyped_data());
+  float* out = static_cast<float*>(y->untyped_data());
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::fill(out, out + m * n, 0.0f);
+    return ffi::Error::Success();
+  }
+  int64_t threads = std::min(pool.num_threads(), usable_cores());
+  int64_t bytes = n * k * 4;
+  // Four chunks per thread, of whole 8-column groups: the threads' shares of W come from L3 or
+  // memory at rates that vary, and a thread that finishes early takes another chunk (a LLaMA
+  // 4L decode step at 8 rows was a little faster so than with two chunks per thread, ad hoc).
+  int64_t groups = (n + 7) / 8, parts = std::min(4 * threads, groups);
+  if (threads < 2 || bytes < kFewRowsSplitBytes || parts < 2) {
+    few_rows(xs, ws, out, m, k, n, 0, n);
+    return ffi::Error::Success();
+  }
+  try {
+    // threads - 1 helpers: with the calling thread, one worker per core. More would share the
+    // cores (the caller is often not one of the pool's threads) and interleave their streams of W.
+    run_split(parts, pool, [&](int64_t i) {
+      auto [lo, hi] = slice_bounds(i, groups, parts);
+      few_rows(xs, ws, out, m, k, n, lo * 8, std::min(hi * 8, n));
+    }, /*calls_torch=*/false, /*helpers=*/threads - 1);
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("fx2xla_few_rows_matmul: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The attributes both convolution handlers take, in torch's argument order.
@@ -836,6 +973,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_skinny_matmul, SkinnyMatmul,
 
 // How many skinny matmul calls ran so far, in this process.
 extern "C" int64_t fx2xla_skinny_matmul_calls() { return skinny_calls.load(); }
+
+// W laid out [N, K]; x, W and y float32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_few_rows_matmul, FewRowsMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// How many few-row matmul calls ran so far, in this process.
+extern "C" int64_t fx2xla_few_rows_matmul_calls() { return few_rows_calls.load(); }
 
 // Process-wide: whether the handlers cut batches into slices (see `slices`); returns the previous
 // setting. Off, every call runs torch's kernel once on the whole batch, as eager does.

@@ -174,7 +174,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         _bind_constants(plan.constants, env)
         checks = RuntimeChecks() if check_indices else None
         run_nodes(gm, gm.graph.nodes, env, sizes, seed, checks, pinned, reads, plan.channels_last.nodes,
-                  plan.weight_lhs)
+                  plan.weight_lhs, plan.few_rows)
         results = []
         for r in plan.results:
             value = env[r.node]
@@ -257,7 +257,7 @@ def spmd_shardings(plan: GraphPlan) -> dict:
 
 
 def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=None, pinned=None,
-              reads=None, laid=frozenset(), weight_lhs=frozenset()) -> dict:
+              reads=None, laid=frozenset(), weight_lhs=frozenset(), few_rows=frozenset()) -> dict:
     """Evaluate `nodes` (call_function / get_attr nodes of `gm`, in order) with their rules, on
     the traced jax values in `env` (updated and returned). Placeholders and the output node are
     skipped: the caller binds the first and reads the second. `seed` is the per-call int64 seed
@@ -267,7 +267,8 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
     `reads`: node -> {operand node: jax sharding}: the layouts the node reads those operands in.
     `laid`: the nodes lowered on channels-last values (channels_last.py); every value in `env`
     is in torch's layout all the same. `weight_lhs`: the matmuls computed with their weight as
-    the dot's left operand (GraphPlan.weight_lhs)."""
+    the dot's left operand (GraphPlan.weight_lhs); `few_rows`: those in the kernel library's
+    few-row matmul (GraphPlan.few_rows)."""
     for index, node in enumerate(nodes):
         if node.op in ("placeholder", "output") or node in env:  # bound by the caller
             continue
@@ -295,7 +296,7 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
         nhwc = node in laid
         ctx = LoweringContext(node, sizes, seed if (rule.draws(node) or rule.subgraphs) else None, index, gm,
                               env if rule.subgraphs or rule.reads_values else None, checks, nhwc,
-                              node in weight_lhs)
+                              node in weight_lhs, node in few_rows)
         try:
             if nhwc:
                 out = channels_last.lower(rule, ctx, list(args), dict(kwargs),

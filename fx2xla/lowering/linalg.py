@@ -113,7 +113,9 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
         a, ca = jnp.swapaxes(a, -1, -2), n - 2
     if _is_transposed(ctx, rhs):  # b = W^T: contract W's column dim instead
         b, cb = jnp.swapaxes(b, -1, -2), n - 1
-        if ctx.weight_lhs and n == 2 and ca == 1:
+        if ctx.few_rows and n == 2 and ca == 1 and (out := _few_rows(ctx, a, b)) is not None:
+            return out
+        if (ctx.weight_lhs or ctx.few_rows) and n == 2 and ca == 1:
             return _weight_on_the_left(a, b)
     batch = tuple(range(n - 2))
     return dot(a, b, ((ca,), (cb,)), (batch, batch))
@@ -141,10 +143,11 @@ def _weight_on_the_left(x, w):
 _LINEAR_OPERANDS = {aten.mm.default: (1, 0), aten.addmm.default: (2, 1)}
 
 
-def weight_lhs_matmuls(gm) -> frozenset:
+def weight_lhs_matmuls(gm, rows=WEIGHT_LHS_ROWS) -> frozenset:
     """mm/addmm nodes of `gm` (a CPU inference graph) that multiply a float32 activation of
-    WEIGHT_LHS_ROWS rows (static) by a transposed dense float32 2-D tensor (nn.Linear's weight,
-    or merge_linears' concatenation of weights): the plan computes them as (W . x^T)^T."""
+    `rows` (a [min, max] range, static) rows by a transposed dense float32 2-D tensor
+    (nn.Linear's weight, or merge_linears' concatenation of weights): the plan computes them as
+    (W . x^T)^T, or with `few_row_matmuls`' rows in the kernel library's few-row matmul."""
     import torch
 
     found = set()
@@ -163,10 +166,39 @@ def weight_lhs_matmuls(gm) -> frozenset:
                 and w.dtype == xv.dtype == torch.float32 and w.is_contiguous() and xv.is_contiguous()
                 and not any(isinstance(s, torch.SymInt) for s in w.shape) and w.numel() > 0):
             continue
-        rows = xv.shape[0]
-        if not isinstance(rows, torch.SymInt) and WEIGHT_LHS_ROWS[0] <= rows <= WEIGHT_LHS_ROWS[1]:
+        m = xv.shape[0]
+        if not isinstance(m, torch.SymInt) and rows[0] <= m <= rows[1]:
             found.add(u)
     return frozenset(found)
+
+
+# Rows of the float32 matmuls x[M, K] @ W.T (W [N, K], as nn.Linear holds it) that CPU inference
+# graphs compute in the kernel library's `fx2xla_few_rows_matmul` (torch_kernels.py), where it
+# is built and the option torch_kernels allows "few_rows_matmul": the 2-8 rows of a decode step at
+# a small batch. It reads each row of W once, ahead of use, for every row of x. A stack of Linear
+# layers with 5.4 MiB of weights took 0.70-0.81 of the time of the best form without it at 2-8
+# rows, and a LLaMA 4L decode step at batch 8 0.82; with 32 MiB from memory, 0.67 at 2 rows but
+# 0.94-1.13 at 4-8. From 9 rows on, a row of W loaded serves only 8 rows of x, and the weight
+# stays on the dot's left (docs/benchmarks.md, "Few-row float32 matmuls").
+FEW_ROWS = (2, 8)
+
+
+def few_row_matmuls(gm) -> frozenset:
+    """The matmuls of `gm` (a CPU inference graph) of FEW_ROWS rows that `weight_lhs_matmuls`
+    would take: the plan sends them to the few-row kernel (GraphPlan.few_rows), with the weight
+    as torch holds it."""
+    return weight_lhs_matmuls(gm, FEW_ROWS)
+
+
+def _few_rows(ctx, x, w):
+    """x[M, K] . w[N, K]^T in the kernel library's few-row matmul, or None where the module may
+    not call it (a package's portable module, the library off or not built)."""
+    from .. import torch_kernels
+
+    if ctx.spmd or not torch_kernels.available("few_rows_matmul"):
+        return None
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("fx2xla_few_rows_matmul", out, vmap_method="sequential")(x, w)
 
 
 # Weight layout for XLA:CPU's float32 dot. nn.Linear stores W as [out, in] and multiplies

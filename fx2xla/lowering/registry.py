@@ -228,6 +228,9 @@ class LoweringContext:
     channels_last: bool = False
     # A matmul the plan computes with its weight as the dot's left operand (GraphPlan.weight_lhs).
     weight_lhs: bool = False
+    # A matmul the plan sends to the kernel library's few-row matmul (GraphPlan.few_rows); where
+    # the module may not call the library, it is computed as a weight_lhs one.
+    few_rows: bool = False
 
     def check_index(self, index, size: int, *, negative: bool, dim: int | None = None,
                     what: str = "index") -> None:

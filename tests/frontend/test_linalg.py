@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fx2xla import torch_kernels
+
 from conftest import tolerance
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float64]
@@ -106,10 +108,11 @@ def test_empty_and_noncontiguous(check):
 def test_linear_weight_transpose_is_folded(check, tmp_path, monkeypatch, dtype):
     # nn.Linear's permute(W) must not be materialised: the optimized HLO of an inference MLP
     # transposes or copies no weight, and (bf16) converts none to float32. At 8 rows float32
-    # weights reach it as torch holds them and are the dots' left operands (option
-    # linear_weight_lhs: the products are [out, rows], and only those small activations are
-    # transposed); bf16 ones as torch holds them too, read transposed by dots of [rows, out],
-    # with no transpose or copy at all.
+    # weights reach it as torch holds them, and the kernel library's few-row matmul reads them
+    # where it is built (tests/lowering/test_few_rows_matmul.py), else they are the dots' left
+    # operands (option linear_weight_lhs: the products are [out, rows], and only those small
+    # activations are transposed); bf16 ones as torch holds them too, read transposed by dots
+    # of [rows, out], with no transpose or copy at all.
     monkeypatch.setenv("FX2XLA_DUMP_DIR", str(tmp_path))
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)).to(dtype)
@@ -118,8 +121,11 @@ def test_linear_weight_transpose_is_folded(check, tmp_path, monkeypatch, dtype):
     (hlo_file,) = glob.glob(os.path.join(str(tmp_path), "*.hlo.txt"))
     hlo = open(hlo_file).read()
     ops = re.findall(r"= \w+\[([\d,]*)\]\S* (\w+)\(", hlo)  # `%name = f32[8,128]{1,0} op(`
-    product = "128,8" if dtype == torch.float32 else "8,128"
-    assert (product, "dot") in ops and ("128,64", "parameter") in ops, hlo
+    assert ("128,64", "parameter") in ops, hlo
+    if dtype == torch.float32 and torch_kernels.available("few_rows_matmul"):
+        assert hlo.count('custom_call_target="fx2xla_few_rows_matmul"') == 2, hlo
+    else:
+        assert ("128,8" if dtype == torch.float32 else "8,128", "dot") in ops, hlo
     weights = {"128,64", "64,128", "32,128", "128,32"}
     moved = [(s, op) for s, op in ops if op in ("transpose", "copy")]
     assert not [(s, op) for s, op in moved if s in weights or dtype != torch.float32], hlo

@@ -29,8 +29,11 @@ import pytest
 import torch
 
 import fx2xla
+from fx2xla import torch_kernels
 from fx2xla.package import PackageError, portable_module
 from fx2xla.testing import LogitsOnly, gpt2, llama, token_ids
+
+from tests.lowering.test_linear_weights import NO_FEW_ROWS
 
 
 def _gpt2():
@@ -483,8 +486,11 @@ def test_manifest_holds_the_plan_and_format_1_still_loads(tmp_path):
         manifest = json.load(f)
     assert manifest["format_version"] == 2
     plan = manifest["plan"]
+    # The weight: [in, out] on a CPU, or as torch holds it where the few-row kernel takes its
+    # 2-row matmul (tests/lowering/test_few_rows_matmul.py).
+    weight = "tensor" if torch_kernels.available("few_rows_matmul") else "relaid"
     assert [(p["kind"], p["resident"]) for p in plan["inputs"]] == \
-        [("relaid", True), ("tensor", True), ("tensor", False)]  # weight ([in, out] on a CPU), bias, x
+        [(weight, True), ("tensor", True), ("tensor", False)]  # weight, bias, x
     assert plan["mutations"] == [] and plan["seed"] is False and plan["results"] == 1
     inputs = [{**spec, "layout": p["kind"], "perm": p["perm"]} for spec, p in zip(manifest["inputs"], plan["inputs"])]
     del manifest["plan"]
@@ -504,8 +510,8 @@ def test_linear_weights_laid_out_in_out_on_a_cpu(tmp_path, dynamic):
     and passes it as a view (kind PERMUTED), and matches eager (float32 rtol 1e-4, atol 1e-5) and
     torch.compile's result (rtol 1e-6, atol 1e-6), at the example batch and, exported with a
     dynamic batch, at batches it lowers when called. bf16 weights stay as torch holds them.
-    Exported and compiled with linear_weight_lhs=False: at 8 static rows that option keeps the
-    weights as torch holds them (test_weights_on_the_left_in_a_package)."""
+    Exported with linear_weight_lhs=False, and compiled with it and without the few-row kernel:
+    at 8 static rows they keep the weights as torch holds them (test_weights_on_the_left_in_a_package)."""
     from fx2xla.plan import InputKind
 
     torch.manual_seed(0)
@@ -522,7 +528,7 @@ def test_linear_weights_laid_out_in_out_on_a_cpu(tmp_path, dynamic):
     assert [p.kind for p in run.plan.inputs[:4]] == [InputKind.PERMUTED, InputKind.TENSOR, InputKind.PERMUTED,
                                                      InputKind.TENSOR]
     with torch.no_grad():
-        compiled = torch.compile(model, backend="fx2xla", options={"linear_weight_lhs": False})
+        compiled = torch.compile(model, backend="fx2xla", options={"linear_weight_lhs": False, "torch_kernels": NO_FEW_ROWS})
         for n in ((8, 5, 40) if dynamic else (8,)):
             xn = torch.randn(n, 16)
             out = run(xn)
@@ -536,13 +542,15 @@ def test_linear_weights_laid_out_in_out_on_a_cpu(tmp_path, dynamic):
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_weights_on_the_left_in_a_package(tmp_path, dynamic):
-    """A package exported on a CPU at 8 static rows computes its float32 matmuls with the weight
-    on the dot's left, as a compiled CPU graph does (option linear_weight_lhs): the manifest
-    counts both matmuls, no weight is relaid, its StableHLO module computes the products
-    [out, rows] between optimization barriers, and the loaded model's result matches eager (float32 rtol 1e-4, atol 1e-5) and torch.compile's
-    (rtol 1e-6, atol 1e-6). Exported with a dynamic batch, the rows are symbolic: none is
-    counted, and batches 8, 5 and 40 match eager. A bad value is refused before anything is
-    exported."""
+    """A package exported on a CPU at 8 static rows computes its float32 matmuls as a compiled CPU
+    graph does (option linear_weight_lhs): where the kernel library is built, in its few-row
+    matmul (the manifest counts both matmuls as "few_row_matmuls", and the loaded model calls
+    the kernel twice), else with the weight on the dot's left (counted as "weight_lhs_matmuls");
+    no weight is relaid, the portable StableHLO module computes the products [out, rows] between
+    optimization barriers either way, and the loaded model's result matches eager (float32 rtol
+    1e-4, atol 1e-5) and torch.compile's (rtol 1e-6, atol 1e-6). Exported with a dynamic batch,
+    the rows are symbolic: none is counted, and batches 8, 5 and 40 match eager. A bad value is
+    refused before anything is exported."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
     x = torch.randn(8, 16)
@@ -550,7 +558,9 @@ def test_weights_on_the_left_in_a_package(tmp_path, dynamic):
     path = fx2xla.export(model, (x,), str(tmp_path / "pkg"), dynamic_shapes=shapes)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
-    assert manifest["weight_lhs_matmuls"] == (0 if dynamic else 2)
+    few = torch_kernels.available("few_rows_matmul") and not dynamic
+    assert manifest["few_row_matmuls"] == (2 if few else 0)
+    assert manifest["weight_lhs_matmuls"] == (0 if dynamic or few else 2)
     from jax.extend.mlir import ir
     from jaxlib.mlir.dialects import stablehlo
 
@@ -565,7 +575,10 @@ def test_weights_on_the_left_in_a_package(tmp_path, dynamic):
     run = fx2xla.load(path)
     with torch.no_grad():
         if not dynamic:
-            torch.testing.assert_close(run(x), torch.compile(model, backend="fx2xla")(x), rtol=1e-6, atol=1e-6)
+            calls = torch_kernels.few_rows_calls()
+            out = run(x)
+            assert torch_kernels.few_rows_calls() - calls == (2 if few else 0)
+            torch.testing.assert_close(out, torch.compile(model, backend="fx2xla")(x), rtol=1e-6, atol=1e-6)
         for n in ((8, 5, 40) if dynamic else (8,)):
             xn = torch.randn(n, 16)
             torch.testing.assert_close(run(xn), model(xn), rtol=1e-4, atol=1e-5)

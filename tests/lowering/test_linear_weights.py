@@ -17,7 +17,9 @@ faster. What these tests hold it to:
 - a bad option value is a clear error.
 
 The helper `run` compiles with option linear_weight_lhs off: at 4-64 rows that option computes
-the matmul with the weight as torch holds it instead (tests/lowering/test_weight_lhs.py)."""
+the matmul with the weight as torch holds it instead (tests/lowering/test_weight_lhs.py); and
+without the kernel library's few-row matmul (torch_kernels without "few_rows_matmul"), which at
+2-8 rows reads the weight as torch holds it too (tests/lowering/test_few_rows_matmul.py)."""
 from __future__ import annotations
 
 import copy
@@ -34,6 +36,8 @@ from fx2xla.testing import llama, mlp
 from tests.conftest import calls_in_threads
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+# The option torch_kernels with every kind but the few-row float32 matmul.
+NO_FEW_ROWS = ["convolution", "skinny_matmul", "attention"]
 
 
 @pytest.fixture(autouse=True)
@@ -52,10 +56,11 @@ def laid_count(graphs) -> int:
 
 
 def run(model, *args, **options):
-    """Compiled `model` on args under no_grad, option linear_weight_lhs off unless given:
-    (result, the new graphs)."""
+    """Compiled `model` on args under no_grad, options linear_weight_lhs off and torch_kernels
+    NO_FEW_ROWS unless given: (result, the new graphs)."""
     before = {id(g) for g in live_graphs}
-    compiled = torch.compile(model, backend="fx2xla", options={"linear_weight_lhs": False, **options})
+    compiled = torch.compile(model, backend="fx2xla",
+                             options={"linear_weight_lhs": False, "torch_kernels": NO_FEW_ROWS, **options})
     with torch.no_grad():
         out = compiled(*args)
     return out, _new_graphs(before), compiled
@@ -235,7 +240,8 @@ def test_weights_created_under_inference_mode_stay_as_they_are():
         before = {id(g) for g in live_graphs}
         with torch.inference_mode():
             x = torch.randn(4, 3, 32, 32)
-            out = torch.compile(model, backend="fx2xla", options={"linear_weight_lhs": False})(x)
+            out = torch.compile(model, backend="fx2xla",
+                                options={"linear_weight_lhs": False, "torch_kernels": NO_FEW_ROWS})(x)
             torch.testing.assert_close(out, model(x), **TOL)
         graphs = _new_graphs(before)
         assert sum(p.kind is InputKind.RELAID for g in graphs for p in g.plan.inputs) == relaid

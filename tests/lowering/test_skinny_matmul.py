@@ -27,7 +27,7 @@ import fx2xla
 from fx2xla import torch_kernels
 from fx2xla.metrics import live_graphs
 
-from tests.conftest import calls_in_threads, tolerance
+from tests.conftest import calls_in_threads, llama_decode_step, tolerance
 
 TARGET = "fx2xla_skinny_matmul"
 BF16 = dict(rtol=8e-3, atol=1e-3)  # one bf16 rounding apart
@@ -185,17 +185,8 @@ def test_llama_decode_token():
 
     torch.manual_seed(0)
     model = llama(layers=2).eval().bfloat16()
-    ids = torch.randint(1, 1000, (1, 6))
-    mask = torch.ones(1, 6, dtype=torch.long)
-
-    def stepper():  # the decode step over a cache of its own (a step writes its cache)
-        with torch.no_grad():
-            cache = model(ids[:, :5], use_cache=True).past_key_values
-        return lambda tok, mask: model(tok, attention_mask=mask, cache=cache).logits
-
-    with torch.no_grad():
-        expected = stepper()(ids[:, 5:], mask)
-    out, texts, calls = compiled(stepper(), ids[:, 5:], mask)
+    step, token, mask, expected = llama_decode_step(model, 1)
+    out, texts, calls = compiled(step, token, mask)
     assert calls >= 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
     torch.testing.assert_close(out, expected, **tolerance(torch.bfloat16))
 

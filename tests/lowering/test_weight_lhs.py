@@ -17,7 +17,8 @@ W passed as torch holds it. What these tests hold it to:
 - a bad option value is a clear error.
 A weight changed in place or replaced, and four threads calling one compiled model, are
 tests/lowering/test_linear_weights.py's test_changed_weights_follow and test_threads, run with
-the option on and off."""
+the option on and off. Here the kernel library's few-row matmul is off (its helper `run`), as it
+would take the matmuls of 4-8 rows (tests/lowering/test_few_rows_matmul.py)."""
 from __future__ import annotations
 
 import re

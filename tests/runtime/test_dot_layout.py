@@ -24,6 +24,8 @@ from fx2xla.metrics import live_graphs
 from fx2xla.plan import InputKind
 from fx2xla.runtime import dot_layout
 
+from tests.lowering.test_linear_weights import NO_FEW_ROWS
+
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -135,10 +137,12 @@ class Wide(torch.nn.Module):
 
 def _compiled(model, x, **options):
     """`model` compiled and called on x, eager's result checked: the new graphs. Option
-    linear_weight_lhs is off unless given (at 4-64 rows it keeps the weights as torch holds them)."""
+    linear_weight_lhs is off and torch_kernels leaves out the few-row matmul unless given (at
+    4-64 and 2-8 rows they keep the weights as torch holds them)."""
     torch._dynamo.reset()
     before = {id(g) for g in live_graphs}
-    compiled = torch.compile(model, backend="fx2xla", options={"linear_weight_lhs": False, **options})
+    compiled = torch.compile(model, backend="fx2xla",
+                             options={"linear_weight_lhs": False, "torch_kernels": NO_FEW_ROWS, **options})
     with torch.no_grad():
         out = compiled(x)
         expected = model(x)

@@ -1,0 +1,218 @@
+"""Few-row float32 matmuls on the CPU (fx2xla/torch_kernels.py, `fx2xla_few_rows_matmul`;
+lowering/linalg.py: FEW_ROWS, few_row_matmuls; plan.GraphPlan.few_rows).
+
+A CPU inference graph sends a float32 mm/addmm of 2-8 static rows against a transposed dense
+weight (nn.Linear's, or merge_linears' concatenation) to the kernel library's few-row matmul,
+with the weight handed over as torch holds it. What these tests hold it to:
+- results equal eager's at float32 rtol 1e-5 / atol 1e-5 (the kernel sums in another order than
+  torch's GEMM), for 2, 3, 5 and 8 rows, K and N with and without remainders of the kernel's
+  8-float chunks and 8-column groups, weights large enough to be cut across XLA's threads, with
+  and without a bias, 2-D and 3-D inputs;
+- the plan lists the matmuls (and not as weight-left ones), no weight is relaid, the optimized
+  HLO calls the kernel, and the handler runs once per matmul per call;
+- left to XLA's dot: 1 and 9 rows, bf16, training graphs, dynamic rows; the option
+  torch_kernels without "few_rows_matmul" gives the weight-left form, within the same tolerance;
+- four threads calling one compiled model get, on every call, the bits a single call gives;
+- a transformers LLaMA decode token at batch 4 (merged q/k/v and gate/up) runs its projections
+  in the kernel, and its logits match eager's at float32 rtol 1e-4 / atol 1e-4;
+- called directly, the handler computes 1-20 rows (beyond 8: 8 at a time against one row of W)
+  and edge shapes (K of 1, 7, 9 and 513; N of 1 and 1001) within float32 rounding of a float64
+  reference (|error| <= 1e-5 x sum |x| |w| per element), gives zeros for an empty contraction,
+  and refuses bfloat16 operands with a message that says what it takes."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from fx2xla import torch_kernels
+from fx2xla.metrics import live_graphs
+from fx2xla.runtime.executor import optimized_hlo_text
+from fx2xla.testing import llama, mlp
+
+from tests.conftest import calls_in_threads, llama_decode_step
+from tests.lowering.test_linear_weights import NO_FEW_ROWS, laid_count
+
+TARGET = "fx2xla_few_rows_matmul"
+TOL = dict(rtol=1e-5, atol=1e-5)
+pytestmark = pytest.mark.skipif(not torch_kernels.available("few_rows_matmul"), reason=torch_kernels.status())
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def run(model, *args, **options):
+    """`model` compiled with fx2xla (and `options`) and called on args under no_grad: (result,
+    the new graphs, handler calls it made, compiled)."""
+    before = {id(g) for g in live_graphs}
+    calls = torch_kernels.few_rows_calls()
+    compiled = torch.compile(model, backend="fx2xla", options=options or None)
+    with torch.no_grad():
+        out = compiled(*args)
+    return out, [g for g in live_graphs if id(g) not in before], torch_kernels.few_rows_calls() - calls, compiled
+
+
+def planned(graphs) -> tuple[int, int]:
+    """(matmuls planned for the kernel, matmuls planned with the weight on the left)."""
+    return sum(len(g.plan.few_rows) for g in graphs), sum(len(g.plan.weight_lhs) for g in graphs)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, k, n, bias):
+        super().__init__()
+        self.a = torch.nn.Linear(k, n, bias=bias)
+        self.b = torch.nn.Linear(n, 19, bias=bias)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+# K, N of the first Linear: remainders of 8-float chunks and 8-column groups (37 x 45), a small
+# even one, and a 4 MiB weight that XLA's threads share.
+SHAPES = [(64, 256), (37, 45), (1024, 1024)]
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("k,n", SHAPES, ids=[f"{k}x{n}" for k, n in SHAPES])
+@pytest.mark.parametrize("rows", [2, 3, 5, 8])
+def test_matches_eager(rows, k, n, bias):
+    """Both Linears run in the kernel: eager's result within TOL; both planned as few-row
+    matmuls, none weight-left, no weight relaid; the optimized HLO calls the kernel twice and
+    the handler ran twice."""
+    torch.manual_seed(0)
+    model = Stack(k, n, bias).eval()
+    x = torch.randn(rows, k)
+    out, graphs, calls, _ = run(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), **TOL)
+    assert planned(graphs) == (2, 0) and laid_count(graphs) == 0
+    assert calls == 2
+    hlo = optimized_hlo_text(graphs[0].static.exe)
+    assert len(re.findall(rf'custom_call_target="{TARGET}"', hlo)) == 2, hlo
+
+
+def test_three_d_input():
+    """A [2, 3, 64] input (6 rows once flattened) takes the kernel too, and matches eager."""
+    torch.manual_seed(0)
+    model = mlp(64, 128, 32).eval()
+    x = torch.randn(2, 3, 64)
+    out, graphs, calls, _ = run(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), **TOL)
+    assert planned(graphs) == (2, 0) and calls == 2
+
+
+@pytest.mark.parametrize("case", ["one_row", "nine_rows", "bf16", "option_off"])
+def test_left_to_xla(case):
+    """One row (XLA's dot is fast there), 9 rows (weight on the left: faster from there on),
+    bf16, and the option torch_kernels without "few_rows_matmul" (weight on the left at 4 rows)
+    make no kernel call and match eager; the option off agrees with the kernel within TOL."""
+    torch.manual_seed(0)
+    model = mlp(64, 128, 32).eval()
+    rows = {"one_row": 1, "nine_rows": 9}.get(case, 4)
+    x = torch.randn(rows, 64)
+    tol = TOL
+    options = {"torch_kernels": NO_FEW_ROWS} if case == "option_off" else {}
+    if case == "bf16":
+        model, x, tol = model.bfloat16(), x.bfloat16(), dict(rtol=1.6e-2, atol=2e-2)
+    out, graphs, calls, _ = run(model, x, **options)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), **tol)
+    assert calls == 0 and planned(graphs)[0] == 0
+    if case in ("nine_rows", "option_off"):
+        assert planned(graphs) == (0, 2)
+    if case == "option_off":
+        torch._dynamo.reset()
+        with_kernel, graphs, calls, _ = run(model, x)
+        assert calls == 2 and planned(graphs) == (2, 0)
+        torch.testing.assert_close(with_kernel, out, **TOL)
+
+
+def test_training_and_dynamic_rows_keep_xla():
+    """A training graph (its weights change every step) and symbolic rows (dynamic=True) make no
+    kernel call; the gradients and every batch size match eager."""
+    torch.manual_seed(0)
+    model = mlp(32, 64, 16)
+    x = torch.randn(4, 32)
+    calls = torch_kernels.few_rows_calls()
+    torch.compile(model, backend="fx2xla")(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.eval(), backend="fx2xla", dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 5, 8):
+            xb = torch.randn(batch, 32)
+            torch.testing.assert_close(compiled(xb), model(xb), **TOL)
+    assert torch_kernels.few_rows_calls() == calls
+
+
+def test_threads():
+    """Four threads calling one compiled model whose first weight (4 MiB) is cut across XLA's
+    threads get, on every call, the bits one call of it gives, and eager's result within TOL."""
+    torch.manual_seed(0)
+    model = Stack(1024, 1024, True).eval()
+    inputs = [torch.randn(8, 1024) for _ in range(4)]
+    compiled = torch.compile(model, backend="fx2xla")
+    with torch.no_grad():
+        refs = [compiled(x) for x in inputs]
+        for x, ref in zip(inputs, refs):
+            torch.testing.assert_close(ref, model(x), **TOL)
+    calls = torch_kernels.few_rows_calls()
+    results = calls_in_threads(compiled, inputs, 20)
+    assert torch_kernels.few_rows_calls() - calls == 4 * 20 * 2
+    for i in range(4):
+        for out in results[i]:
+            assert torch.equal(out, refs[i])
+
+
+def test_llama_decode_token():
+    """A transformers LLaMA (merged q/k/v and gate/up), one token at batch 4 after a cached
+    prompt: the kernel runs its projections and head, and the logits match eager's."""
+    torch.manual_seed(0)
+    model = llama(layers=2).eval()
+    step, token, mask, expected = llama_decode_step(model, 4)
+    out, graphs, calls, _ = run(step, token, mask)
+    # per layer q/k/v (merged), o, gate/up (merged), down; and the head
+    assert planned(graphs)[0] == 2 * 4 + 1 and calls == 2 * 4 + 1
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def _direct(x, w):
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return np.asarray(jax.jit(lambda x, w: jax.ffi.ffi_call(TARGET, out)(x, w))(x, w))
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 20])
+@pytest.mark.parametrize("k,n", [(1, 5), (7, 33), (9, 8), (513, 1), (600, 1001)])
+def test_handler_directly(m, k, n):
+    """The handler on its own: rows beyond 8 (taken 8 at a time), K below, at and just past one
+    8-float chunk, a single column, and a 2.3 MiB weight cut across XLA's threads, each element
+    within 1e-5 x sum |x| |w| of a float64 reference."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    out = _direct(x, w)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+    assert out.shape == (m, n) and np.all(np.abs(out - ref) <= bound)
+
+
+def test_handler_empty_and_refusals():
+    """An empty contraction gives zeros; bfloat16 operands are refused, naming the kernel and
+    what it takes."""
+    assert np.array_equal(_direct(np.zeros((3, 0), np.float32), np.zeros((4, 0), np.float32)), np.zeros((3, 4)))
+    x = jnp.ones((2, 8), jnp.bfloat16)
+    with pytest.raises(Exception, match=f"{TARGET}: x, W and y must be float32"):
+        jax.jit(lambda x: jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((2, 4), jnp.float32))(x, x[:4]))(x)
