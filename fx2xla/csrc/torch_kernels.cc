@@ -600,6 +600,31 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   });
 }
 
+// Runs cols(lo, hi) over columns [0, n) of a matmul's output: whole, on the calling thread, where
+// W (`bytes`) is below `split_bytes` or one thread is usable; else cut into `per_thread` chunks per
+// thread, of whole `group`-column groups, which the caller and pool tasks claim in turn: one
+// task per chunk past the first, or with `one_helper_per_core` one per usable core past the
+// caller's. An exception becomes an error naming `kernel`.
+ffi::Error split_columns(ffi::ThreadPool& pool, int64_t n, int64_t bytes, int64_t split_bytes, int64_t group,
+                         int64_t per_thread, bool one_helper_per_core, const char* kernel,
+                         const std::function<void(int64_t, int64_t)>& cols) {
+  int64_t threads = std::min(pool.num_threads(), usable_cores());
+  int64_t groups = (n + group - 1) / group, parts = std::min(per_thread * threads, groups);
+  if (threads < 2 || bytes < split_bytes || parts < 2) {
+    cols(0, n);
+    return ffi::Error::Success();
+  }
+  try {
+    run_split(parts, pool, [&](int64_t i) {
+      auto [lo, hi] = slice_bounds(i, groups, parts);
+      cols(lo * group, std::min(hi * group, n));
+    }, /*calls_torch=*/false, one_helper_per_core ? threads - 1 : -1);
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(kernel) + ": " + e.what());
+  }
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Skinny matmuls: y[M, N] = x[M, K] . W accumulated in float32, x and W in bfloat16, for one
 // row (a decode step at batch 1). Its cost is reading W once. XLA:CPU's bf16 dot of one row
@@ -749,23 +774,9 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   auto cols = [&](int64_t lo, int64_t hi) {
     for (int64_t i = 0; i < m; ++i) skinny_row(xs + i * k, ws, out + i * n, k, n, lo, hi, w_nk != 0);
   };
-  int64_t threads = std::min(pool.num_threads(), usable_cores());
-  int64_t bytes = n * k * 2;
   // Two chunks per thread, of whole 16-column groups: a thread that wakes late still gets work.
-  int64_t groups = (n + 15) / 16, parts = std::min(2 * threads, groups);
-  if (threads < 2 || bytes < kSkinnySplitBytes || parts < 2) {
-    cols(0, n);
-    return ffi::Error::Success();
-  }
-  try {
-    run_split(parts, pool, [&](int64_t i) {
-      auto [lo, hi] = slice_bounds(i, groups, parts);
-      cols(lo * 16, std::min(hi * 16, n));
-    }, /*calls_torch=*/false);
-  } catch (const std::exception& e) {
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("fx2xla_skinny_matmul: ") + e.what());
-  }
-  return ffi::Error::Success();
+  return split_columns(pool, n, n * k * 2, kSkinnySplitBytes, 16, 2, /*one_helper_per_core=*/false,
+                       "fx2xla_skinny_matmul", cols);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -880,27 +891,14 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
     std::fill(out, out + m * n, 0.0f);
     return ffi::Error::Success();
   }
-  int64_t threads = std::min(pool.num_threads(), usable_cores());
-  int64_t bytes = n * k * 4;
   // Four chunks per thread, of whole 8-column groups: the threads' shares of W come from L3 or
   // memory at rates that vary, and a thread that finishes early takes another chunk (a LLaMA
   // 4L decode step at 8 rows was a little faster so than with two chunks per thread, ad hoc).
-  int64_t groups = (n + 7) / 8, parts = std::min(4 * threads, groups);
-  if (threads < 2 || bytes < kFewRowsSplitBytes || parts < 2) {
-    few_rows(xs, ws, out, m, k, n, 0, n);
-    return ffi::Error::Success();
-  }
-  try {
-    // threads - 1 helpers: with the calling thread, one worker per core. More would share the
-    // cores (the caller is often not one of the pool's threads) and interleave their streams of W.
-    run_split(parts, pool, [&](int64_t i) {
-      auto [lo, hi] = slice_bounds(i, groups, parts);
-      few_rows(xs, ws, out, m, k, n, lo * 8, std::min(hi * 8, n));
-    }, /*calls_torch=*/false, /*helpers=*/threads - 1);
-  } catch (const std::exception& e) {
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("fx2xla_few_rows_matmul: ") + e.what());
-  }
-  return ffi::Error::Success();
+  // One worker per core, the caller included: more would share the cores (the caller is often
+  // not one of the pool's threads) and interleave their streams of W.
+  return split_columns(pool, n, n * k * 4, kFewRowsSplitBytes, 8, 4, /*one_helper_per_core=*/true,
+                       "fx2xla_few_rows_matmul",
+                       [&](int64_t lo, int64_t hi) { few_rows(xs, ws, out, m, k, n, lo, hi); });
 }
 
 }  // namespace
