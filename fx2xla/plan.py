@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx
 
+from . import torch_kernels as _torch_kernels
 from .layouts import dense_permutation, inverse, is_identity, symbolic
 from .lowering import channels_last as _channels_last
 from .lowering import linalg as _linalg
@@ -454,7 +455,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                        and ex.numel() > 0 and _inplace.viewable(ex.dtype))
         steady = i in resident and not donated and node not in written and ex.device == torch_device
         weight = steady and node in laid.weights
-        pinned = pinned_weights and weight and i not in skipped
+        # (Only where the convolution is torch's: not a bf16 one that XLA computes on this CPU.)
+        pinned = pinned_weights and weight and i not in skipped and ex.dtype in _torch_kernels.convolution_dtypes()
         if relaid_weights and weight and layout.kind is InputKind.TENSOR:
             # Converted to the layout torch's convolution reads once, not by the executable on
             # every call.

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import functools
 import hashlib
 import os
 import shlex
@@ -434,6 +435,73 @@ def available(kind: str = "convolution") -> bool:
     return not disabled() and kind in _kinds.get() and load()[0]
 
 
+# torch's bf16 and float16 convolutions are oneDNN's, which is fast at them only where the CPU
+# has instructions for that dtype (AVX512-BF16 or AMX for bf16; AVX512-FP16 or AMX-FP16 for
+# float16). Elsewhere oneDNN computes them on a slow path: on an AVX2 EPYC a bf16 SmallCNN took
+# 33 ms with torch's convolutions inside the executable, 6 ms with XLA's, which computes them
+# in float32 (docs/benchmarks.md#reduced-precision-convolutions-on-a-cpu-without-bf16).
+# float32 and float64 convolutions go to torch's kernels everywhere.
+_REDUCED_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+_reduced_override: bool | None = None  # set_reduced_convolutions: None = by the CPU
+
+
+def cpu_has_instructions(dtype: torch.dtype, *, ask_torch: bool = True, cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has instructions for arithmetic in `dtype` (bf16 or float16): torch's own
+    checks (private, x86 only; `ask_torch`), or where they are missing, the flags Linux lists in
+    `cpuinfo`. False where neither says (other CPUs: XLA's convolutions, always correct)."""
+    if ask_torch:
+        try:
+            if dtype is torch.bfloat16:
+                return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())  # AVX512-FP16 or AMX-FP16
+        except (AttributeError, RuntimeError):
+            pass
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+            break
+    return any(f in flags for f in _REDUCED_FLAGS[dtype])
+
+
+def set_reduced_convolutions(on: bool | None) -> bool | None:
+    """Process-wide, for graphs lowered from now on: whether bf16 and float16 convolutions go to
+    torch's kernels (True), to XLA's (False), or as this CPU's instructions say (None, the
+    default; see `convolution_dtypes`). Returns the previous setting."""
+    global _reduced_override
+    previous, _reduced_override = _reduced_override, on
+    return previous
+
+
+@contextlib.contextmanager
+def reduced_convolutions(on: bool | None):
+    """`set_reduced_convolutions(on)` for the block, then the previous setting back
+    (process-wide)."""
+    previous = set_reduced_convolutions(on)
+    try:
+        yield
+    finally:
+        set_reduced_convolutions(previous)
+
+
+@functools.cache
+def _native_reduced() -> frozenset:
+    return frozenset(d for d in _REDUCED_FLAGS if cpu_has_instructions(d))
+
+
+def convolution_dtypes() -> frozenset:
+    """The torch dtypes whose convolutions lowering sends to torch's kernels (where the
+    library is available): float32 and float64, and bf16 and float16 where this CPU has
+    instructions for them (or as `set_reduced_convolutions` says)."""
+    reduced = (_native_reduced() if _reduced_override is None
+               else frozenset(_REDUCED_FLAGS) if _reduced_override else frozenset())
+    return frozenset((torch.float32, torch.float64)) | reduced
+
+
 # Skinny bfloat16 matmuls: one row x[1, K] . W. XLA:CPU's bf16 dot of one row converts W to
 # float32 in a pass of its own on every call and then takes a slow path: 6.1 ms against an 8 MiB
 # (4096 x 1024) weight, against 0.60 ms for two rows (docs/benchmarks.md#skinny-bf16-matmuls).
@@ -479,4 +547,9 @@ def status() -> str:
     if disabled():
         return "torch kernels: off (FX2XLA_TORCH_KERNELS=0)"
     ok, detail = load()
-    return f"torch kernels: {'on' if ok else 'off'} ({detail})"
+    if not ok:
+        return f"torch kernels: off ({detail})"
+    convs = convolution_dtypes()
+    reduced = ", ".join(f"{str(d).removeprefix('torch.')} {'torch' if d in convs else 'XLA'}'s"
+                        for d in _REDUCED_FLAGS)
+    return f"torch kernels: on ({detail}); convolutions: {reduced}"

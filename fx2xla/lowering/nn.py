@@ -376,8 +376,9 @@ def _convolution_backward(ctx, grad, x, w, bias_sizes, stride, padding, dilation
 
 # torch's convolutions on the CPU (oneDNN) as XLA FFI custom calls (fx2xla/torch_kernels.py):
 # XLA:CPU's own are several times slower. Not in programs XLA partitions over a mesh (its
-# partitioner cannot split a custom call), nor for empty tensors or dtypes the handlers lack.
-_TORCH_CONV_DTYPES = frozenset(to_jax_dtype(d) for d in torch_kernels.DTYPES)
+# partitioner cannot split a custom call), nor for empty tensors, nor for dtypes the handlers
+# lack or oneDNN computes slowly on this CPU (torch_kernels.convolution_dtypes: bf16 and float16
+# without instructions for them).
 _TO_LAST, _TO_FIRST = (0, 2, 3, 1), (0, 3, 1, 2)  # NCHW -> NHWC, and back
 
 
@@ -398,7 +399,8 @@ def _unlaid(v, last: bool):
 def _torch_conv_fits(ctx, *arrays) -> bool:
     arrays = [a for a in arrays if a is not None]
     return (not ctx.spmd and all(a.dtype == arrays[0].dtype for a in arrays)
-            and arrays[0].dtype in _TORCH_CONV_DTYPES and all(a.size for a in arrays)
+            and arrays[0].dtype in {to_jax_dtype(d) for d in torch_kernels.convolution_dtypes()}
+            and all(a.size for a in arrays)
             and torch_kernels.available("convolution"))
 
 

@@ -52,6 +52,15 @@ def _fresh():
     gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _reduced_in_torch():
+    # These tests hold torch's handlers to eager: bf16 and float16 convolutions go to them here on
+    # any CPU, not only where it has instructions for those dtypes (tests/lowering/
+    # test_reduced_convolutions.py holds that default).
+    with torch_kernels.reduced_convolutions(True):
+        yield
+
+
 class Mixed(torch.nn.Module):
     """Strided, dilated depthwise, pointwise without bias, and a plain 3x3 convolution."""
 

@@ -45,6 +45,15 @@ def _fresh():
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def _reduced_in_torch():
+    # These tests hold torch's handlers to eager: bf16 and float16 convolutions go to them here on
+    # any CPU, not only where it has instructions for those dtypes (tests/lowering/
+    # test_reduced_convolutions.py holds that default).
+    with torch_kernels.reduced_convolutions(True):
+        yield
+
+
 def compiled_modules(fn, *args, **options) -> tuple[object, list[str]]:
     """fn compiled with fx2xla (and `options`), called on args: (result, the StableHLO of each
     new graph)."""

@@ -310,8 +310,8 @@ def test_cuda_half_matmuls_write_their_own_dtype(torch_has_cuda, dtype):
     GEMM accumulates in float32 and rounds once as it writes): no float32 value and no convert
     anywhere, the Linear's bias added in that dtype. Lowered for the CPU with XLA's kernels
     only, the same graph keeps float32 results, converted to the half dtype afterwards; with
-    torch's kernels built, the convolution is torch's (fx2xla/torch_kernels.py), in the half
-    dtype with its bias, as eager computes it."""
+    torch's kernels built and allowed that dtype's convolutions, the convolution is torch's
+    (fx2xla/torch_kernels.py), in the half dtype with its bias, as eager computes it."""
     t = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
     cuda = _half_module("cuda", "cuda", dtype)
     dots = [line for line in cuda.splitlines() if "stablehlo.dot_general" in line]
@@ -323,7 +323,8 @@ def test_cuda_half_matmuls_write_their_own_dtype(torch_has_cuda, dtype):
     assert "-> tensor<2x2x6x6xf32>" in cpu, cpu
     assert cpu.count(f": (tensor<8x32xf32>) -> tensor<8x32x{t}>") == 2, cpu  # rounded after the bias
     if torch_kernels.available():
-        cpu = _half_module("cpu", "cpu", dtype)
+        with torch_kernels.reduced_convolutions(True):
+            cpu = _half_module("cpu", "cpu", dtype)
         conv = next(line for line in cpu.splitlines() if "@fx2xla_torch_convolution(" in line)
         assert conv.endswith(f"-> tensor<2x6x6x2x{t}>") and "has_bias = 1" in conv, conv
 
