@@ -25,7 +25,7 @@ every contender's generated ids against eager's, and fx2xla's and Inductor's log
 step against eager's (one untimed call with output_logits=True).
 
 `--no-skinny` adds a fourth contender, "fx2xla:no-skinny": fx2xla without the kernel library's
-one-row bf16 matmul (option torch_kernels=["convolution", "attention", "few_rows_matmul"]), which gives such a matmul to XLA's dot
+one-row bf16 matmul (option torch_kernels without "skinny_matmul"), which gives such a matmul to XLA's dot
 as two rows instead. `--not-in-place` adds "fx2xla:not-in-place": fx2xla with FX2XLA_INPLACE=0
 while it compiles, so each step writes the whole KV cache to a new buffer instead of updating
 it where it is (runtime/inplace.py). `--decomposed-attention` adds "fx2xla:decomposed-attention":
@@ -42,7 +42,9 @@ options={"linear_weight_lhs": False}, which computes each matmul of 4-64 rows as
 of (W . x^T)^T (batch 8; batch 1 is one row, the same program either way). `--no-few-rows` adds
 "fx2xla:no-few-rows": fx2xla without the kernel library's few-row float32 matmul (option
 torch_kernels=["convolution", "skinny_matmul", "attention"]), which computes the 2-8 row
-matmuls of a step at batch 2-8 with the weight on the dot's left instead.
+matmuls of a step at batch 2-8 with the weight on the dot's left instead. `--no-decode-attention`
+adds "fx2xla:no-decode-attention": fx2xla without the kernel library's float32 decode attention
+(option torch_kernels without "decode_attention"), which leaves a step's attention to XLA's dots.
 
 `--split` also takes fx2xla's step apart at each batch size: per step, fx2xla's graph (its
 `CompiledGraph` call) and, inside it, the executable's launch through the export of its results;
@@ -101,6 +103,7 @@ def contenders(args) -> tuple:
             + (("fx2xla:imported-inputs",) if args.imported_inputs else ())
             + (("fx2xla:weight-rhs",) if args.weight_rhs else ())
             + (("fx2xla:no-few-rows",) if args.no_few_rows else ())
+            + (("fx2xla:no-decode-attention",) if args.no_decode_attention else ())
             + (("fx2xla:xla-attention",) if args.xla_attention else ()))
 
 
@@ -141,10 +144,9 @@ def make_generate(model, name: str, ids, new_tokens: int, max_cache_len: int | N
         kw["disable_compile"] = True
     else:
         # Options make Dynamo keep this contender's compiled step apart from fx2xla's.
-        options = ({"torch_kernels": ["convolution", "attention", "few_rows_matmul"]} if name == "fx2xla:no-skinny"
-                   else {"torch_kernels": ["convolution", "skinny_matmul", "few_rows_matmul"]}
-                   if name == "fx2xla:xla-attention"
-                   else {"torch_kernels": ["convolution", "skinny_matmul", "attention"]} if name == "fx2xla:no-few-rows"
+        without = {"fx2xla:no-skinny": "skinny_matmul", "fx2xla:xla-attention": "attention",
+                   "fx2xla:no-few-rows": "few_rows_matmul", "fx2xla:no-decode-attention": "decode_attention"}
+        options = ({"torch_kernels": [k for k in fx2xla.torch_kernels.KINDS if k != without[name]]} if name in without
                    else {"fallback": "eager"} if name == "fx2xla:not-in-place"
                    else {"attention_op": False} if name == "fx2xla:decomposed-attention"
                    else {"transposed_linear_weights": False} if name == "fx2xla:linear-as-is"
@@ -335,6 +337,10 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_no_few_rows_tokens_per_s"] = med["fx2xla:no-few-rows"] / med["fx2xla"]
         res["fx2xla_vs_no_few_rows_cpu"] = cmed["fx2xla:no-few-rows"] / cmed["fx2xla"]
         res["fx2xla_vs_no_few_rows_step"] = smed["fx2xla"] / smed["fx2xla:no-few-rows"]
+    if "fx2xla:no-decode-attention" in med:
+        res["fx2xla_vs_no_decode_attention_tokens_per_s"] = med["fx2xla:no-decode-attention"] / med["fx2xla"]
+        res["fx2xla_vs_no_decode_attention_cpu"] = cmed["fx2xla:no-decode-attention"] / cmed["fx2xla"]
+        res["fx2xla_vs_no_decode_attention_step"] = smed["fx2xla"] / smed["fx2xla:no-decode-attention"]
     if "fx2xla:weight-rhs" in med:
         res["fx2xla_vs_weight_rhs_tokens_per_s"] = med["fx2xla:weight-rhs"] / med["fx2xla"]
         res["fx2xla_vs_weight_rhs_cpu"] = cmed["fx2xla:weight-rhs"] / cmed["fx2xla"]
@@ -389,6 +395,8 @@ def main() -> None:
                         "kernel (option torch_kernels without 'attention')")
     p.add_argument("--no-few-rows", action="store_true",
                    help="also time fx2xla without its few-row float32 matmul kernel")
+    p.add_argument("--no-decode-attention", action="store_true",
+                   help="also time fx2xla without its float32 decode attention kernel")
     p.add_argument("--weight-rhs", action="store_true",
                    help="also time fx2xla computing matmuls of 4-64 rows as x . W^T (option linear_weight_lhs=False)")
     p.add_argument("--max-cache-len", type=int, default=None,
@@ -449,6 +457,10 @@ def main() -> None:
         if "fx2xla_vs_no_few_rows_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:no-few-rows tokens/s {r['fx2xla_vs_no_few_rows_tokens_per_s']:.3f}"
                   f" (cpu time: {r['fx2xla_vs_no_few_rows_cpu']:.3f}); step time {r['fx2xla_vs_no_few_rows_step']:.3f}")
+        if "fx2xla_vs_no_decode_attention_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:no-decode-attention tokens/s {r['fx2xla_vs_no_decode_attention_tokens_per_s']:.3f}"
+                  f" (cpu time: {r['fx2xla_vs_no_decode_attention_cpu']:.3f}); step time "
+                  f"{r['fx2xla_vs_no_decode_attention_step']:.3f}")
         if "fx2xla_vs_weight_rhs_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:weight-rhs tokens/s {r['fx2xla_vs_weight_rhs_tokens_per_s']:.3f}"
                   f" (cpu time: {r['fx2xla_vs_weight_rhs_cpu']:.3f}); step time {r['fx2xla_vs_weight_rhs_step']:.3f}")

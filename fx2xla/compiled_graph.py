@@ -20,7 +20,7 @@ from .lowering.channels_last import TO_FIRST, saved_strides
 from .lowering.graph import check_rules, lower_graph
 from .lowering.merge_linears import merge_linears as _merge_linears
 from .lowering.nn import CUDNN_MARKER, cudnn_attention_disabled
-from .metrics import counters, live_graphs
+from .metrics import counters, track
 from .plan import build_plan, input_mutations
 from .plan_executor import PlanExecutor, ResidentInput, Specialization
 from .runtime import Device, compile_module
@@ -159,7 +159,7 @@ class CompiledGraph:
         self._compile_lock = threading.Lock()
         self.static: Specialization | None = None
         counters.graphs += 1
-        live_graphs.add(self)
+        track(self)
         # (Never for graphs that write their inputs: the write would land in a padded copy.)
         self._buckets = (BatchBuckets.find(gm, self.example_inputs, batch_buckets)
                          if self.dynamic and batch_buckets and not input_mutations(gm) else None)

@@ -1,6 +1,7 @@
 """Process-wide counters. Read them with `fx2xla.metrics()`."""
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -20,6 +21,33 @@ class Counters:
 counters = Counters()
 # Compiled graphs count their own executions (an integer add on the call path); summed here.
 live_graphs: "weakref.WeakSet" = weakref.WeakSet()
+# What freed graphs counted, so that the process-wide sums never go down when a graph is freed.
+_RETIRED_KEYS = ("executions", "execute_seconds", "import_seconds", "staged_inputs", "offloaded_bytes",
+                 "reloaded_bytes")
+_retired = dict.fromkeys(_RETIRED_KEYS, 0)
+_retired_lock = threading.Lock()
+
+
+def _counts(executor, offload_per_call) -> dict:
+    n = executor.executions
+    return {"executions": n, "execute_seconds": executor.execute_seconds, "import_seconds": executor.import_seconds,
+            "staged_inputs": executor.staged_inputs,
+            "offloaded_bytes": offload_per_call[0] * n if offload_per_call else 0,
+            "reloaded_bytes": offload_per_call[1] * n if offload_per_call else 0}
+
+
+def _retire(executor, offload_per_call) -> None:
+    counts = _counts(executor, offload_per_call)
+    with _retired_lock:
+        for k, v in counts.items():
+            _retired[k] += v
+
+
+def track(graph) -> None:
+    """Adds a compiled graph to `live_graphs`; once it is freed, what its executor counted stays
+    in metrics()."""
+    live_graphs.add(graph)
+    weakref.finalize(graph, _retire, graph.executor, graph.offload_per_call)
 
 
 def is_compiled_graph(obj) -> bool:
@@ -39,16 +67,16 @@ def metrics() -> dict:
     torch's stream, see runtime/twins.py)."""
     out = dict(counters.__dict__)
     out["pass_seconds"] = dict(counters.pass_seconds)
+    # Over every graph compiled in this process, freed ones included: executions, and with
+    # FX2XLA_TIME_EXECUTE=1 their seconds and the imports' seconds; inputs copied into staging
+    # buffers rather than imported (CPU); host offloading's bytes per device left in host memory
+    # and taken from it.
     graphs = list(live_graphs)
-    out["executions"] = sum(g.executor.executions for g in graphs)
-    out["execute_seconds"] = sum(g.executor.execute_seconds for g in graphs)  # with FX2XLA_TIME_EXECUTE=1
-    out["import_seconds"] = sum(g.executor.import_seconds for g in graphs)  # likewise
-    out["staged_inputs"] = sum(g.executor.staged_inputs for g in graphs)  # copied, not imported (CPU)
-    # Host offloading (option offload): bytes per device the executables left in host memory and
-    # took from it, over the live graphs' calls.
-    per_call = [(g.offload_per_call, g.executor.executions) for g in graphs if g.offload_per_call]
-    out["offloaded_bytes"] = sum(p[0] * n for p, n in per_call)
-    out["reloaded_bytes"] = sum(p[1] * n for p, n in per_call)
+    with _retired_lock:
+        out.update(_retired)
+    for g in graphs:
+        for k, v in _counts(g.executor, g.offload_per_call).items():
+            out[k] += v
     kept = twins.counts()
     out["twin_records"], out["twin_arrays_waiting"] = kept["records"], kept["waiting"]
     s = executable_cache.stats

@@ -22,12 +22,14 @@ inference attention of 32 query rows or more, where XLA:CPU's per-head batched d
 below its GEMM rate; its work is cut by batch, or by kv head, the same way, and each part's
 results are the kernel's bit for bit (lowering/nn.py `_torch_attention` says when it applies).
 
-The library also holds two kernels of fx2xla's own. `fx2xla_skinny_matmul`: bf16 matmuls of one
+The library also holds three kernels of fx2xla's own. `fx2xla_skinny_matmul`: bf16 matmuls of one
 row (decode steps at batch 1), for which XLA:CPU converts every weight to float32 on each call
 and then takes a slow path (see `skinny` below). `fx2xla_few_rows_matmul`: float32 matmuls of
 2-8 rows against nn.Linear's weight as torch holds it (decode steps at a small batch), which it
 reads once, ahead of use, for all rows at a time (lowering/linalg.py: FEW_ROWS gives the
-figures). The option `torch_kernels` picks which kinds of custom call lowering may use (KINDS).
+figures). `fx2xla_decode_attention`: float32 attention of a few query rows per kv head (decode
+steps), straight from the cache, where XLA:CPU's tiny batched dots cost far more than their work
+(lowering/nn.py: DECODE_ATTENTION_ROWS). The option `torch_kernels` picks which kinds of custom call lowering may use (KINDS).
 
 The library is compiled against the torch and jaxlib in use, by the project's install step
 (`make setup` runs `python -m fx2xla kernels build`), into the package's `csrc/build/`
@@ -65,14 +67,14 @@ from .runtime.disk_cache import default_cache_dir
 SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_kernels.cc"
 # The FFI handlers the library exports, each registered for XLA:CPU under its own name.
 TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward", "fx2xla_torch_attention",
-           "fx2xla_skinny_matmul", "fx2xla_few_rows_matmul")
+           "fx2xla_skinny_matmul", "fx2xla_few_rows_matmul", "fx2xla_decode_attention")
 # torch dtypes the handlers take (the FFI element types they map to torch's).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # The kinds of custom call lowering may use (option torch_kernels): torch's convolutions, torch's
-# flash attention (below), and the library's own skinny bf16 matmul and few-row float32 matmul
-# (below; lowering/linalg.py).
-KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul")
+# flash attention (below), and the library's own skinny bf16 matmul, few-row float32 matmul
+# (below; lowering/linalg.py) and float32 decode attention (lowering/nn.py).
+KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul", "decode_attention")
 _kinds: contextvars.ContextVar = contextvars.ContextVar("fx2xla_torch_kernels_kinds", default=frozenset(KINDS))
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # once load() ran: (registered, the library's path or why not)
@@ -208,6 +210,7 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_parked_calls.restype = ctypes.c_int64
         lib.fx2xla_skinny_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_few_rows_matmul_calls.restype = ctypes.c_int64
+        lib.fx2xla_decode_attention_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_attention_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_kernels_hold_mkl.restype = ctypes.c_int
         lib.fx2xla_torch_kernels_pin.argtypes = [ctypes.c_void_p, ctypes.c_int64]
@@ -534,6 +537,12 @@ def skinny_calls() -> int:
     """How many skinny matmul handler calls ran in this process (0 where the library is not
     loaded)."""
     return int(_lib.fx2xla_skinny_matmul_calls()) if load()[0] else 0
+
+
+def decode_attention_calls() -> int:
+    """How many decode attention handler calls ran in this process (0 where the library is not
+    loaded)."""
+    return int(_lib.fx2xla_decode_attention_calls()) if load()[0] else 0
 
 
 def few_rows_calls() -> int:

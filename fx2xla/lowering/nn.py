@@ -980,10 +980,58 @@ def _torch_attention(ctx, q, k, v, attn_mask, is_causal, scale):
     return out, (lse if lse_used else jnp.zeros((b, heads, length), jnp.float32))
 
 
+# A decode step's float32 attention, at most DECODE_ATTENTION_ROWS query rows per kv head (query
+# heads per kv head x positions), as the kernel library's fx2xla_decode_attention: XLA:CPU hands
+# each of its tiny batched dots to YNNPACK, at 75-180 us a dot in a LLaMA 4L step at batch 8 (2 x
+# 47 scores per kv head; 0.48 ms of a 3 ms executable), where the kernel computes a kv head's rows
+# straight from the cache (docs/benchmarks.md, "Decode attention in the kernel library").
+DECODE_ATTENTION_ROWS = 8
+
+
+def _decode_attention(ctx, q, k, v, attn_mask, is_causal, scale):
+    """(out, logsumexp) from the library's decode attention, or None where it does not apply:
+    not the CPU, the library unavailable or its kind off, a mesh, more than
+    DECODE_ATTENTION_ROWS rows per kv head, not float32, dynamic or empty shapes, a mask that is
+    neither bool nor float32 or does not broadcast to the scores."""
+    if ctx.spmd or ctx.platform != "cpu" or not torch_kernels.available("decode_attention"):
+        return None
+    k, v = _unrepeated(ctx, 1, k), _unrepeated(ctx, 2, v)
+    if any(a.ndim != 4 or a.dtype != jnp.float32 for a in (q, k, v)):
+        return None
+    if not all(isinstance(d, int) and d > 0 for a in (q, k, v) for d in a.shape):
+        return None
+    b, heads, length, e = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    if (heads % kv or k.shape[0] != b or k.shape[3] != e or tuple(v.shape[:3]) != tuple(k.shape[:3])
+            or heads // kv * length > DECODE_ATTENTION_ROWS):
+        return None
+    if attn_mask is None:
+        mask = jnp.zeros((1, 1, 1, 1), jnp.float32)
+    else:
+        if attn_mask.ndim > 4 or attn_mask.dtype not in (jnp.bool_, jnp.float32):
+            return None
+        mask = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
+        if any(m not in (1, f) for m, f in zip(mask.shape, (b, heads, length, s))):
+            return None
+        if mask.dtype == jnp.bool_:  # added after scaling, as _sdpa's where(mask, s, -inf)
+            mask = jnp.where(mask, jnp.float32(0), jnp.float32(-jnp.inf))
+    lse_used = any(g.target is operator.getitem and g.args[1] == 1 and g.users for g in ctx.node.users)
+    out, lse = jax.ffi.ffi_call(
+        "fx2xla_decode_attention",
+        (jax.ShapeDtypeStruct((b, heads, length, v.shape[3]), jnp.float32),
+         jax.ShapeDtypeStruct((b, heads, length) if lse_used else (0,), jnp.float32)),
+        vmap_method="sequential")(
+        q, k, v, mask, has_mask=np.int64(attn_mask is not None), is_causal=np.int64(bool(is_causal)),
+        scale=np.float64("nan" if scale is None else scale))
+    return out, (lse if lse_used else jnp.zeros((b, heads, length), jnp.float32))
+
+
 @register_lowering(aten._scaled_dot_product_flash_attention_for_cpu.default, reads_values=True)
 def _sdpa_flash_cpu(ctx, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     _check_no_dropout(dropout_p)
     done = _torch_attention(ctx, q, k, v, attn_mask, is_causal, scale)
+    if done is None:
+        done = _decode_attention(ctx, q, k, v, attn_mask, is_causal, scale)
     if done is not None:
         return done
     return _sdpa(q, _unrepeated(ctx, 1, k), _unrepeated(ctx, 2, v), attn_mask, is_causal, scale)

@@ -131,6 +131,25 @@ def test_metrics_count_executions_and_report():
     assert "executions" in report and "compiles" in report and "disk_hits" in report
 
 
+def test_metrics_keep_what_freed_graphs_counted():
+    """Process-wide counts do not go down when a graph is freed: its executions and staged
+    inputs stay in metrics() after Dynamo drops it and it is collected. Results equal eager's
+    (float32, rtol=atol=1e-6)."""
+    import gc
+
+    c = torch.compile(lambda x: x * 3 + 1, backend="fx2xla")
+    x = torch.randn(4)
+    for _ in range(4):
+        torch.testing.assert_close(c(x), x * 3 + 1, rtol=1e-6, atol=1e-6)
+    m = fx2xla.metrics()
+    del c
+    torch._dynamo.reset()
+    gc.collect()
+    after = fx2xla.metrics()
+    assert after["executions"] == m["executions"] and after["staged_inputs"] == m["staged_inputs"]
+    assert m["staged_inputs"] >= 3
+
+
 def test_execute_seconds_when_timing_is_on(monkeypatch):
     """With FX2XLA_TIME_EXECUTE=1 each call adds to execute_seconds and import_seconds; a graph
     compiled without it adds to neither. Results equal eager's (float32, rtol=atol=1e-4)."""
