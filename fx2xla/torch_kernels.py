@@ -480,15 +480,10 @@ def set_reduced_convolutions(on: bool | None) -> bool | None:
     return previous
 
 
-@contextlib.contextmanager
 def reduced_convolutions(on: bool | None):
     """`set_reduced_convolutions(on)` for the block, then the previous setting back
     (process-wide)."""
-    previous = set_reduced_convolutions(on)
-    try:
-        yield
-    finally:
-        set_reduced_convolutions(previous)
+    return _scoped(set_reduced_convolutions, on)
 
 
 @functools.cache

@@ -601,11 +601,12 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   });
 }
 
-// Runs cols(lo, hi) over columns [0, n) of a matmul's output: whole, on the calling thread, where
-// W (`bytes`) is below `split_bytes` or one thread is usable; else cut into `per_thread` chunks per
-// thread, of whole `group`-column groups, which the caller and pool tasks claim in turn: one
-// task per chunk past the first, or with `one_helper_per_core` one per usable core past the
-// caller's. An exception becomes an error naming `kernel`.
+// Runs cols(lo, hi) over columns [0, n) of a matmul's output (or any n independent units of work):
+// whole, on the calling thread, where the work's size (`bytes` of W, or another measure) is below
+// `split_bytes` or one thread is usable; else cut into `per_thread` chunks per thread, of whole
+// `group`-column groups, which the caller and pool tasks claim in turn: one task per chunk past
+// the first, or with `one_helper_per_core` one per usable core past the caller's. An exception
+// becomes an error naming `kernel`.
 ffi::Error split_columns(ffi::ThreadPool& pool, int64_t n, int64_t bytes, int64_t split_bytes, int64_t group,
                          int64_t per_thread, bool one_helper_per_core, const char* kernel,
                          const std::function<void(int64_t, int64_t)>& cols) {
@@ -1015,28 +1016,15 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   auto qs = static_cast<const float*>(q.untyped_data()), ks = static_cast<const float*>(k.untyped_data());
   auto vs = static_cast<const float*>(v.untyped_data()), ms = static_cast<const float*>(mask.untyped_data());
   auto os = static_cast<float*>(out->untyped_data()), ls = static_cast<float*>(lse->untyped_data());
-  const int64_t units = d.b * d.kv;
+  const int64_t units = d.b * d.kv;  // one (sample, kv head) each
   if (units == 0 || d.heads == 0 || d.length == 0 || d.ev == 0) return ffi::Error::Success();
-  auto heads = [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores;
-    for (int64_t u = lo; u < hi; ++u) decode_attention_head(d, qs, ks, vs, ms, os, ls, u / d.kv, u % d.kv, scores);
-  };
-  const int64_t threads = std::min(pool.num_threads(), usable_cores());
-  const int64_t macs = d.b * d.heads * d.length * d.s * (d.e + d.ev);
-  if (threads < 2 || units < 2 || macs < kDecodeAttentionSplitMacs) {
-    heads(0, units);
-    return ffi::Error::Success();
-  }
-  const int64_t parts = std::min(units, 2 * threads);
-  try {
-    run_split(parts, pool, [&](int64_t i) {
-      auto [lo, hi] = slice_bounds(i, units, parts);
-      heads(lo, hi);
-    }, /*calls_torch=*/false, threads - 1);
-  } catch (const std::exception& e) {
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string(name) + ": " + e.what());
-  }
-  return ffi::Error::Success();
+  // Two chunks of kv heads per thread, one worker per core.
+  return split_columns(pool, units, d.b * d.heads * d.length * d.s * (d.e + d.ev), kDecodeAttentionSplitMacs, 1, 2,
+                       /*one_helper_per_core=*/true, name, [&](int64_t lo, int64_t hi) {
+                         std::vector<float> scores;
+                         for (int64_t u = lo; u < hi; ++u)
+                           decode_attention_head(d, qs, ks, vs, ms, os, ls, u / d.kv, u % d.kv, scores);
+                       });
 }
 
 }  // namespace

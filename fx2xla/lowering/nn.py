@@ -936,6 +936,12 @@ def _output_swapped_back(ctx) -> bool:
     return bool(uses) and all(_swaps_heads(u) for u in uses)
 
 
+def _lse_used(ctx) -> bool:
+    """Whether anything reads the attention node's logsumexp (its result 1): a handler writes it
+    only then, and the rule returns zeros in its place otherwise."""
+    return any(g.target is operator.getitem and g.args[1] == 1 and g.users for g in ctx.node.users)
+
+
 def _torch_attention(ctx, q, k, v, attn_mask, is_causal, scale):
     """(out, logsumexp) from torch's kernel as a custom call, or None where it does not apply:
     not the CPU, the library unavailable or its kind off, a mesh, fewer than
@@ -965,7 +971,7 @@ def _torch_attention(ctx, q, k, v, attn_mask, is_causal, scale):
         return None
     out_seq = _output_swapped_back(ctx)
     out_shape = (b, length, heads, v.shape[3]) if out_seq else (b, heads, length, v.shape[3])
-    lse_used = any(g.target is operator.getitem and g.args[1] == 1 and g.users for g in ctx.node.users)
+    lse_used = _lse_used(ctx)
     mask = (jnp.zeros((1, 1, 1, 1), dtype) if attn_mask is None
             else attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)))
     out, lse = jax.ffi.ffi_call(
@@ -1015,7 +1021,7 @@ def _decode_attention(ctx, q, k, v, attn_mask, is_causal, scale):
             return None
         if mask.dtype == jnp.bool_:  # added after scaling, as _sdpa's where(mask, s, -inf)
             mask = jnp.where(mask, jnp.float32(0), jnp.float32(-jnp.inf))
-    lse_used = any(g.target is operator.getitem and g.args[1] == 1 and g.users for g in ctx.node.users)
+    lse_used = _lse_used(ctx)
     out, lse = jax.ffi.ffi_call(
         "fx2xla_decode_attention",
         (jax.ShapeDtypeStruct((b, heads, length, v.shape[3]), jnp.float32),
