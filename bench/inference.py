@@ -23,6 +23,9 @@ False} (torch's math decomposition of attention instead of fx2xla's rule on the 
 False} (each weight read as torch holds it, [out, in], instead of a copy laid out [in, out]); `wl`
 (the same models): fx2xla ÷ fx2xla with options={"linear_weight_lhs": False} (matmuls of 4-64 rows
 as x . W^T instead of (W . x^T)^T; the models at 512 rows compute the same program either way).
+`rc` (bf16/float16 models with convolutions): fx2xla ÷ fx2xla with torch's convolutions computed
+the other way (fx2xla.torch_kernels.reduced_convolutions): in the dtype where this CPU widens them
+to float32 (no bf16/float16 instructions), widened where it has them.
 """
 from __future__ import annotations
 
@@ -243,6 +246,14 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
             nchw = torch.compile(model, backend="fx2xla", fullgraph=True, options={"channels_last": False})
             nchw(*args)
             contenders["fx2xla_not_channels_last"] = nchw
+            if dtype in (torch.bfloat16, torch.float16):
+                # torch's convolutions computed the other way: in the dtype where fx2xla widens
+                # them to float32 on this CPU, widened where it computes them in the dtype
+                # (options given: a backend of its own, so Dynamo does not hand back `compiled`)
+                other = torch.compile(model, backend="fx2xla", fullgraph=True, options={"torch_kernels": True})
+                with fx2xla.torch_kernels.reduced_convolutions(dtype not in fx2xla.torch_kernels.convolution_dtypes()):
+                    other(*args)  # lowered now, under the setting
+                contenders["fx2xla_reduced_other_way"] = other
         if dtype == torch.float32 and has_linear(model):
             # nn.Linear weights read as torch holds them ([out, in]) instead of laid out [in, out]
             as_is = torch.compile(model, backend="fx2xla", fullgraph=True, options={"transposed_linear_weights": False})
@@ -273,6 +284,8 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
         res["in_place_writes_ratio"] = med["fx2xla"] / med["fx2xla_copied_out"]
     if "fx2xla_not_channels_last" in med:
         res["channels_last_ratio"] = med["fx2xla"] / med["fx2xla_not_channels_last"]
+    if "fx2xla_reduced_other_way" in med:
+        res["reduced_convolutions_ratio"] = med["fx2xla"] / med["fx2xla_reduced_other_way"]
     if "fx2xla_linear_as_is" in med:
         res["linear_layout_ratio"] = med["fx2xla"] / med["fx2xla_linear_as_is"]
     if "fx2xla_weight_rhs" in med:
@@ -303,7 +316,7 @@ def main() -> None:
         e = o["embedding_lookup"]
         print(f"  index checks on an 8-id embedding lookup: {e['delta_s'] * 1e6:+.1f} us per call "
               f"({fmt_time(e['checked_s'])} checked vs {fmt_time(e['unchecked_s'])}; ratio {e['ratio']:.3f})")
-    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'ip':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s} {'wl':>5s}"
+    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'ip':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s} {'wl':>5s} {'rc':>5s}"
     print(header)
     for dt_name in a.dtypes.split(","):
         dtype = getattr(torch, dt_name)
@@ -326,7 +339,7 @@ def main() -> None:
                   f"{r.get('in_place_writes_ratio', float('nan')):5.2f} "
                   f"{r.get('channels_last_ratio', float('nan')):5.2f} "
                   f"{r.get('attention_op_ratio', float('nan')):5.2f} {r.get('linear_layout_ratio', float('nan')):5.2f} "
-                  f"{r.get('weight_lhs_ratio', float('nan')):5.2f}")
+                  f"{r.get('weight_lhs_ratio', float('nan')):5.2f} {r.get('reduced_convolutions_ratio', float('nan')):5.2f}")
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")
 

@@ -455,8 +455,9 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                        and ex.numel() > 0 and _inplace.viewable(ex.dtype))
         steady = i in resident and not donated and node not in written and ex.device == torch_device
         weight = steady and node in laid.weights
-        # (Only where the convolution is torch's: not a bf16 one that XLA computes on this CPU.)
-        pinned = pinned_weights and weight and i not in skipped and ex.dtype in _torch_kernels.convolution_dtypes()
+        # (Only where the convolution is torch's: a dtype its kernels compute, natively or widened.)
+        pinned = (pinned_weights and weight and i not in skipped
+                  and _torch_kernels.convolution_dtype(ex.dtype) is not None)
         if relaid_weights and weight and layout.kind is InputKind.TENSOR:
             # Converted to the layout torch's convolution reads once, not by the executable on
             # every call.

@@ -440,10 +440,12 @@ def available(kind: str = "convolution") -> bool:
 
 # torch's bf16 and float16 convolutions are oneDNN's, which is fast at them only where the CPU
 # has instructions for that dtype (AVX512-BF16 or AMX for bf16; AVX512-FP16 or AMX-FP16 for
-# float16). Elsewhere oneDNN computes them on a slow path: on an AVX2 EPYC a bf16 SmallCNN took
-# 33 ms with torch's convolutions inside the executable, 6 ms with XLA's, which computes them
-# in float32 (docs/benchmarks.md#reduced-precision-convolutions-on-a-cpu-without-bf16).
-# float32 and float64 convolutions go to torch's kernels everywhere.
+# float16). Elsewhere oneDNN computes them on a slow path (on an AVX2 EPYC a bf16 SmallCNN took
+# 33 ms, against 6 ms with XLA's convolutions), so there the same kernels compute them widened:
+# in float32, their inputs converted exactly and the result rounded once, as XLA's do, at
+# oneDNN's float32 speed (an Ice Lake's bf16 ResNet 0.4x the time of either,
+# docs/benchmarks.md#reduced-precision-convolutions-on-a-cpu-without-bf16).
+# float32 and float64 convolutions are computed in their own dtype everywhere.
 _REDUCED_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 _reduced_override: bool | None = None  # set_reduced_convolutions: None = by the CPU
 
@@ -451,7 +453,8 @@ _reduced_override: bool | None = None  # set_reduced_convolutions: None = by the
 def cpu_has_instructions(dtype: torch.dtype, *, ask_torch: bool = True, cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU has instructions for arithmetic in `dtype` (bf16 or float16): torch's own
     checks (private, x86 only; `ask_torch`), or where they are missing, the flags Linux lists in
-    `cpuinfo`. False where neither says (other CPUs: XLA's convolutions, always correct)."""
+    `cpuinfo`. False where neither says (other CPUs: convolutions widened to float32, always
+    correct)."""
     if ask_torch:
         try:
             if dtype is torch.bfloat16:
@@ -472,9 +475,10 @@ def cpu_has_instructions(dtype: torch.dtype, *, ask_torch: bool = True, cpuinfo:
 
 
 def set_reduced_convolutions(on: bool | None) -> bool | None:
-    """Process-wide, for graphs lowered from now on: whether bf16 and float16 convolutions go to
-    torch's kernels (True), to XLA's (False), or as this CPU's instructions say (None, the
-    default; see `convolution_dtypes`). Returns the previous setting."""
+    """Process-wide, for graphs lowered from now on: whether torch's kernels compute bf16 and
+    float16 convolutions in those dtypes (True), widened to float32 (False), or as this CPU's
+    instructions say (None, the default; see `convolution_dtype`). Returns the previous
+    setting."""
     global _reduced_override
     previous, _reduced_override = _reduced_override, on
     return previous
@@ -492,12 +496,23 @@ def _native_reduced() -> frozenset:
 
 
 def convolution_dtypes() -> frozenset:
-    """The torch dtypes whose convolutions lowering sends to torch's kernels (where the
-    library is available): float32 and float64, and bf16 and float16 where this CPU has
-    instructions for them (or as `set_reduced_convolutions` says)."""
+    """The torch dtypes whose convolutions torch's kernels compute in that dtype inside fx2xla's
+    CPU executables (where the library is available): float32 and float64, and bf16 and float16
+    where this CPU has instructions for them (or as `set_reduced_convolutions` says). Other bf16
+    and float16 convolutions are computed in float32 (`convolution_dtype`)."""
     reduced = (_native_reduced() if _reduced_override is None
                else frozenset(_REDUCED_FLAGS) if _reduced_override else frozenset())
     return frozenset((torch.float32, torch.float64)) | reduced
+
+
+def convolution_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype torch's kernels compute a `dtype` convolution in: `dtype` itself where it is in
+    `convolution_dtypes()`; float32 for other bf16 and float16 convolutions (their inputs
+    converted exactly, the result rounded to `dtype` once); None for dtypes the kernels do not
+    take (XLA computes those)."""
+    if dtype in convolution_dtypes():
+        return dtype
+    return torch.float32 if dtype in _REDUCED_FLAGS else None
 
 
 # Skinny bfloat16 matmuls: one row x[1, K] . W. XLA:CPU's bf16 dot of one row converts W to
@@ -553,7 +568,6 @@ def status() -> str:
     ok, detail = load()
     if not ok:
         return f"torch kernels: off ({detail})"
-    convs = convolution_dtypes()
-    reduced = ", ".join(f"{str(d).removeprefix('torch.')} {'torch' if d in convs else 'XLA'}'s"
+    reduced = ", ".join(f"{str(d).removeprefix('torch.')} in {str(convolution_dtype(d)).removeprefix('torch.')}"
                         for d in _REDUCED_FLAGS)
     return f"torch kernels: on ({detail}); convolutions: {reduced}"

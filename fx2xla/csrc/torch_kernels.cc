@@ -313,12 +313,14 @@ std::optional<at::Tensor> packed_weight(const void* data, size_t bytes, const at
   at::Tensor weight;
   try {
     std::vector<int64_t> no_padding(padding.size(), 0);
+    // A widened convolution's bf16/float16 weight is converted to x's float32 once, here.
+    const at::Tensor wx = w.scalar_type() == x.scalar_type() ? w : w.to(x.scalar_type());
     auto backend = at::native::select_conv_backend(
-        x, w, b, c10::fromIntArrayRefSlow(ints(stride)), c10::fromIntArrayRefSlow(ints(padding)),
+        x, wx, b, c10::fromIntArrayRefSlow(ints(stride)), c10::fromIntArrayRefSlow(ints(padding)),
         c10::fromIntArrayRefSlow(ints(dilation)), false, c10::fromIntArrayRefSlow(no_padding), c10::SymInt(groups),
         std::nullopt);
     if (backend == at::native::ConvBackend::Mkldnn)
-      weight = at::mkldnn_reorder_conv2d_weight(w.to_mkldnn(), ints(padding), ints(stride), ints(dilation), groups,
+      weight = at::mkldnn_reorder_conv2d_weight(wx.to_mkldnn(), ints(padding), ints(stride), ints(dilation), groups,
                                                 x.sizes());
     if (weight.defined()) packs_made.fetch_add(1, std::memory_order_relaxed);
   } catch (const std::exception&) {
@@ -399,20 +401,32 @@ bool packed_convolution_into(const at::Tensor& out, const at::Tensor& x, const a
 // `channels_last`: x, w and the result are laid out [N, *spatial, C] / [O, *kernel, I].
 // `has_bias`: `bias` is the convolution's bias, added inside torch's kernel before its one
 // rounding, as eager does (else a placeholder that is not read).
+// A float32 x with a bf16 or float16 w is a widened convolution (lowering/nn.py): w is converted
+// to float32 (exactly) once per call, or once per pack where it is pinned, so that a pinned
+// weight keeps its own dtype's buffer and the float32 copy lives only in the pack.
 ffi::Error Convolution(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> stride,
                        ffi::Span<const int64_t> padding, ffi::Span<const int64_t> dilation,
                        int64_t transposed, ffi::Span<const int64_t> output_padding, int64_t groups,
                        int64_t last, int64_t has_bias) {
-  auto dtype = torch_dtype(x.element_type());
-  if (!dtype || x.element_type() != w.element_type() || out->element_type() != x.element_type() ||
-      (has_bias && bias.element_type() != x.element_type()))
+  auto dtype = torch_dtype(x.element_type()), wdtype = torch_dtype(w.element_type());
+  bool widened = dtype == at::kFloat && (wdtype == at::kBFloat16 || wdtype == at::kHalf);
+  if (!dtype || !wdtype || (x.element_type() != w.element_type() && !widened) ||
+      out->element_type() != x.element_type() || (has_bias && bias.element_type() != x.element_type()))
     return ffi::Error::InvalidArgument("fx2xla_torch_convolution: unsupported dtypes");
   return guarded("torch convolution", [&] {
-    at::Tensor xt = as_tensor(x, *dtype), wt = as_tensor(w, *dtype), ot = as_tensor(*out, *dtype);
+    at::Tensor xt = as_tensor(x, *dtype), wt = as_tensor(w, *wdtype), ot = as_tensor(*out, *dtype);
     if (last) xt = channels_last(xt), wt = channels_last(wt), ot = channels_last(ot);
     std::optional<at::Tensor> b;
     if (has_bias) b = as_tensor(bias, *dtype);
+    // The plain path's weight in x's dtype: converted at most once per call, by the first slice
+    // that needs it (slices run on several threads).
+    std::once_flag converted;
+    at::Tensor plain_w = widened ? at::Tensor() : wt;
+    auto plain_weight = [&]() -> const at::Tensor& {
+      if (widened) std::call_once(converted, [&] { plain_w = wt.to(at::kFloat); });
+      return plain_w;
+    };
     // 2-d, not transposed, float32 or bf16: what oneDNN's packed path takes.
     bool packable = !transposed && xt.dim() == 4 && (*dtype == at::kFloat || *dtype == at::kBFloat16);
     auto conv = [&](const at::Tensor& xs, const at::Tensor& os) {
@@ -437,7 +451,7 @@ ffi::Error Convolution(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
           }
         }
       }
-      os.copy_(at::convolution(xs, wt, b, ints(stride), ints(padding), ints(dilation), transposed != 0,
+      os.copy_(at::convolution(xs, plain_weight(), b, ints(stride), ints(padding), ints(dilation), transposed != 0,
                                ints(output_padding), groups));
     };
     int64_t n = xt.size(0), parts = slices(n, pool);

@@ -25,7 +25,7 @@ from torch.ops import aten
 
 from .. import torch_kernels
 from .linalg import accumulation_dtype, dot, dot_result_dtype, matmul_precision
-from .dtypes import to_jax_dtype
+from .dtypes import to_jax_dtype, to_torch_dtype
 from .registry import base_key, concrete_shape, current_platform, register_lowering
 from .shape import canonical_dim
 
@@ -377,8 +377,9 @@ def _convolution_backward(ctx, grad, x, w, bias_sizes, stride, padding, dilation
 # torch's convolutions on the CPU (oneDNN) as XLA FFI custom calls (fx2xla/torch_kernels.py):
 # XLA:CPU's own are several times slower. Not in programs XLA partitions over a mesh (its
 # partitioner cannot split a custom call), nor for empty tensors, nor for dtypes the handlers
-# lack or oneDNN computes slowly on this CPU (torch_kernels.convolution_dtypes: bf16 and float16
-# without instructions for them).
+# lack. bf16 and float16 convolutions on a CPU without instructions for them are widened
+# (torch_kernels.convolution_dtype): the handler computes them in float32, where oneDNN is fast,
+# and XLA rounds the result once, as eager's kernel does as it writes.
 _TO_LAST, _TO_FIRST = (0, 2, 3, 1), (0, 3, 1, 2)  # NCHW -> NHWC, and back
 
 
@@ -396,12 +397,15 @@ def _unlaid(v, last: bool):
     return jnp.transpose(v, _TO_FIRST) if last else v
 
 
-def _torch_conv_fits(ctx, *arrays) -> bool:
+def _torch_conv_dtype(ctx, *arrays):
+    """The jax dtype torch's kernel computes these arrays' convolution in (theirs, or float32 for
+    a widened bf16/float16 one), or None where XLA's convolution computes it."""
     arrays = [a for a in arrays if a is not None]
-    return (not ctx.spmd and all(a.dtype == arrays[0].dtype for a in arrays)
-            and arrays[0].dtype in {to_jax_dtype(d) for d in torch_kernels.convolution_dtypes()}
-            and all(a.size for a in arrays)
-            and torch_kernels.available("convolution"))
+    if (ctx.spmd or any(a.dtype != arrays[0].dtype for a in arrays) or not all(a.size for a in arrays)
+            or not torch_kernels.available("convolution")):
+        return None
+    compute = torch_kernels.convolution_dtype(to_torch_dtype(arrays[0].dtype))
+    return None if compute is None else to_jax_dtype(compute)
 
 
 def _conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups) -> dict:
@@ -413,43 +417,52 @@ def _conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups
 
 @register_lowering(aten.convolution.default, platform="cpu")
 def _convolution_cpu(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
-    if not _torch_conv_fits(ctx, x, w, bias):
+    compute = _torch_conv_dtype(ctx, x, w, bias)
+    if compute is None:
         return _convolution(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
     unbatched = x.ndim == w.ndim - 1
     shape = ((1,) if unbatched else ()) + tuple(ctx.out_shape)
-    x = x[None] if unbatched else x
+    dtype = x.dtype
+    # Widened: x and the bias converted here (XLA fuses that with the transpose below); the
+    # weight reaches the handler in its own dtype, its own buffer, so that a pinned weight is
+    # converted once, as it is packed.
+    x = (x[None] if unbatched else x).astype(compute)
     # 2-D convolutions run channels-last, where oneDNN is fastest (Inductor converts them too):
     # XLA transposes in and out, and fuses those transposes with the ops around.
     last = w.ndim == 4
     # The bias is added inside torch's kernel, before its one rounding, as eager adds it.
     has_bias = bias is not None
-    out = jax.ffi.ffi_call("fx2xla_torch_convolution", _laid(jax.ShapeDtypeStruct(shape, x.dtype), last),
+    out = jax.ffi.ffi_call("fx2xla_torch_convolution", _laid(jax.ShapeDtypeStruct(shape, compute), last),
                            vmap_method="sequential")(
-        _laid(x, last), _laid(w, last), bias if has_bias else jnp.zeros((1,), x.dtype),
+        _laid(x, last), _laid(w, last), bias.astype(compute) if has_bias else jnp.zeros((1,), compute),
         channels_last=np.int64(last), has_bias=np.int64(has_bias),
         **_conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups))
-    out = _unlaid(out, last)
+    out = _unlaid(out, last).astype(dtype)
     return out[0] if unbatched else out
 
 
 @register_lowering(aten.convolution_backward.default, platform="cpu")
 def _convolution_backward_cpu(ctx, grad, x, w, bias_sizes, stride, padding, dilation, transposed,
                               output_padding, groups, output_mask):
-    if not (output_mask[0] or output_mask[1]) or not _torch_conv_fits(ctx, grad, x, w):
+    compute = _torch_conv_dtype(ctx, grad, x, w)
+    if not (output_mask[0] or output_mask[1]) or compute is None:
         return _convolution_backward(ctx, grad, x, w, bias_sizes, stride, padding, dilation, transposed,
                                      output_padding, groups, output_mask)
     unbatched = x.ndim == w.ndim - 1
     if unbatched:
         grad, x = grad[None], x[None]
     # A gradient the mask leaves out is not computed; its buffer is dropped by _masked. 2-D
-    # convolutions run channels-last, as the forward does.
+    # convolutions run channels-last, as the forward does. Widened: every operand converted
+    # here, both gradients rounded once below.
     last = w.ndim == 4
-    results = tuple(_laid(jax.ShapeDtypeStruct(v.shape, v.dtype), last) for v in (x, w))
+    dtype = x.dtype
+    results = tuple(_laid(jax.ShapeDtypeStruct(v.shape, compute), last) for v in (x, w))
     dx, dw = jax.ffi.ffi_call("fx2xla_torch_convolution_backward", results, vmap_method="sequential")(
-        _laid(grad, last), _laid(x, last), _laid(w, last), input_mask=np.int64(bool(output_mask[0])),
+        _laid(grad.astype(compute), last), _laid(x.astype(compute), last), _laid(w.astype(compute), last),
+        input_mask=np.int64(bool(output_mask[0])),
         weight_mask=np.int64(bool(output_mask[1])), channels_last=np.int64(last),
         **_conv_attrs(w, stride, padding, dilation, transposed, output_padding, groups))
-    dx, dw = _unlaid(dx, last), _unlaid(dw, last)
+    dx, dw = _unlaid(dx, last).astype(dtype), _unlaid(dw, last).astype(dtype)
     db = jnp.sum(_opmath(grad), axis=(0,) + tuple(range(2, grad.ndim)))
     return _masked((dx[0] if unbatched else dx, dw, db), output_mask)
 

@@ -5,7 +5,8 @@ An inference graph's executor pins the buffer of each weight it imports relaid; 
 convolution then reorders that weight into oneDNN's layout once per shape instead of on every
 call. What these tests hold it to:
 - results are bit for bit those of the same executable with packing off
-  (`weight_packing(False)`: the public path, torch's plain convolution), in float32 and bfloat16,
+  (`weight_packing(False)`: the public path, torch's plain convolution), in float32 and bfloat16
+  (computed in bf16, and widened to float32 with float32 packs made from the bf16 weights),
   with the batch cut into slices and whole, for strided, dilated, grouped (depthwise) and
   bias-free convolutions; and equal eager within float32 rtol/atol 1e-5 (bf16: 2e-2);
 - the packed path did run (its counters move), once per weight and shape, and torch wrote
@@ -81,11 +82,13 @@ def counts() -> dict:
     return torch_kernels.packing_counts()
 
 
-def expected_packs(model, x) -> int:
+def expected_packs(model, x, compute: torch.dtype | None = None) -> int:
     """How many (weight, slice shape) pairs torch's own convolution runs on oneDNN: one pack
     each. The handler cuts a batch of n into one slice per core where each gets two samples or
     more (csrc/torch_kernels.cc, `slices`), and runs each slice single-threaded, which torch's
-    choice of kernel depends on (1x1 filters)."""
+    choice of kernel depends on (1x1 filters). `compute`: the dtype the convolutions compute in
+    (float32 for widened bf16 ones), x's by default."""
+    compute = compute or x.dtype
     shapes = []
     hooks = [m.register_forward_pre_hook(lambda m, a: shapes.append((m, a[0].shape)))
              for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
@@ -99,12 +102,13 @@ def expected_packs(model, x) -> int:
         n = shape[0]
         parts = cores if cores > 1 and n >= 2 * cores else 1
         for rows in {(i + 1) * n // parts - i * n // parts for i in range(parts)}:
-            xs = torch.empty((rows, *shape[1:]), dtype=x.dtype).contiguous(memory_format=torch.channels_last)
-            w = m.weight.contiguous(memory_format=torch.channels_last)
+            xs = torch.empty((rows, *shape[1:]), dtype=compute).contiguous(memory_format=torch.channels_last)
+            w = m.weight.to(compute).contiguous(memory_format=torch.channels_last)
+            bias = None if m.bias is None else m.bias.to(compute)
             threads = torch.get_num_threads()
             torch.set_num_threads(1 if parts > 1 else threads)
             try:
-                backend = torch._C._select_conv_backend(xs, w, m.bias, list(m.stride), list(m.padding),
+                backend = torch._C._select_conv_backend(xs, w, bias, list(m.stride), list(m.padding),
                                                         list(m.dilation), False, [0, 0], m.groups)
             finally:
                 torch.set_num_threads(threads)
@@ -117,14 +121,22 @@ def relaid_inputs(before: set) -> int:
                for g in live_graphs if id(g) not in before for p in g.plan.inputs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "widened"], ids=str)
 @pytest.mark.parametrize("batch", [8, 3, 1])
 @pytest.mark.parametrize("build", [Mixed, lambda: ImageLogits(resnet(hidden=(8, 16, 16, 32), depths=(1, 1, 1, 1)))],
                          ids=["mixed", "resnet"])
 def test_packed_equals_unpacked_and_eager(build, batch, dtype):
     """Bit for bit the unpacked path's result, within TOLS of eager, and the packed path ran:
     one pin per relaid weight, each packed once for the call's shape, every packed call written
-    into XLA's result buffer in place; with in-place writes off, the same result bit for bit."""
+    into XLA's result buffer in place; with in-place writes off, the same result bit for bit.
+    "widened": bf16 convolutions computed in float32, packed from the bf16 weights."""
+    if dtype == "widened":
+        with torch_kernels.reduced_convolutions(False):
+            return _packed_equals_unpacked_and_eager(build, batch, torch.bfloat16, torch.float32)
+    return _packed_equals_unpacked_and_eager(build, batch, dtype, dtype)
+
+
+def _packed_equals_unpacked_and_eager(build, batch, dtype, compute):
     torch.manual_seed(0)
     model = build().eval().to(dtype)
     x = torch.randn(batch, 3, 32, 32, dtype=dtype)
@@ -146,7 +158,7 @@ def test_packed_equals_unpacked_and_eager(build, batch, dtype):
         assert counts()["written_in_place"] == after["written_in_place"], "in-place writes off still wrote in place"
     assert relaid > 0
     assert first["pinned"] - start["pinned"] == relaid
-    packs = expected_packs(model, x)
+    packs = expected_packs(model, x, compute)
     assert first["packs"] - start["packs"] == packs
     assert after["packs"] == first["packs"], "the second call packed again"
     assert (after["packed_calls"] > first["packed_calls"]) == (packs > 0)
