@@ -12,7 +12,8 @@ for the CNN also fx2xla with options={"torch_kernels": False} (XLA's own convolu
 column `tk` is fx2xla ÷ that) and the same fx2xla step with torch's kernels on whole batches
 (fx2xla.torch_kernels.batch_slicing(False); the column `sl` is fx2xla ÷ that) and with
 options={"channels_last": False} (batch norm, ReLU and pooling on NCHW values: `cl` is fx2xla ÷
-that),
+that), for every model fx2xla with XLA's own matmuls, not torch's gemm (options={"torch_kernels": every
+kind but "matmul"}: the column `mm` is fx2xla ÷ that),
 |dloss1| = |fx2xla - eager| first-step loss (rounding only without dropout; with dropout the
 random bits differ), and the 1-minute load average after timing (above the core count, other
 processes are skewing the figures). Raw numbers go to bench/results/train.json.
@@ -114,6 +115,9 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
     contenders = [("eager", None, None, {}), ("inductor", "inductor", None, {}), ("fx2xla", "fx2xla", None, {}),
                   # written inputs (parameters, moments) in fresh buffers each step, not in place
                   ("fx2xla_not_in_place", "fx2xla", {"fallback": "eager"}, {"FX2XLA_INPLACE": "0"})]
+    # matmuls in XLA's dots, not torch's gemm (every other kernel kind kept)
+    contenders.append(("fx2xla_xla_matmuls", "fx2xla",
+                       {"torch_kernels": [k for k in fx2xla.torch_kernels.KINDS if k != "matmul"]}, {}))
     if name == "cnn":
         contenders.append(("fx2xla_xla_kernels", "fx2xla", {"torch_kernels": False}, {}))
         # batch norm, ReLU and pooling on NCHW values, transposed around each convolution
@@ -149,6 +153,7 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
     res["first_step_vs_inductor"] = res["fx2xla_first_step_s"] / res["inductor_first_step_s"]
     res["first_loss_abs_diff_vs_eager"] = abs(res["fx2xla_first_loss"] - res["eager_first_loss"])
     res["in_place_ratio"] = med["fx2xla"] / med["fx2xla_not_in_place"]
+    res["torch_matmuls_ratio"] = med["fx2xla"] / med["fx2xla_xla_matmuls"]
     if "fx2xla_xla_kernels" in med:
         res["torch_kernels_ratio"] = med["fx2xla"] / med["fx2xla_xla_kernels"]
     if "fx2xla_unsliced" in med:
@@ -189,6 +194,7 @@ def main() -> None:
               f"{fmt_time(r['fx2xla_first_step_s'])} {r['first_loss_abs_diff_vs_eager']:9.2e} "
               f"{r['load_average_1min_after']:5.1f}")
         print(f"{'':15s} ip (fx2xla ÷ fx2xla writing parameters and moments to new buffers): {r['in_place_ratio']:.2f}")
+        print(f"{'':15s} mm (fx2xla ÷ fx2xla with XLA's own matmuls): {r['torch_matmuls_ratio']:.2f}")
         if "torch_kernels_ratio" in r:
             print(f"{'':15s} tk (fx2xla ÷ fx2xla with XLA's own convolutions): {r['torch_kernels_ratio']:.2f}")
         if "batch_slicing_ratio" in r:

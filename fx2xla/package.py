@@ -535,7 +535,8 @@ def _native(gm, fakes, plan, concrete, check_indices, device, portable):
     differs from the `portable` one (LoweredGraph); else None."""
     if not _kernels_here(device):
         return None
-    native = lower_graph(gm, plan, fakes, concrete, check_indices=check_indices, torch_kernels=True)
+    native = lower_graph(gm, plan, fakes, concrete, check_indices=check_indices,
+                         torch_kernels=_torch_kernels.for_graph(True, training=False))
     native = native if concrete is None else _at_shapes(native, fakes, concrete)
     if native.module_text == portable.module_text or outputs_record(native.outputs) != outputs_record(portable.outputs):
         return None

@@ -21,6 +21,9 @@ handler then copies: `in_place_writes(False)` copies instead.
 inference attention of 32 query rows or more, where XLA:CPU's per-head batched dots run far
 below its GEMM rate; its work is cut by batch, or by kv head, the same way, and each part's
 results are the kernel's bit for bit (lowering/nn.py `_torch_attention` says when it applies).
+`fx2xla_torch_matmul` runs torch's gemm (MKL's on x86) for the large float32 and float64 matmuls
+of training graphs, where XLA:CPU's dots of a training step's shapes took up to 2.2x its time; its
+output's columns are cut across XLA's threads (lowering/linalg.py: TORCH_MATMUL_MACS).
 
 The library also holds three kernels of fx2xla's own. `fx2xla_skinny_matmul`: bf16 matmuls of one
 row (decode steps at batch 1), for which XLA:CPU converts every weight to float32 on each call
@@ -67,14 +70,18 @@ from .runtime.disk_cache import default_cache_dir
 SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_kernels.cc"
 # The FFI handlers the library exports, each registered for XLA:CPU under its own name.
 TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward", "fx2xla_torch_attention",
-           "fx2xla_skinny_matmul", "fx2xla_few_rows_matmul", "fx2xla_decode_attention")
+           "fx2xla_skinny_matmul", "fx2xla_few_rows_matmul", "fx2xla_decode_attention", "fx2xla_torch_matmul")
 # torch dtypes the handlers take (the FFI element types they map to torch's).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # The kinds of custom call lowering may use (option torch_kernels): torch's convolutions, torch's
-# flash attention (below), and the library's own skinny bf16 matmul, few-row float32 matmul
+# flash attention (below), torch's gemm in training graphs (lowering/linalg.py), and the library's own skinny bf16 matmul, few-row float32 matmul
 # (below; lowering/linalg.py) and float32 decode attention (lowering/nn.py).
-KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul", "decode_attention")
+KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul", "decode_attention", "matmul")
+# Kinds only training graphs (forward, backward) lower to, whatever the option says: torch's gemm,
+# which in inference graphs was slower than XLA's dots fused with their neighbours
+# (lowering/linalg.py: TORCH_MATMUL_MACS).
+TRAINING_ONLY = frozenset({"matmul"})
 _kinds: contextvars.ContextVar = contextvars.ContextVar("fx2xla_torch_kernels_kinds", default=frozenset(KINDS))
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # once load() ran: (registered, the library's path or why not)
@@ -165,6 +172,13 @@ def kinds(value) -> frozenset:
     return frozenset(names)
 
 
+def for_graph(value, training: bool) -> frozenset:
+    """The kinds lowering may use in a graph under the option `torch_kernels` = `value`: its
+    `kinds`, less TRAINING_ONLY in an inference graph."""
+    allowed = kinds(value)
+    return allowed if training else allowed - TRAINING_ONLY
+
+
 @contextlib.contextmanager
 def only(allowed: frozenset):
     """Lower with only these kinds of custom call inside this block (this thread only)."""
@@ -211,6 +225,7 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_skinny_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_few_rows_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_decode_attention_calls.restype = ctypes.c_int64
+        lib.fx2xla_torch_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_attention_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_kernels_hold_mkl.restype = ctypes.c_int
         lib.fx2xla_torch_kernels_pin.argtypes = [ctypes.c_void_p, ctypes.c_int64]
@@ -553,6 +568,12 @@ def decode_attention_calls() -> int:
     """How many decode attention handler calls ran in this process (0 where the library is not
     loaded)."""
     return int(_lib.fx2xla_decode_attention_calls()) if load()[0] else 0
+
+
+def matmul_calls() -> int:
+    """How many torch matmul handler calls ran in this process (0 where the library is not
+    loaded)."""
+    return int(_lib.fx2xla_torch_matmul_calls()) if load()[0] else 0
 
 
 def few_rows_calls() -> int:

@@ -13,6 +13,7 @@
 #include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/mkldnn_reorder_conv2d_weight.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/ConvUtils.h>
@@ -918,6 +919,61 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
 }
 
 // ---------------------------------------------------------------------------------------------
+// torch's matmul: c[M, N] = op(a) . op(b) in float32 or float64, op a transpose or none, through
+// at::mm (MKL's gemm on x86, the kernel eager and Inductor call). XLA:CPU's dot of the shapes a
+// training step multiplies (32 x 1024 . 1024 x 4096, and its backward's transposed products)
+// took 1.7-2.2x this kernel's time on an Ice Lake (docs/benchmarks.md, "torch's matmuls in training
+// graphs"). Columns of
+// c (and b) are cut into one slice per usable thread of XLA's pool, each a single-threaded
+// gemm on its own thread (no OpenMP or MKL team started from XLA's threads: see "Batch
+// splitting"), written in place: a column slice of a row-major matrix is a matrix with a
+// leading dimension, which MKL takes as it is.
+
+std::atomic<int64_t> matmul_calls{0};  // fx2xla_torch_matmul_calls
+
+// Below this many multiply-adds, one thread computes the product (a slice's gemm would take
+// less time than handing it to another thread).
+constexpr int64_t kMatmulSplitMacs = 1 << 20;
+// Slices hold whole groups of this many columns (one AVX-512 register of floats).
+constexpr int64_t kMatmulColumnGroup = 16;
+
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
+                  int64_t transpose_a, int64_t transpose_b) {
+  auto dtype = torch_dtype(a.element_type());
+  if (!dtype || (*dtype != at::kFloat && *dtype != at::kDouble) || b.element_type() != a.element_type() ||
+      c->element_type() != a.element_type())
+    return ffi::Error::InvalidArgument("fx2xla_torch_matmul: a, b and c must be float32 or float64, all one");
+  auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || cd.size() != 2)
+    return ffi::Error::InvalidArgument("fx2xla_torch_matmul: a, b and c must be matrices");
+  int64_t m = transpose_a ? ad[1] : ad[0], k = transpose_a ? ad[0] : ad[1];
+  int64_t n = transpose_b ? bd[0] : bd[1];
+  if ((transpose_b ? bd[1] : bd[0]) != k || cd[0] != m || cd[1] != n)
+    return ffi::Error::InvalidArgument("fx2xla_torch_matmul: shapes do not chain");
+  matmul_calls.fetch_add(1, std::memory_order_relaxed);
+  return guarded("torch matmul", [&] {
+    at::Tensor at_ = as_tensor(a, *dtype), bt = as_tensor(b, *dtype), ct = as_tensor(*c, *dtype);
+    if (transpose_a) at_ = at_.t();
+    if (transpose_b) bt = bt.t();
+    if (m == 0 || n == 0) return;
+    int64_t threads = std::min(pool.num_threads(), usable_cores());
+    int64_t groups = (n + kMatmulColumnGroup - 1) / kMatmulColumnGroup;
+    int64_t parts = m * n * k >= kMatmulSplitMacs ? std::min(threads, groups) : 1;
+    if (parts <= 1) {
+      SingleThreaded one;
+      at::mm_out(ct, at_, bt);
+      return;
+    }
+    run_split(parts, pool, [&](int64_t i) {
+      auto [lo, hi] = slice_bounds(i, groups, parts);
+      lo *= kMatmulColumnGroup, hi = std::min(hi * kMatmulColumnGroup, n);
+      at::Tensor cs = ct.slice(1, lo, hi);
+      at::mm_out(cs, at_, bt.slice(1, lo, hi));
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Decode attention: softmax(q . k^T * scale + mask) . v for a few query rows per kv head (a
 // decode step: one new token per sequence, its query heads grouped on each kv head), float32.
 // XLA:CPU gives each of these tiny batched dots to YNNPACK, at 75-180 us a dot for a LLaMA 4L
@@ -1122,6 +1178,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_skinny_matmul, SkinnyMatmul,
 
 // How many skinny matmul calls ran so far, in this process.
 extern "C" int64_t fx2xla_skinny_matmul_calls() { return skinny_calls.load(); }
+
+// op(a) . op(b), a transposed where transpose_a is 1 (a laid out [K, M]), b where transpose_b is
+// 1 (b laid out [N, K]); float32 or float64.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_matmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("transpose_a")
+                                  .Attr<int64_t>("transpose_b"));
+
+// How many torch matmul calls ran so far, in this process.
+extern "C" int64_t fx2xla_torch_matmul_calls() { return matmul_calls.load(); }
 
 // W laid out [N, K]; x, W and y float32.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_few_rows_matmul, FewRowsMatmul,

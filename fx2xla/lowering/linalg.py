@@ -117,8 +117,40 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
             return out
         if (ctx.weight_lhs or ctx.few_rows) and n == 2 and ca == 1:
             return _weight_on_the_left(a, b)
+    if n == 2 and (out := _torch_matmul(ctx, a, b, ca, cb)) is not None:
+        return out
     batch = tuple(range(n - 2))
     return dot(a, b, ((ca,), (cb,)), (batch, batch))
+
+
+# float32 and float64 matmuls of at least TORCH_MATMUL_MACS multiply-adds in CPU training graphs
+# run torch's own gemm (MKL's on x86, the one eager and Inductor call) inside the executable,
+# through the kernel library's `fx2xla_torch_matmul`, where it is built and the option
+# torch_kernels allows "matmul". On an Ice Lake, XLA:CPU's dots of an MLP training step's shapes
+# (32 x 1024 . 1024 x 4096, and the backward's transposed products) took 1.7-2.2x its time, and
+# the whole step 0.82x the time with them (docs/benchmarks.md, "torch's matmuls in training
+# graphs"). Inference graphs keep XLA's dots (torch_kernels.TRAINING_ONLY): at 512 rows
+# BERT and LLaMA 4L took 1.19x and 1.13x the time with torch's, GPT-2 0.90x. Smaller products
+# stay XLA's, which fuses them with their neighbours.
+TORCH_MATMUL_MACS = 1 << 22
+
+
+def _torch_matmul(ctx, a, b, ca: int, cb: int):
+    """a . b contracting a's dim `ca` with b's dim `cb` (2-D) in the kernel library's torch
+    matmul, or None where it does not apply (another platform, a mesh, another dtype, a small
+    product, the library off or not built, a package's portable module)."""
+    from .. import torch_kernels
+
+    if (current_platform() != "cpu" or ctx.spmd or a.dtype != b.dtype
+            or a.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))):
+        return None
+    m, k = a.shape[1 - ca], a.shape[ca]
+    n = b.shape[1 - cb]
+    if m * n * k < TORCH_MATMUL_MACS or not torch_kernels.available("matmul"):
+        return None
+    out = jax.ShapeDtypeStruct((m, n), a.dtype)
+    return jax.ffi.ffi_call("fx2xla_torch_matmul", out, vmap_method="sequential")(
+        a, b, transpose_a=np.int64(ca == 0), transpose_b=np.int64(cb == 1))
 
 
 # Rows of the float32 matmuls x[M, K] @ W.T (W [N, K], as nn.Linear holds it) that CPU inference
