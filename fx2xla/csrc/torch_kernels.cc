@@ -922,12 +922,11 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
 // torch's matmul: c[M, N] = op(a) . op(b) in float32 or float64, op a transpose or none, through
 // at::mm (MKL's gemm on x86, the kernel eager and Inductor call). XLA:CPU's dot of the shapes a
 // training step multiplies (32 x 1024 . 1024 x 4096, and its backward's transposed products)
-// took 1.7-2.2x this kernel's time on an Ice Lake (docs/benchmarks.md, "torch's matmuls in training
-// graphs"). Columns of
-// c (and b) are cut into one slice per usable thread of XLA's pool, each a single-threaded
-// gemm on its own thread (no OpenMP or MKL team started from XLA's threads: see "Batch
-// splitting"), written in place: a column slice of a row-major matrix is a matrix with a
-// leading dimension, which MKL takes as it is.
+// took 1.7-2.2x this kernel's time on an Ice Lake (docs/benchmarks.md, "torch's matmuls in
+// training graphs"). Columns of c (and b) are cut into one slice per usable thread of XLA's pool,
+// each a single-threaded gemm on its own thread (no OpenMP or MKL team started from XLA's
+// threads: see "Batch splitting"), written in place: a column slice of a row-major matrix is a
+// matrix with a leading dimension, which MKL takes as it is.
 
 std::atomic<int64_t> matmul_calls{0};  // fx2xla_torch_matmul_calls
 
