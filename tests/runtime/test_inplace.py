@@ -4,9 +4,12 @@ counter) into the input's own memory from the second call on, as eager does. The
 order and ownership rules run here with torch's side stood in (tests/gpu runs them for real).
 
 Tolerances: elementwise updates of float32, bfloat16 and int64 tensors are compared exactly
-(rtol=atol=0: the same IEEE operations in the same order); after AdamW steps, parameters rtol
-1e-4, atol 1e-5 against eager (Adam divides by the square root of a second moment, which
-magnifies rounding near zero). fx2xla in place and fx2xla with FX2XLA_INPLACE=0 must agree
+(rtol=atol=0: the same IEEE operations in the same order); after AdamW steps, parameters within
+ADAMW_TOL of eager's: rtol 1e-4, atol 1e-4, 1% of one step at lr 1e-2. Adam's step divides a
+gradient's first moment by the square root of its second, so for a gradient element near zero it
+is a ratio of two roundings of that element, which differ between eager and XLA (another order
+of sums): once in CI, with an unseeded input, one element of 256 was 5e-5 apart after four steps
+(others ~1e-6). Inputs are seeded. fx2xla in place and fx2xla with FX2XLA_INPLACE=0 must agree
 exactly: the same executables compute the same bytes, only where they land differs."""
 from __future__ import annotations
 
@@ -29,6 +32,13 @@ def _every_input_imported(monkeypatch):
     """These tests count and watch imports: small CPU inputs that arrive afresh are imported
     here, not staged (tests/runtime/test_staged_inputs.py covers staging)."""
     monkeypatch.setenv("FX2XLA_STAGE_INPUTS", "0")
+
+
+ADAMW_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _input(seed: int = 0):
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))
 
 
 def _compiled(fn):
@@ -133,7 +143,7 @@ def test_an_alias_of_a_parameter_sees_the_update_like_eager(monkeypatch):
     optimizer are gone, the alias still reads those values (its memory stays alive). With
     FX2XLA_INPLACE=0 the parameters are swapped to new storages instead and the parameters
     agree exactly with the in-place run."""
-    x = torch.randn(4, 16)
+    x = _input()
     ref = _mlp()
     ref_train = _Trainer(ref, None)(x, 1)
     ref_alias = [p.detach() for p in ref.parameters()]
@@ -145,8 +155,8 @@ def test_an_alias_of_a_parameter_sees_the_update_like_eager(monkeypatch):
     alias = [p.detach() for p in model.parameters()]
     train(x, 3)
     for a, p, r_a, r in zip(alias, model.parameters(), ref_alias, ref.parameters()):
-        torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(a, r_a, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p, r, **ADAMW_TOL)
+        torch.testing.assert_close(a, r_a, **ADAMW_TOL)
         assert a.data_ptr() == p.data_ptr()
     final = [p.detach().clone() for p in model.parameters()]
     del model, train
@@ -215,7 +225,7 @@ def test_training_in_threads_matches_eager():
     graphs, each thread's own tensors written in place): every model's parameters match its
     eager twin's after 3 steps."""
     torch._dynamo.reset()
-    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    xs = [_input(k) for k in range(4)]
     refs = []
     for x in xs:
         ref = _mlp()
@@ -243,7 +253,7 @@ def test_training_in_threads_matches_eager():
     calls_in_threads(train, list(range(4)), 1)
     for m, r in zip(models, refs):
         for p, q in zip(m.parameters(), r.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(p, q, **ADAMW_TOL)
 
 
 def test_own_view_holds_the_array_and_follows_it():
@@ -297,7 +307,7 @@ def test_copied_model_after_in_place_steps():
     """`copy.deepcopy` and `state_dict` of a model trained in place copy its values (its
     storages are views over XLA's memory), and the copies stay valid after the original and its
     memory are gone."""
-    x = torch.randn(4, 16)
+    x = _input()
     torch._dynamo.reset()
     model = _mlp()
     _adamw(model, x, 3, "fx2xla")
