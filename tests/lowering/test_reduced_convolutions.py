@@ -16,8 +16,9 @@ What these tests hold it to:
   gradients within conftest's tolerance for the dtype, loosened 4x;
 - widened results equal XLA's own convolution's (`torch_kernels=False`: also a float32 sum
   rounded once) within one rounding: rtol 2**-7 (bf16) / 2**-10 (float16) of the largest output;
-- weights are pinned and packed either way, in float32 when widened; a weight changed in place
-  is packed again and the result follows it;
+- weights are pinned either way; widened, they are packed (from the bf16 weights, for the
+  float32 calls) and packed calls run, and a weight changed in place is packed again; the result
+  follows eager's throughout;
 - four threads calling a widened convolution whose weight is an argument (not pinned: each call
   converts it once, its slices sharing the copy) get the same bits as one thread;
 - `status()` says which dtype each convolution computes in."""
@@ -201,8 +202,9 @@ def test_widened_equals_xlas_within_one_rounding(dtype):
 @pytest.mark.parametrize("on", [False, True], ids=["widened", "native"])
 def test_pins_and_packs_either_way(on):
     """A bf16 inference graph pins its convolution weights for packing whether the convolution
-    is widened or not; widened, the packs are float32 (packed from the bf16 weights) and a
-    weight changed in place is packed again; the output matches eager's throughout."""
+    is widened or not; widened, packs are made (from the bf16 weights, for the float32 calls)
+    and packed calls run, and a weight changed in place is packed again; the output matches
+    eager's throughout."""
     before = torch_kernels.packing_counts()
     with torch_kernels.reduced_convolutions(on):
         torch.manual_seed(0)
