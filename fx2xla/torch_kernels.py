@@ -75,8 +75,9 @@ TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward", "fx2
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # The kinds of custom call lowering may use (option torch_kernels): torch's convolutions, torch's
-# flash attention (below), torch's gemm in training graphs (lowering/linalg.py), and the library's own skinny bf16 matmul, few-row float32 matmul
-# (below; lowering/linalg.py) and float32 decode attention (lowering/nn.py).
+# flash attention (below), torch's gemm in training graphs (lowering/linalg.py), and the library's
+# own skinny bf16 matmul, few-row float32 matmul (below; lowering/linalg.py) and float32 decode
+# attention (lowering/nn.py).
 KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul", "decode_attention", "matmul")
 # Kinds only training graphs (forward, backward) lower to, whatever the option says: torch's gemm,
 # which in inference graphs was slower than XLA's dots fused with their neighbours
