@@ -142,7 +142,9 @@ class CompiledGraph:
                                       linear_weight_lhs and not training and device.platform == "cpu",
                                       not training and device.platform == "cpu"
                                       and "few_rows_matmul" in _torch_kernels.kinds(torch_kernels)
-                                      and _torch_kernels.available("few_rows_matmul"))
+                                      and _torch_kernels.available("few_rows_matmul"),
+                                      device.platform == "cpu" and "elementwise" in self._lowered_kernels
+                                      and _torch_kernels.available("elementwise"))
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:

@@ -26,6 +26,7 @@ from . import torch_kernels as _torch_kernels
 from .layouts import dense_permutation, inverse, is_identity, symbolic
 from .lowering import channels_last as _channels_last
 from .lowering import linalg as _linalg
+from .lowering import regions as _regions
 from .lowering.registry import PYTHON_OPS, graph_uses_randomness, lowering_for
 from .passes.sharding import graph_mesh, propagate
 from .runtime import inplace as _inplace
@@ -206,6 +207,9 @@ class GraphPlan:
     # CPU inference matmuls of 2-8 rows computed in the kernel library's few-row matmul
     # (lowering/linalg.py: few_row_matmuls); their weights too are passed as torch holds them.
     few_rows: frozenset = frozenset()
+    # CPU elementwise regions run in one pass by the kernel library (lowering/regions.py): an
+    # optimizer's update of each large parameter.
+    regions: tuple = ()
 
     @property
     def platform(self) -> str:
@@ -376,7 +380,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                bumps: frozenset[int] = frozenset(), saved: frozenset[int] = frozenset(),
                channels_last: bool = True, relaid_weights: bool = False, pinned_weights: bool = False,
                linear_weights_kn: bool | str = False, linear_weight_lhs: bool = False,
-               few_row_kernel: bool = False) -> GraphPlan:
+               few_row_kernel: bool = False, elementwise_regions: bool = False) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -401,7 +405,9 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     (`lowering.linalg.weight_lhs_matmuls`; CPU inference graphs, never over a mesh).
     `few_row_kernel`: float32 matmuls of 2-8 rows against such a weight run in the kernel
     library's few-row matmul instead (`lowering.linalg.few_row_matmuls`; the same graphs, where
-    the library may run), the weight as torch holds it."""
+    the library may run), the weight as torch holds it. `elementwise_regions`: float32 elementwise
+    ops that write several results run in one pass each (`lowering.regions.find_regions`; CPU
+    graphs on one device, without host offloading, where the library may run)."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -553,8 +559,16 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     for dst, node in written.items():  # the inputs' new contents, after the outputs
         position = placeholders.index(dst)
         mutations.append(Mutation(position, result(node, home=inputs[position].device, memory=inputs[position].memory_kind)))
+    regions = ()
+    if elementwise_regions and cpu_single and offload is None:
+        # A donated input's update is written where the input is (the handler writes a chunk's
+        # results after reading its inputs).
+        donated_writes = {dst: node.args[1] for dst, node in written.items()
+                          if inputs[placeholders.index(dst)].donated}
+        regions = tuple(_regions.with_aliases(r, donated_writes)
+                        for r in _regions.find_regions(gm, exclude=frozenset(constants) | frozenset(laid.nodes)))
     return GraphPlan(device, torch_device, inputs, concats, seed, seed_device, results, outputs, mutations, constants,
-                     mesh_id, shardings, constraints, operand_constraints, laid, weight_lhs, few_rows)
+                     mesh_id, shardings, constraints, operand_constraints, laid, weight_lhs, few_rows, regions)
 
 
 def _reshape_of(meta, base_meta) -> bool:

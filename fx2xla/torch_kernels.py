@@ -25,14 +25,16 @@ results are the kernel's bit for bit (lowering/nn.py `_torch_attention` says whe
 of training graphs, where XLA:CPU's dots of a training step's shapes took up to 2.2x its time; its
 output's columns are cut across XLA's threads (lowering/linalg.py: TORCH_MATMUL_MACS).
 
-The library also holds three kernels of fx2xla's own. `fx2xla_skinny_matmul`: bf16 matmuls of one
+The library also holds four kernels of fx2xla's own. `fx2xla_skinny_matmul`: bf16 matmuls of one
 row (decode steps at batch 1), for which XLA:CPU converts every weight to float32 on each call
 and then takes a slow path (see `skinny` below). `fx2xla_few_rows_matmul`: float32 matmuls of
 2-8 rows against nn.Linear's weight as torch holds it (decode steps at a small batch), which it
 reads once, ahead of use, for all rows at a time (lowering/linalg.py: FEW_ROWS gives the
 figures). `fx2xla_decode_attention`: float32 attention of a few query rows per kv head (decode
 steps), straight from the cache, where XLA:CPU's tiny batched dots cost far more than their work
-(lowering/nn.py: DECODE_ATTENTION_ROWS). The option `torch_kernels` picks which kinds of custom call lowering may use (KINDS).
+(lowering/nn.py: DECODE_ATTENTION_ROWS). `fx2xla_elementwise`: float32 elementwise regions that
+write several results (an optimizer's update of a parameter and its moments) in one pass, where
+XLA:CPU runs one loop per result (lowering/regions.py). The option `torch_kernels` picks which kinds of custom call lowering may use (KINDS).
 
 The library is compiled against the torch and jaxlib in use, by the project's install step
 (`make setup` runs `python -m fx2xla kernels build`), into the package's `csrc/build/`
@@ -70,15 +72,16 @@ from .runtime.disk_cache import default_cache_dir
 SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_kernels.cc"
 # The FFI handlers the library exports, each registered for XLA:CPU under its own name.
 TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward", "fx2xla_torch_attention",
-           "fx2xla_skinny_matmul", "fx2xla_few_rows_matmul", "fx2xla_decode_attention", "fx2xla_torch_matmul")
+           "fx2xla_skinny_matmul", "fx2xla_few_rows_matmul", "fx2xla_decode_attention", "fx2xla_torch_matmul",
+           "fx2xla_elementwise")
 # torch dtypes the handlers take (the FFI element types they map to torch's).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # The kinds of custom call lowering may use (option torch_kernels): torch's convolutions, torch's
 # flash attention (below), torch's gemm in training graphs (lowering/linalg.py), and the library's
-# own skinny bf16 matmul, few-row float32 matmul (below; lowering/linalg.py) and float32 decode
-# attention (lowering/nn.py).
-KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul", "decode_attention", "matmul")
+# own skinny bf16 matmul, few-row float32 matmul (below; lowering/linalg.py), float32 decode
+# attention (lowering/nn.py) and elementwise regions (lowering/regions.py).
+KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul", "decode_attention", "matmul", "elementwise")
 # Kinds only training graphs (forward, backward) lower to, whatever the option says: torch's gemm,
 # which in inference graphs was slower than XLA's dots fused with their neighbours
 # (lowering/linalg.py: TORCH_MATMUL_MACS).
@@ -133,26 +136,85 @@ def build(force: bool = False) -> Path:
         return found
     errors = []
     for target in candidate_paths():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-            os.close(fd)
-        except OSError as e:
-            errors.append(f"{target.parent}: {e}")
-            continue
-        cmd = _compile_command(Path(tmp))
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True)
-        except FileNotFoundError:
-            os.unlink(tmp)
-            raise RuntimeError(f"fx2xla.torch_kernels: no C++ compiler ({cmd[0]}); set CXX to one") from None
-        if done.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(f"fx2xla.torch_kernels: compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n"
-                               f"{done.stderr[-4000:]}")
-        os.replace(tmp, target)
-        return target
+        if _compile_to(target, _compile_command, SOURCE.name, errors):
+            return target
     raise RuntimeError("fx2xla.torch_kernels: no writable folder for the library: " + "; ".join(errors))
+
+
+# Region loops (lowering/regions.py): one small library per distinct loop, compiled for this CPU
+# (-march=native, so the key holds the CPU's model and flags) with IEEE float32 arithmetic: no
+# contraction of a product and a sum into an fma, no fast-math; -fno-math-errno lets sqrt
+# vectorize. Kept beside the kernel library.
+_REGION_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd", "-fPIC",
+                 "-shared", "-w"]
+_region_loops: dict[str, Path] = {}  # source -> its library, in this process
+_region_lock = threading.Lock()
+
+
+def _cpu_signature() -> str:
+    """What a library compiled with -march=native depends on: the machine and the CPU's model
+    and flags (a cache folder shared between machines must not hand one CPU's code to another)."""
+    import platform
+
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part"):
+                    lines.append(line.strip())
+                if len(lines) >= 3:
+                    break
+    except OSError:
+        pass
+    return platform.machine() + "|" + "|".join(lines)
+
+
+def region_loop(source: str) -> Path:
+    """The library holding `source` (a region loop: C++ defining `fx2xla_region`), compiled now
+    if no earlier process or call did (well under a second); RuntimeError names a failed
+    compile."""
+    with _region_lock:
+        found = _region_loops.get(source)
+    if found is not None:
+        return found
+    h = hashlib.sha256(f"{source}|{compiler()}|{_REGION_FLAGS}|{_cpu_signature()}".encode()).hexdigest()[:20]
+    errors = []
+    for folder in [p.parent / "regions" for p in candidate_paths()]:
+        target = folder / f"region-{h}.so"
+        if not target.is_file() and not _compile_to(
+                target, lambda tmp: compiler() + _REGION_FLAGS + ["-x", "c++", "-", "-o", str(tmp)],
+                "a region loop", errors, source):
+            continue
+        with _region_lock:
+            _region_loops[source] = target
+        return target
+    raise RuntimeError("fx2xla.torch_kernels: no writable folder for region loops: " + "; ".join(errors))
+
+
+def _compile_to(target: Path, command, what: str, errors: list, source: str | None = None) -> bool:
+    """Run the compiler command `command(tmp)` (C++ `source` on its stdin, if given) into a
+    temporary file beside `target`, renamed to it once whole: processes building at once never
+    load a partial file. False, the reason added to `errors`, where the folder is not writable;
+    RuntimeError names a missing compiler, or a failed compile with its command (and source)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as e:
+        errors.append(f"{target.parent}: {e}")
+        return False
+    cmd = command(Path(tmp))
+    try:
+        done = subprocess.run(cmd, input=source, capture_output=True, text=True)
+    except FileNotFoundError:
+        os.unlink(tmp)
+        raise RuntimeError(f"fx2xla.torch_kernels: no C++ compiler ({cmd[0]}); set CXX to one") from None
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"fx2xla.torch_kernels: compiling {what} failed:\n{' '.join(map(str, cmd))}\n"
+                           f"{done.stderr[-4000:]}" + (f"\n{source}" if source is not None else ""))
+    os.replace(tmp, target)
+    return True
 
 
 def disabled() -> bool:
@@ -227,6 +289,7 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_few_rows_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_decode_attention_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_matmul_calls.restype = ctypes.c_int64
+        lib.fx2xla_elementwise_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_attention_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_kernels_hold_mkl.restype = ctypes.c_int
         lib.fx2xla_torch_kernels_pin.argtypes = [ctypes.c_void_p, ctypes.c_int64]
@@ -575,6 +638,12 @@ def matmul_calls() -> int:
     """How many torch matmul handler calls ran in this process (0 where the library is not
     loaded)."""
     return int(_lib.fx2xla_torch_matmul_calls()) if load()[0] else 0
+
+
+def elementwise_calls() -> int:
+    """How many elementwise region handler calls ran in this process (0 where the library is not
+    loaded)."""
+    return int(_lib.fx2xla_elementwise_calls()) if load()[0] else 0
 
 
 def few_rows_calls() -> int:

@@ -1096,6 +1096,91 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
                        });
 }
 
+// ---------------------------------------------------------------------------------------------
+// Elementwise regions: float32 elementwise ops of one shape that write several results (an
+// optimizer's update of one parameter: the parameter and its moments), in one pass over their
+// inputs. XLA:CPU fuses such a region into one loop per result (AdamW: three, which read the
+// gradient and the moments again: 10 passes over the parameter's size where one loop needs 7).
+// lowering/regions.py writes each region's loop as C++, every value of an element in registers,
+// and compiles it for this CPU into a library of its own (`kernel`, its path), which the handler
+// loads once. An element's results are written after its inputs are read, so a result may share
+// its buffer with an input (the parameter it replaces), as lowering aliases them.
+
+std::atomic<int64_t> elementwise_calls{0};  // fx2xla_elementwise_calls
+
+// The region loop's signature: inputs, then the scalar inputs' values followed by the region's
+// constants, then the results; elements [lo, hi).
+using RegionLoop = void (*)(const float* const*, const float*, float* const*, int64_t, int64_t);
+
+// Below this many bytes read and written, one thread runs the region.
+constexpr int64_t kElementwiseSplitBytes = 1 << 20;
+
+// The loop in the library at `path`, loaded on first use and kept for the process's life (nullptr,
+// with `why` set, where it does not load).
+RegionLoop region_loop(std::string_view path, std::string& why) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, RegionLoop> loops;
+  std::lock_guard<std::mutex> lock(mu);
+  std::string key(path);
+  auto found = loops.find(key);
+  if (found != loops.end()) return found->second;
+  void* lib = dlopen(key.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    why = dlerror();
+    return nullptr;
+  }
+  auto loop = reinterpret_cast<RegionLoop>(dlsym(lib, "fx2xla_region"));
+  if (loop == nullptr) {
+    why = "no fx2xla_region in " + key;
+    return nullptr;
+  }
+  loops.emplace(key, loop);
+  return loop;
+}
+
+ffi::Error Elementwise(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                       std::string_view kernel, ffi::Span<const float> constants, int64_t vectors) {
+  const char* name = "fx2xla_elementwise";
+  auto bad = [&](const std::string& why) { return ffi::Error::InvalidArgument(std::string(name) + ": " + why); };
+  int64_t nargs = static_cast<int64_t>(args.size()), nrets = static_cast<int64_t>(rets.size());
+  if (vectors < 1 || vectors > nargs || nrets < 1) return bad("no inputs or no results");
+  std::vector<const float*> in(vectors);
+  std::vector<float> scalars;
+  int64_t n = -1;
+  for (int64_t i = 0; i < nargs; ++i) {
+    auto arg = args.get<ffi::AnyBuffer>(i);
+    if (arg.has_error() || arg->element_type() != ffi::DataType::F32) return bad("every input must be float32");
+    int64_t count = static_cast<int64_t>(arg->element_count());
+    if (i < vectors) {
+      if (n >= 0 && count != n) return bad("the inputs differ in size");
+      n = count;
+      in[i] = static_cast<const float*>(arg->untyped_data());
+    } else {
+      if (count != 1) return bad("a scalar input must hold one element");
+      scalars.push_back(*static_cast<const float*>(arg->untyped_data()));
+    }
+  }
+  for (float c : constants) scalars.push_back(c);
+  std::vector<float*> out(nrets);
+  for (int64_t j = 0; j < nrets; ++j) {
+    auto ret = rets.get<ffi::AnyBuffer>(j);
+    if (ret.has_error() || (*ret)->element_type() != ffi::DataType::F32 ||
+        static_cast<int64_t>((*ret)->element_count()) != n)
+      return bad("every result must be float32, of the inputs' size");
+    out[j] = static_cast<float*>((*ret)->untyped_data());
+  }
+  std::string why;
+  RegionLoop loop = region_loop(kernel, why);
+  if (loop == nullptr) return ffi::Error(ffi::ErrorCode::kInternal, std::string(name) + ": " + why);
+  elementwise_calls.fetch_add(1, std::memory_order_relaxed);
+  if (n == 0) return ffi::Error::Success();
+  // Whole 64-byte lines per slice: two threads never write into one line.
+  return split_columns(pool, n, n * 4 * (vectors + nrets), kElementwiseSplitBytes, 16, 2,
+                       /*one_helper_per_core=*/true, name, [&](int64_t lo, int64_t hi) {
+                         loop(in.data(), scalars.data(), out.data(), lo, hi);
+                       });
+}
+
 }  // namespace
 
 // The attributes both convolution handlers take, in torch's argument order.
@@ -1191,6 +1276,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_matmul, Matmul,
 
 // How many torch matmul calls ran so far, in this process.
 extern "C" int64_t fx2xla_torch_matmul_calls() { return matmul_calls.load(); }
+
+// Float32 elementwise regions (lowering/regions.py): the `vectors` inputs of the region's size,
+// then its scalar inputs (one element each); `kernel`, the path of the region's compiled loop.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_elementwise, Elementwise,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<std::string_view>("kernel")
+                                  .Attr<ffi::Span<const float>>("constants")
+                                  .Attr<int64_t>("vectors"));
+
+// How many elementwise region calls ran so far, in this process.
+extern "C" int64_t fx2xla_elementwise_calls() { return elementwise_calls.load(); }
 
 // W laid out [N, K]; x, W and y float32.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_few_rows_matmul, FewRowsMatmul,

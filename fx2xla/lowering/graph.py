@@ -16,6 +16,7 @@ from ..errors import InvalidInputError, LoweringError, UnsupportedOpError
 from .dtypes import to_jax_dtype
 from .checks import CheckVerdict, RuntimeChecks
 from . import channels_last, memory
+from . import regions as _regions
 from ..layouts import inverse
 from ..plan import GraphPlan, OutputPlan
 from ..sharding import mesh_by_id
@@ -174,7 +175,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         _bind_constants(plan.constants, env)
         checks = RuntimeChecks() if check_indices else None
         run_nodes(gm, gm.graph.nodes, env, sizes, seed, checks, pinned, reads, plan.channels_last.nodes,
-                  plan.weight_lhs, plan.few_rows)
+                  plan.weight_lhs, plan.few_rows, plan.regions)
         results = []
         for r in plan.results:
             value = env[r.node]
@@ -257,7 +258,7 @@ def spmd_shardings(plan: GraphPlan) -> dict:
 
 
 def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=None, pinned=None,
-              reads=None, laid=frozenset(), weight_lhs=frozenset(), few_rows=frozenset()) -> dict:
+              reads=None, laid=frozenset(), weight_lhs=frozenset(), few_rows=frozenset(), regions=()) -> dict:
     """Evaluate `nodes` (call_function / get_attr nodes of `gm`, in order) with their rules, on
     the traced jax values in `env` (updated and returned). Placeholders and the output node are
     skipped: the caller binds the first and reads the second. `seed` is the per-call int64 seed
@@ -268,9 +269,21 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
     `laid`: the nodes lowered on channels-last values (channels_last.py); every value in `env`
     is in torch's layout all the same. `weight_lhs`: the matmuls computed with their weight as
     the dot's left operand (GraphPlan.weight_lhs); `few_rows`: those in the kernel library's
-    few-row matmul (GraphPlan.few_rows)."""
+    few-row matmul (GraphPlan.few_rows). `regions`: elementwise regions (GraphPlan.regions),
+    computed at their last node, by the kernel library's handler or else op by op."""
+    region_of = {n: r for r in regions for n in r.nodes}
     for index, node in enumerate(nodes):
         if node.op in ("placeholder", "output") or node in env:  # bound by the caller
+            continue
+        if node in region_of:
+            region = region_of[node]
+            if node is not region.last:  # only the region's outputs are read, after its last op
+                continue
+            values = _regions.lower(region, env)
+            if values is None:
+                run_nodes(gm, region.nodes, env, sizes, seed, checks, pinned, reads, laid, weight_lhs, few_rows)
+            else:
+                env.update(zip(region.outputs, values))
             continue
         if node.op == "get_attr":
             attr = getattr(gm, node.target)
