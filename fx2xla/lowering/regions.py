@@ -103,6 +103,8 @@ def _operands(node) -> list | None:
         return list(args) if len(args) == 3 and not kwargs else None
     if t is aten.copy.default:  # the second argument, in the first's shape and dtype
         return [args[1]] if len(args) == 2 and not kwargs.get("non_blocking", False) else None
+    if t is aten.full_like.default:  # a number in the first argument's shape (foreach AdamW's lerp weight)
+        return [args[1]] if len(args) == 2 and not isinstance(args[1], torch.fx.Node) else None
     if str(t) == "prims.fma.default":
         return list(args) if len(args) == 3 and not kwargs else None
     return None
@@ -116,7 +118,7 @@ def _opcode(node) -> int:
         return _UNARY[t]
     if t is aten.where.self:
         return WHERE
-    if t is aten.copy.default:
+    if t in (aten.copy.default, aten.full_like.default):
         return COPY
     return FMA
 

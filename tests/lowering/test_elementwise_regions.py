@@ -6,8 +6,9 @@ loop compiled for this CPU. What these tests hold them to:
 - AdamW's single-tensor update of a large parameter is one region (four inputs: parameter,
   gradient, two moments; three results), a bias below MIN_ELEMENTS none; the loop's source reads
   each input once per element and writes each result once;
-- a compiled AdamW step and an SGD step with momentum and weight decay call the handler once per
-  large parameter; after five steps the parameters and moments match eager's within 1e-5
+- a compiled AdamW step (single-tensor and foreach), an Adam step with weight decay (added to
+  the gradient with alpha) and an SGD step with momentum and weight decay call the handler once
+  per large parameter; after five steps the parameters and moments match eager's within 1e-5
   (rtol and atol, seeded gradients) and the same step with XLA's loops (torch_kernels without
   "elementwise") within 1e-6; a donated parameter is updated in its own buffer from the second
   step on (the StableHLO aliases the handler's result to it);
@@ -20,7 +21,8 @@ loop compiled for this CPU. What these tests hold them to:
   broadcast operand, bf16, a small shape, a dynamic shape, the option without the kind;
 - four threads calling one compiled region at once get one call's bits on every call;
 - where the loop does not compile, a warning says so and the region runs as XLA's loops, with the
-  same results; a compiler that fails is reported with its command and the loop's source."""
+  same results; a compiler that fails is reported with its command and the loop's source, and a
+  loop is compiled once per source."""
 from __future__ import annotations
 
 import copy
@@ -115,6 +117,8 @@ def _train(make_opt, options, steps=5):
 
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adam_weight_decay": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3),
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=1e-3),
 }
 
