@@ -561,8 +561,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         mutations.append(Mutation(position, result(node, home=inputs[position].device, memory=inputs[position].memory_kind)))
     regions = ()
     if elementwise_regions and cpu_single and offload is None:
-        # A donated input's update is written where the input is (the handler writes a chunk's
-        # results after reading its inputs).
+        # A donated input's update is written where the input is (the region's loop writes an
+        # element's results after reading its inputs).
         donated_writes = {dst: node.args[1] for dst, node in written.items()
                           if inputs[placeholders.index(dst)].donated}
         regions = tuple(_regions.with_aliases(r, donated_writes)

@@ -33,9 +33,9 @@ aten = torch.ops.aten
 # inputs from cache, and a call costs more than the passes it saves.
 MIN_ELEMENTS = 1 << 16
 
-# C++ for each op, of its operands' expressions.
-# ADD_SCALED is add/sub with alpha: torch's kernel computes a + alpha * b with one rounding (an
-# fma), alpha rounded to float32 first (negated for sub).
+# The ops a region runs, and each one's C++ over its operands' names. ADD_SCALED is add/sub with
+# alpha: torch's kernel computes a + alpha * b with one rounding (an fma), alpha rounded to float32
+# first (negated for sub).
 COPY, ADD, SUB, MUL, DIV, NEG, SQRT, RECIPROCAL, ABS, FMA, WHERE, ADD_SCALED = range(12)
 _CXX = {COPY: "{0}", ADD: "{0} + {1}", SUB: "{0} - {1}", MUL: "{0} * {1}", DIV: "{0} / {1}", NEG: "-{0}",
         SQRT: "__builtin_sqrtf({0})", RECIPROCAL: "1.0f / {0}", ABS: "__builtin_fabsf({0})",
