@@ -46,8 +46,8 @@ _BINARY = {aten.add.Tensor: ADD, aten.add.Scalar: ADD, aten.sub.Tensor: SUB, ate
 _UNARY = {aten.neg.default: NEG, aten.sqrt.default: SQRT, aten.reciprocal.default: RECIPROCAL,
           aten.abs.default: ABS, aten.clone.default: COPY}
 # 0-d tensors a region reads as scalars (converted to float32 in XLA, as torch's kernels convert
-# a 0-d operand to the float32 they compute in).
-_SCALAR_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.bool, torch.int64, torch.int32)
+# a 0-d operand to the float32 they compute in); where's 0-d condition is bool.
+_SCALAR_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32)
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,43 +84,29 @@ def _static_f32(val) -> tuple | None:
     return tuple(int(s) for s in val.shape)
 
 
-def _operands(node) -> list | None:
-    """The operands `node` computes from, in instruction order ([cond, a, b] for where), or None
-    where it is not an op a region runs (another op, or arguments the handler has no code for)."""
+def _op(node) -> tuple[int, list] | None:
+    """The op `node` computes and its operands, in the op's order ([cond, a, b] for where; alpha
+    last for add/sub with alpha), or None where it is not an op a region runs (another op, or
+    arguments the loop has no code for)."""
     t, args, kwargs = node.target, node.args, node.kwargs
     if t in _BINARY:
-        alpha = kwargs.get("alpha", 1)
+        alpha, code = kwargs.get("alpha", 1), _BINARY[t]
         if len(args) != 2 or set(kwargs) - {"alpha"} or isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
             return None
         if alpha == 1:
-            return list(args)
-        return [*args, -alpha if _BINARY[t] == SUB else alpha] if _BINARY[t] in (ADD, SUB) else None
+            return code, list(args)
+        return (ADD_SCALED, [*args, -alpha if code == SUB else alpha]) if code in (ADD, SUB) else None
     if t in _UNARY:
-        if set(kwargs) - {"memory_format"} or len(args) != 1:
-            return None
-        return list(args)
+        return (_UNARY[t], list(args)) if len(args) == 1 and not set(kwargs) - {"memory_format"} else None
     if t is aten.where.self:
-        return list(args) if len(args) == 3 and not kwargs else None
+        return (WHERE, list(args)) if len(args) == 3 and not kwargs else None
     if t is aten.copy.default:  # the second argument, in the first's shape and dtype
-        return [args[1]] if len(args) == 2 and not kwargs.get("non_blocking", False) else None
+        return (COPY, [args[1]]) if len(args) == 2 and not kwargs.get("non_blocking", False) else None
     if t is aten.full_like.default:  # a number in the first argument's shape (foreach AdamW's lerp weight)
-        return [args[1]] if len(args) == 2 and not isinstance(args[1], torch.fx.Node) else None
+        return (COPY, [args[1]]) if len(args) == 2 and not isinstance(args[1], torch.fx.Node) else None
     if str(t) == "prims.fma.default":
-        return list(args) if len(args) == 3 and not kwargs else None
+        return (FMA, list(args)) if len(args) == 3 and not kwargs else None
     return None
-
-
-def _opcode(node) -> int:
-    t = node.target
-    if t in _BINARY:
-        return ADD_SCALED if node.kwargs.get("alpha", 1) != 1 else _BINARY[t]
-    if t in _UNARY:
-        return _UNARY[t]
-    if t is aten.where.self:
-        return WHERE
-    if t in (aten.copy.default, aten.full_like.default):
-        return COPY
-    return FMA
 
 
 def _member(node, min_elements: int) -> bool:
@@ -132,9 +118,10 @@ def _member(node, min_elements: int) -> bool:
     shape = _static_f32(_val(node))
     if shape is None or int(np.prod(shape)) < min_elements:
         return False
-    operands = _operands(node)
-    if operands is None:
+    op = _op(node)
+    if op is None:
         return False
+    operands = op[1]
     if node.target is aten.copy.default and _static_f32(_val(node.args[0])) != shape:
         return False
     for k, a in enumerate(operands):
@@ -151,7 +138,7 @@ def _member(node, min_elements: int) -> bool:
             if v.dim() != 0 or v.dtype != torch.bool:
                 return False
         elif v.dim() == 0:
-            if v.dtype not in _SCALAR_DTYPES or v.dtype is torch.bool:
+            if v.dtype not in _SCALAR_DTYPES:
                 return False
         elif _static_f32(v) != shape:
             return False
@@ -207,9 +194,10 @@ def _compile(group: list, outputs: list) -> Region:
     value is a float32 local; a result is stored after all of the element's inputs are read (the
     handler may pass a result's buffer as an input's too)."""
     members = set(group)
+    ops = {n: _op(n) for n in group}
     vectors, scalars, constants = [], [], []
     for n in group:
-        for a in _operands(n):
+        for a in ops[n][1]:
             if isinstance(a, torch.fx.Node) and a not in members:
                 (scalars if _val(a).dim() == 0 else vectors).append(a)
             elif not isinstance(a, torch.fx.Node):
@@ -226,9 +214,10 @@ def _compile(group: list, outputs: list) -> Region:
     lines += ["#pragma omp simd", "  for (int64_t i = lo; i < hi; ++i) {"]
     lines += [f"    const float x{i} = x{i}p[i];" for i in range(len(vectors))]
     for k, n in enumerate(group):
-        args = [name[a] if isinstance(a, torch.fx.Node) else f"c{constants.index(_bits(a))}" for a in _operands(n)]
+        code, operands = ops[n]
+        args = [name[a] if isinstance(a, torch.fx.Node) else f"c{constants.index(_bits(a))}" for a in operands]
         name[n] = f"t{k}"
-        lines.append(f"    const float t{k} = {_CXX[_opcode(n)].format(*args)};")
+        lines.append(f"    const float t{k} = {_CXX[code].format(*args)};")
     lines += [f"    o{j}p[i] = {name[n]};" for j, n in enumerate(outputs)]
     lines += ["  }", "}"]
     source = ("#include <cstdint>\n"
@@ -269,7 +258,7 @@ def lower(region: Region, env: dict) -> list | None:
     try:
         path = torch_kernels.region_loop(region.source)
     except RuntimeError as e:
-        _warn_once(str(e))
+        _warn(str(e))
         return None
     vectors = [jnp.asarray(env[v]) for v in region.vectors]
     scalars = [lax.convert_element_type(jnp.asarray(env[s]), jnp.float32) for s in region.scalars]
@@ -280,7 +269,7 @@ def lower(region: Region, env: dict) -> list | None:
         vectors=np.int64(len(vectors))))
 
 
-def _warn_once(message: str) -> None:
+def _warn(message: str) -> None:
     """Python's warning filters show it once per message by default (a region per parameter
     would repeat it)."""
     import warnings
