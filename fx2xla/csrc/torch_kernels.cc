@@ -656,6 +656,7 @@ std::atomic<int64_t> skinny_calls{0};  // fx2xla_skinny_matmul_calls
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
 typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads and stores
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint16_t u16x16u __attribute__((vector_size(32), aligned(2)));
@@ -799,13 +800,15 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
 // ---------------------------------------------------------------------------------------------
 // Few-row float32 matmuls: y[M, N] = x[M, K] . W^T with W laid out [N, K], as nn.Linear holds
 // it, for the 2-8 rows of a decode step at a small batch (lowering/linalg.py: FEW_ROWS). Its cost
-// is reading W once, from L3 or memory, and the multiply-adds. Each row of W is loaded once, in
-// 8-float chunks read ahead of use, and multiplied into every row of x (a few KiB, which stays
-// in L1): one accumulator per row of x, summed across lanes once per row of W. Rows of x beyond 8
-// are taken 8 at a time against the same row of W, then in L1. Blocks of several W rows against
-// fewer x rows (3 x 4, 2 x 4) were faster on weights in L2 but slower on a decode step's, read
-// from L3 (docs/benchmarks.md, "Few-row float32 matmuls"). Columns are cut into chunks for XLA's
-// intra-op threads as the skinny kernel's are.
+// is reading W once, from L3 or memory, and the multiply-adds. A tile of C rows of W (4 for up to
+// 4 rows of x, else 2) is read in 16-float chunks, each multiplied into every row of x (a few
+// KiB, which stays in L1): one accumulator per (row of x, row of W), reduced four at a time
+// across lanes at the end of the tile. The next tile's rows are read into the caches while this
+// one runs. On an Ice Lake, one row of W at a time against 8-float chunks of x, with W read
+// ahead through prefetchnta (which skips the outer caches), took 2x the time of the tiles; the
+// hardware's prefetcher alone left the tiles waiting on W (docs/benchmarks.md, "Few-row matmuls
+// in tiles"). Rows of x beyond 8 are taken 8 at a time against the same tile, then in L1.
+// Columns are cut into chunks for XLA's intra-op threads as the skinny kernel's are.
 
 std::atomic<int64_t> few_rows_calls{0};  // fx2xla_few_rows_matmul_calls
 
@@ -814,72 +817,75 @@ std::atomic<int64_t> few_rows_calls{0};  // fx2xla_few_rows_matmul_calls
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 
-typedef float f32x8u __attribute__((vector_size(32), aligned(4)));
-
-// The lane sums of v[0..7] as lanes 0..7 (v[r] for r >= R is zero).
-template <int R>
-inline __attribute__((always_inline)) f32x8 hsum8(const f32x8* v) {
-  f32x8 z = {}, p[8];
-  for (int r = 0; r < 8; ++r) p[r] = r < R ? v[r] : z;
-  f32x8 t[4], u[2];
-  for (int i = 0; i < 4; ++i)  // lanes: [a01 b01 a23 b23 a45 b45 a67 b67] of the pair (a, b)
-    t[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-  for (int i = 0; i < 2; ++i)  // lanes: [a0-3 b0-3 c0-3 d0-3 a4-7 b4-7 c4-7 d4-7]
-    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-         __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-// W is read ahead of use by this many floats (2 KiB: the rest of a short row and the start of the
-// next). The weights of a decode step are read once per step, from L3 or memory, and the
-// hardware's prefetcher alone left the kernel waiting on them (docs/benchmarks.md).
-constexpr int64_t kFewRowsAhead = 512;
-
-// y[i, 0] = x[i, :] . w[:] for the R rows i of x (row stride k) and one row w of W (y's row
-// stride n). Each chunk of w is loaded once for R multiply-adds; x stays in L1.
-template <int R>
-inline __attribute__((always_inline)) void row_dots(const float* x, const float* w, float* y, int64_t k,
-                                                    int64_t n, bool ahead) {
-  f32x8 acc[R] = {};
+// y[i, j + c] = x[i, :] . W[j + c, :] for the R rows i of x (row stride k) and the C rows j + c
+// of W (y's row stride n). `ahead`: read the next tile's rows of W into the caches.
+template <int R, int C>
+inline __attribute__((always_inline)) void few_rows_tile(const float* x, const float* w, float* y, int64_t k,
+                                                         int64_t n, int64_t j, bool ahead) {
+  constexpr int kAcc = R * C, kPadded = (kAcc + 3) / 4 * 4;
+  f32x16 acc[kPadded] = {};
+  const float* wj = w + j * k;
   int64_t t = 0;
-  for (; t + 8 <= k; t += 8) {
-    if (ahead && (t & 15) == 0) __builtin_prefetch(w + t + kFewRowsAhead, 0, 0);
-    f32x8 wv = *reinterpret_cast<const f32x8u*>(w + t);
+  for (; t + 16 <= k; t += 16) {
+    f32x16 wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      wv[c] = *reinterpret_cast<const f32x16u*>(wj + c * k + t);
+      if (ahead) __builtin_prefetch(wj + (c + C) * k + t, 0, 3);
+    }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] += *reinterpret_cast<const f32x8u*>(x + r * k + t) * wv;
-  }
-  f32x8 s = hsum8<R>(acc);
-  for (int r = 0; r < R; ++r) {
-    float v = s[r];
-    for (int64_t u = t; u < k; ++u) v += x[r * k + u] * w[u];
-    y[r * n] = v;
-  }
-}
-
-// Rows [0, m) of y, columns [lo, hi). Rows beyond 8 are taken 8 at a time against the same row
-// of W, which the first 8 brought into L1 (only they read ahead).
-FX2XLA_CLONES void few_rows(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n,
-                            int64_t lo, int64_t hi) {
-  for (int64_t j = lo; j < hi; ++j) {
-    const float* wr = w + j * k;
-    for (int64_t i = 0; i < m; i += 8) {
-      const float* xi = x + i * k;
-      float* yi = y + i * n + j;
-      bool ahead = i == 0;
-      switch (std::min<int64_t>(m - i, 8)) {
-        case 8: row_dots<8>(xi, wr, yi, k, n, ahead); break;
-        case 7: row_dots<7>(xi, wr, yi, k, n, ahead); break;
-        case 6: row_dots<6>(xi, wr, yi, k, n, ahead); break;
-        case 5: row_dots<5>(xi, wr, yi, k, n, ahead); break;
-        case 4: row_dots<4>(xi, wr, yi, k, n, ahead); break;
-        case 3: row_dots<3>(xi, wr, yi, k, n, ahead); break;
-        case 2: row_dots<2>(xi, wr, yi, k, n, ahead); break;
-        default: row_dots<1>(xi, wr, yi, k, n, ahead); break;
-      }
+    for (int r = 0; r < R; ++r) {
+      f32x16 xv = *reinterpret_cast<const f32x16u*>(x + r * k + t);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r * C + c] += xv * wv[c];
     }
   }
+  float sums[kPadded];
+#pragma GCC unroll 8
+  for (int a = 0; a < kPadded; a += 4) {
+    f32x4 s4 = hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]);
+    for (int b = 0; b < 4; ++b) sums[a + b] = s4[b];
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float v = sums[r * C + c];
+      for (int64_t u = t; u < k; ++u) v += x[r * k + u] * wj[c * k + u];
+      y[r * n + j + c] = v;
+    }
+}
+
+// Rows [0, m) of y, columns [j, j + C): rows of x 8 at a time against the same C rows of W (only
+// the first 8 read ahead).
+template <int C>
+inline __attribute__((always_inline)) void few_rows_columns(const float* x, const float* w, float* y, int64_t m,
+                                                            int64_t k, int64_t n, int64_t j, bool ahead) {
+  for (int64_t i = 0; i < m; i += 8) {
+    const float* xi = x + i * k;
+    float* yi = y + i * n;
+    bool first = ahead && i == 0;
+    switch (std::min<int64_t>(m - i, 8)) {
+      case 8: few_rows_tile<8, C>(xi, w, yi, k, n, j, first); break;
+      case 7: few_rows_tile<7, C>(xi, w, yi, k, n, j, first); break;
+      case 6: few_rows_tile<6, C>(xi, w, yi, k, n, j, first); break;
+      case 5: few_rows_tile<5, C>(xi, w, yi, k, n, j, first); break;
+      case 4: few_rows_tile<4, C>(xi, w, yi, k, n, j, first); break;
+      case 3: few_rows_tile<3, C>(xi, w, yi, k, n, j, first); break;
+      case 2: few_rows_tile<2, C>(xi, w, yi, k, n, j, first); break;
+      default: few_rows_tile<1, C>(xi, w, yi, k, n, j, first); break;
+    }
+  }
+}
+
+// Rows [0, m) of y, columns [lo, hi).
+FX2XLA_CLONES void few_rows(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n,
+                            int64_t lo, int64_t hi) {
+  int64_t j = lo;
+  if (m <= 4) {
+    for (; j + 4 <= hi; j += 4) few_rows_columns<4>(x, w, y, m, k, n, j, j + 8 <= hi);
+  } else {
+    for (; j + 2 <= hi; j += 2) few_rows_columns<2>(x, w, y, m, k, n, j, j + 4 <= hi);
+  }
+  for (; j < hi; ++j) few_rows_columns<1>(x, w, y, m, k, n, j, false);
 }
 
 #pragma GCC pop_options

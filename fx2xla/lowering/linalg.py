@@ -207,11 +207,12 @@ def weight_lhs_matmuls(gm, rows=WEIGHT_LHS_ROWS) -> frozenset:
 # Rows of the float32 matmuls x[M, K] @ W.T (W [N, K], as nn.Linear holds it) that CPU inference
 # graphs compute in the kernel library's `fx2xla_few_rows_matmul` (torch_kernels.py), where it
 # is built and the option torch_kernels allows "few_rows_matmul": the 2-8 rows of a decode step at
-# a small batch. It reads each row of W once, ahead of use, for every row of x. A stack of Linear
-# layers with 5.4 MiB of weights took 0.70-0.81 of the time of the best form without it at 2-8
-# rows, and a LLaMA 4L decode step at batch 8 0.82; with 32 MiB from memory, 0.67 at 2 rows but
-# 0.94-1.13 at 4-8. From 9 rows on, a row of W loaded serves only 8 rows of x, and the weight
-# stays on the dot's left (docs/benchmarks.md, "Few-row float32 matmuls").
+# a small batch. It reads W once, in tiles of 2-4 rows, against every row of x. A LLaMA 4L decode
+# at batch 8 ran 1.12x the tokens/s without it on an Ice Lake (its step 0.85x the time), a stack
+# of Linear layers 0.74-1.04x the time of the weight-left dot. One row stays XLA's
+# matrix-vector dot, which the kernel did not beat (1.01-1.36x the time); from 9 rows on, the
+# weight stays on the dot's left (docs/benchmarks.md, "Few-row float32 matmuls", "Few-row
+# matmuls in tiles").
 FEW_ROWS = (2, 8)
 
 

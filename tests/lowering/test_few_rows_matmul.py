@@ -5,9 +5,9 @@ A CPU inference graph sends a float32 mm/addmm of 2-8 static rows against a tran
 weight (nn.Linear's, or merge_linears' concatenation) to the kernel library's few-row matmul,
 with the weight handed over as torch holds it. What these tests hold it to:
 - results equal eager's at float32 rtol 1e-5 / atol 1e-5 (the kernel sums in another order than
-  torch's GEMM), for 2, 3, 5 and 8 rows, K and N with and without remainders of the kernel's
-  8-float chunks and 8-column groups, weights large enough to be cut across XLA's threads, with
-  and without a bias, 2-D and 3-D inputs;
+  torch's GEMM), for 2, 3, 4, 5 and 8 rows, K and N with and without remainders of the kernel's
+  16-float chunks and its tiles of 4 rows of W (up to 4 rows of x) or 2 (beyond), weights large
+  enough to be cut across XLA's threads, with and without a bias, 2-D and 3-D inputs;
 - the plan lists the matmuls (and not as weight-left ones), no weight is relaid, the optimized
   HLO calls the kernel, and the handler runs once per matmul per call;
 - left to XLA's dot: 1 and 9 rows, bf16, training graphs, dynamic rows; the option
@@ -15,8 +15,9 @@ with the weight handed over as torch holds it. What these tests hold it to:
 - four threads calling one compiled model get, on every call, the bits a single call gives;
 - a transformers LLaMA decode token at batch 4 (merged q/k/v and gate/up) runs its projections
   in the kernel, and its logits match eager's at float32 rtol 1e-4 / atol 1e-4;
-- called directly, the handler computes 1-20 rows (beyond 8: 8 at a time against one row of W)
-  and edge shapes (K of 1, 7, 9 and 513; N of 1 and 1001) within float32 rounding of a float64
+- called directly, the handler computes 1-20 rows (beyond 8: 8 at a time against one tile of W)
+  and edge shapes (K of 1, 7, 9, 15, 16, 17 and 513; N of 1, 3, 5, 6 and 1001) within float32
+  rounding of a float64
   reference (|error| <= 1e-5 x sum |x| |w| per element), gives zeros for an empty contraction,
   and refuses bfloat16 operands with a message that says what it takes."""
 from __future__ import annotations
@@ -82,7 +83,7 @@ SHAPES = [(64, 256), (37, 45), (1024, 1024)]
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("k,n", SHAPES, ids=[f"{k}x{n}" for k, n in SHAPES])
-@pytest.mark.parametrize("rows", [2, 3, 5, 8])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8])
 def test_matches_eager(rows, k, n, bias):
     """Both Linears run in the kernel: eager's result within TOL; both planned as few-row
     matmuls, none weight-left, no weight relaid; the optimized HLO calls the kernel twice and
@@ -194,12 +195,13 @@ def _direct(x, w):
     return np.asarray(jax.jit(lambda x, w: jax.ffi.ffi_call(TARGET, out)(x, w))(x, w))
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 20])
-@pytest.mark.parametrize("k,n", [(1, 5), (7, 33), (9, 8), (513, 1), (600, 1001)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 16, 20])
+@pytest.mark.parametrize("k,n", [(1, 5), (7, 33), (9, 8), (15, 3), (16, 6), (17, 5), (513, 1), (600, 1001)])
 def test_handler_directly(m, k, n):
     """The handler on its own: rows beyond 8 (taken 8 at a time), K below, at and just past one
-    8-float chunk, a single column, and a 2.3 MiB weight cut across XLA's threads, each element
-    within 1e-5 x sum |x| |w| of a float64 reference."""
+    16-float chunk, N not a whole number of tiles (4 rows of W up to 4 rows of x, 2 beyond), a
+    single column, and a 2.3 MiB weight cut across XLA's threads, each element within
+    1e-5 x sum |x| |w| of a float64 reference."""
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
     w = rng.standard_normal((n, k), dtype=np.float32)
