@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -247,6 +248,10 @@ def weight_read_s(model, calls: int = 200) -> dict:
 
 
 def bench_batch(batch: int, args) -> dict:
+    # Each batch starts from no compiled code: the previous batches' graphs (and the Dynamo cache
+    # entries every call would check first) made later batches slower for fx2xla than run alone.
+    torch._dynamo.reset()
+    gc.collect()
     torch.manual_seed(0)
     base = llama(layers=args.layers, hidden=args.hidden).eval().to(getattr(torch, args.dtype))
     ids = torch.randint(1, base.config.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(1))
