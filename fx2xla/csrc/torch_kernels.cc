@@ -24,6 +24,7 @@
 #include <condition_variable>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -31,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -681,8 +683,14 @@ inline __attribute__((always_inline)) f32x4 fold4(f32x16 v) {  // lanes 0-3 hold
   return __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
 }
 
-// The lane sums of a, b, c and d, as lanes 0-3: four rows' dot products reduced together.
-inline __attribute__((always_inline)) f32x4 hsum4(f32x16 a, f32x16 b, f32x16 c, f32x16 d) {
+inline __attribute__((always_inline)) f32x4 fold4(f32x8 v) {  // 8 lanes: AVX2's registers
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+}
+
+// The lane sums of a, b, c and d, as lanes 0-3: four rows' dot products reduced together (8- or
+// 16-lane vectors).
+template <typename V>
+inline __attribute__((always_inline)) f32x4 hsum4(V a, V b, V c, V d) {
   f32x4 fa = fold4(a), fb = fold4(b), fc = fold4(c), fd = fold4(d);
   f32x4 ab = __builtin_shufflevector(fa, fb, 0, 4, 1, 5) + __builtin_shufflevector(fa, fb, 2, 6, 3, 7);
   f32x4 cd = __builtin_shufflevector(fc, fd, 0, 4, 1, 5) + __builtin_shufflevector(fc, fd, 2, 6, 3, 7);
@@ -800,10 +808,10 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
 // ---------------------------------------------------------------------------------------------
 // Few-row float32 matmuls: y[M, N] = x[M, K] . W^T with W laid out [N, K], as nn.Linear holds
 // it, for the 2-8 rows of a decode step at a small batch (lowering/linalg.py: FEW_ROWS). Its cost
-// is reading W once, from L3 or memory, and the multiply-adds. A tile of C rows of W (4 for up to
-// 4 rows of x, else 2) is read in 16-float chunks, each multiplied into every row of x (a few
-// KiB, which stays in L1): one accumulator per (row of x, row of W), reduced four at a time
-// across lanes at the end of the tile. The next tile's rows are read into the caches while this
+// is reading W once, from L3 or memory, and the multiply-adds. A tile of C rows of W is read in
+// chunks of 16 floats (AVX-512; 8 on other CPUs), each multiplied into every row of x (a few KiB,
+// which stays in L1): one accumulator per (row of x, row of W), reduced four at a time across
+// lanes at the end of the tile. C is as large as the CPU's vector registers allow (few_rows). The next tile's rows are read into the caches while this
 // one runs. On an Ice Lake, one row of W at a time against 8-float chunks of x, with W read
 // ahead through prefetchnta (which skips the outer caches), took 2x the time of the tiles; the
 // hardware's prefetcher alone left the tiles waiting on W (docs/benchmarks.md, "Few-row matmuls
@@ -817,25 +825,33 @@ std::atomic<int64_t> few_rows_calls{0};  // fx2xla_few_rows_matmul_calls
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 
+template <typename V>
+inline __attribute__((always_inline)) V load_lanes(const float* p) {  // any alignment
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 // y[i, j + c] = x[i, :] . W[j + c, :] for the R rows i of x (row stride k) and the C rows j + c
-// of W (y's row stride n). `ahead`: read the next tile's rows of W into the caches.
-template <int R, int C>
+// of W (y's row stride n), in chunks of V's lanes. `ahead`: read the next tile's rows of W into
+// the caches.
+template <typename V, int R, int C>
 inline __attribute__((always_inline)) void few_rows_tile(const float* x, const float* w, float* y, int64_t k,
                                                          int64_t n, int64_t j, bool ahead) {
-  constexpr int kAcc = R * C, kPadded = (kAcc + 3) / 4 * 4;
-  f32x16 acc[kPadded] = {};
+  constexpr int kLanes = sizeof(V) / sizeof(float), kPadded = (R * C + 3) / 4 * 4;
+  V acc[kPadded] = {};
   const float* wj = w + j * k;
   int64_t t = 0;
-  for (; t + 16 <= k; t += 16) {
-    f32x16 wv[C];
+  for (; t + kLanes <= k; t += kLanes) {
+    V wv[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      wv[c] = *reinterpret_cast<const f32x16u*>(wj + c * k + t);
+      wv[c] = load_lanes<V>(wj + c * k + t);
       if (ahead) __builtin_prefetch(wj + (c + C) * k + t, 0, 3);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      f32x16 xv = *reinterpret_cast<const f32x16u*>(x + r * k + t);
+      V xv = load_lanes<V>(x + r * k + t);
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[r * C + c] += xv * wv[c];
     }
@@ -856,7 +872,7 @@ inline __attribute__((always_inline)) void few_rows_tile(const float* x, const f
 
 // Rows [0, m) of y, columns [j, j + C): rows of x 8 at a time against the same C rows of W (only
 // the first 8 read ahead).
-template <int C>
+template <typename V, int C>
 inline __attribute__((always_inline)) void few_rows_columns(const float* x, const float* w, float* y, int64_t m,
                                                             int64_t k, int64_t n, int64_t j, bool ahead) {
   for (int64_t i = 0; i < m; i += 8) {
@@ -864,28 +880,59 @@ inline __attribute__((always_inline)) void few_rows_columns(const float* x, cons
     float* yi = y + i * n;
     bool first = ahead && i == 0;
     switch (std::min<int64_t>(m - i, 8)) {
-      case 8: few_rows_tile<8, C>(xi, w, yi, k, n, j, first); break;
-      case 7: few_rows_tile<7, C>(xi, w, yi, k, n, j, first); break;
-      case 6: few_rows_tile<6, C>(xi, w, yi, k, n, j, first); break;
-      case 5: few_rows_tile<5, C>(xi, w, yi, k, n, j, first); break;
-      case 4: few_rows_tile<4, C>(xi, w, yi, k, n, j, first); break;
-      case 3: few_rows_tile<3, C>(xi, w, yi, k, n, j, first); break;
-      case 2: few_rows_tile<2, C>(xi, w, yi, k, n, j, first); break;
-      default: few_rows_tile<1, C>(xi, w, yi, k, n, j, first); break;
+      case 8: few_rows_tile<V, 8, C>(xi, w, yi, k, n, j, first); break;
+      case 7: few_rows_tile<V, 7, C>(xi, w, yi, k, n, j, first); break;
+      case 6: few_rows_tile<V, 6, C>(xi, w, yi, k, n, j, first); break;
+      case 5: few_rows_tile<V, 5, C>(xi, w, yi, k, n, j, first); break;
+      case 4: few_rows_tile<V, 4, C>(xi, w, yi, k, n, j, first); break;
+      case 3: few_rows_tile<V, 3, C>(xi, w, yi, k, n, j, first); break;
+      case 2: few_rows_tile<V, 2, C>(xi, w, yi, k, n, j, first); break;
+      default: few_rows_tile<V, 1, C>(xi, w, yi, k, n, j, first); break;
     }
   }
 }
 
-// Rows [0, m) of y, columns [lo, hi).
-FX2XLA_CLONES void few_rows(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n,
-                            int64_t lo, int64_t hi) {
+// Columns [lo, hi) in tiles of C rows of W, the last few one row at a time.
+template <typename V, int C>
+inline __attribute__((always_inline)) void few_rows_tiles(const float* x, const float* w, float* y, int64_t m,
+                                                          int64_t k, int64_t n, int64_t lo, int64_t hi) {
   int64_t j = lo;
-  if (m <= 4) {
-    for (; j + 4 <= hi; j += 4) few_rows_columns<4>(x, w, y, m, k, n, j, j + 8 <= hi);
+  for (; j + C <= hi; j += C) few_rows_columns<V, C>(x, w, y, m, k, n, j, j + 2 * C <= hi);
+  for (; j < hi; ++j) few_rows_columns<V, 1>(x, w, y, m, k, n, j, false);
+}
+
+// Rows [0, m) of y, columns [lo, hi). `wide`: 16-lane accumulators, for CPUs with AVX-512's 32
+// vector registers (tiles of up to 8 x 2 or 4 x 4 accumulators); else 8 lanes, with AVX2's 16
+// registers in mind (tiles of up to 8 accumulators: 2 x 4, 4 x 2, 8 x 1).
+FX2XLA_CLONES void few_rows(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n,
+                            int64_t lo, int64_t hi, bool wide) {
+  if (wide) {
+    if (m <= 4)
+      few_rows_tiles<f32x16, 4>(x, w, y, m, k, n, lo, hi);
+    else
+      few_rows_tiles<f32x16, 2>(x, w, y, m, k, n, lo, hi);
+  } else if (m <= 2) {
+    few_rows_tiles<f32x8, 4>(x, w, y, m, k, n, lo, hi);
+  } else if (m <= 4) {
+    few_rows_tiles<f32x8, 2>(x, w, y, m, k, n, lo, hi);
   } else {
-    for (; j + 2 <= hi; j += 2) few_rows_columns<2>(x, w, y, m, k, n, j, j + 4 <= hi);
+    few_rows_tiles<f32x8, 1>(x, w, y, m, k, n, lo, hi);
   }
-  for (; j < hi; ++j) few_rows_columns<1>(x, w, y, m, k, n, j, false);
+}
+
+// Whether the few-row kernel uses 16-lane accumulators: where the CPU has AVX-512, unless
+// FX2XLA_FEW_ROWS_LANES=8 asks for the 8-lane tiles (AVX2's, which tests run on any CPU).
+bool few_rows_wide() {
+  static const bool wide = [] {
+    const char* lanes = std::getenv("FX2XLA_FEW_ROWS_LANES");
+    if (lanes && std::string_view(lanes) == "8") return false;
+#if defined(__x86_64__) && defined(__GNUC__)
+    return __builtin_cpu_supports("avx512f") != 0;
+#else
+    return false;
+#endif
+  }();
+  return wide;
 }
 
 #pragma GCC pop_options
@@ -921,7 +968,7 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   // not one of the pool's threads) and interleave their streams of W.
   return split_columns(pool, n, n * k * 4, kFewRowsSplitBytes, 8, 4, /*one_helper_per_core=*/true,
                        "fx2xla_few_rows_matmul",
-                       [&](int64_t lo, int64_t hi) { few_rows(xs, ws, out, m, k, n, lo, hi); });
+                       [&, wide = few_rows_wide()](int64_t lo, int64_t hi) { few_rows(xs, ws, out, m, k, n, lo, hi, wide); });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -22,7 +22,10 @@ with the weight handed over as torch holds it. What these tests hold it to:
   and refuses bfloat16 operands with a message that says what it takes."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -218,3 +221,33 @@ def test_handler_empty_and_refusals():
     x = jnp.ones((2, 8), jnp.bfloat16)
     with pytest.raises(Exception, match=f"{TARGET}: x, W and y must be float32"):
         jax.jit(lambda x: jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((2, 4), jnp.float32))(x, x[:4]))(x)
+
+
+EIGHT_LANES = """
+import jax, jax.numpy as jnp, numpy as np
+from fx2xla import torch_kernels
+assert torch_kernels.load()[0]
+bad = []
+for m in (1, 2, 3, 4, 5, 8, 9, 20):
+    for k, n in ((1, 5), (7, 33), (9, 8), (15, 3), (16, 6), (17, 5), (600, 1001)):
+        rng = np.random.default_rng(m * 1000 + k + n)
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        w = rng.standard_normal((n, k), dtype=np.float32)
+        out = jax.ShapeDtypeStruct((m, n), jnp.float32)
+        y = np.asarray(jax.jit(lambda x, w: jax.ffi.ffi_call("fx2xla_few_rows_matmul", out)(x, w))(x, w))
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+        bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+        if y.shape != (m, n) or not np.all(np.abs(y - ref) <= bound):
+            bad.append((m, k, n))
+print("bad", bad)
+"""
+
+
+def test_handler_with_eight_lanes():
+    """The 8-lane tiles (2 x 4, 4 x 2 and 8 x 1 accumulators: what a CPU without AVX-512 runs),
+    forced with FX2XLA_FEW_ROWS_LANES=8 in a child process: 1-20 rows and the edge shapes of
+    test_handler_directly, each element within 1e-5 x sum |x| |w| of a float64 reference."""
+    env = {**os.environ, "FX2XLA_FEW_ROWS_LANES": "8"}
+    done = subprocess.run([sys.executable, "-c", EIGHT_LANES], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "bad []", done.stdout
