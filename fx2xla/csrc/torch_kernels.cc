@@ -811,12 +811,13 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
 // is reading W once, from L3 or memory, and the multiply-adds. A tile of C rows of W is read in
 // chunks of 16 floats (AVX-512; 8 on other CPUs), each multiplied into every row of x (a few KiB,
 // which stays in L1): one accumulator per (row of x, row of W), reduced four at a time across
-// lanes at the end of the tile. C is as large as the CPU's vector registers allow (few_rows). The next tile's rows are read into the caches while this
-// one runs. On an Ice Lake, one row of W at a time against 8-float chunks of x, with W read
-// ahead through prefetchnta (which skips the outer caches), took 2x the time of the tiles; the
-// hardware's prefetcher alone left the tiles waiting on W (docs/benchmarks.md, "Few-row matmuls
-// in tiles"). Rows of x beyond 8 are taken 8 at a time against the same tile, then in L1.
-// Columns are cut into chunks for XLA's intra-op threads as the skinny kernel's are.
+// lanes at the end of the tile. C is as large as the CPU's vector registers allow (few_rows). The
+// next tile's rows are read into the caches while this one runs. On an Ice Lake, one row of W at
+// a time against 8-float chunks of x, with W read ahead through prefetchnta (which skips the
+// outer caches), took 1.5-2x the time of the tiles; the hardware's prefetcher alone left the
+// tiles waiting on W (docs/benchmarks.md, "Few-row matmuls in tiles"). Rows of x beyond 8 are
+// taken 8 at a time against the same tile, then in L1. Columns are cut into chunks for XLA's
+// intra-op threads as the skinny kernel's are.
 
 std::atomic<int64_t> few_rows_calls{0};  // fx2xla_few_rows_matmul_calls
 
@@ -968,7 +969,9 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   // not one of the pool's threads) and interleave their streams of W.
   return split_columns(pool, n, n * k * 4, kFewRowsSplitBytes, 8, 4, /*one_helper_per_core=*/true,
                        "fx2xla_few_rows_matmul",
-                       [&, wide = few_rows_wide()](int64_t lo, int64_t hi) { few_rows(xs, ws, out, m, k, n, lo, hi, wide); });
+                       [&, wide = few_rows_wide()](int64_t lo, int64_t hi) {
+                         few_rows(xs, ws, out, m, k, n, lo, hi, wide);
+                       });
 }
 
 // ---------------------------------------------------------------------------------------------
