@@ -207,7 +207,8 @@ def weight_lhs_matmuls(gm, rows=WEIGHT_LHS_ROWS) -> frozenset:
 # Rows of the float32 matmuls x[M, K] @ W.T (W [N, K], as nn.Linear holds it) that CPU inference
 # graphs compute in the kernel library's `fx2xla_few_rows_matmul` (torch_kernels.py), where it
 # is built and the option torch_kernels allows "few_rows_matmul": the 2-8 rows of a decode step at
-# a small batch. It reads W once, in tiles of 2-4 rows, against every row of x. A LLaMA 4L decode
+# a small batch. It reads W once, in tiles of as many of its rows as the CPU's vector registers
+# hold accumulators for (1-4), against every row of x. A LLaMA 4L decode
 # at batch 8 ran 1.12x the tokens/s without it on an Ice Lake (its step 0.85x the time), a stack
 # of Linear layers 0.74-1.04x the time of the weight-left dot. One row stays XLA's
 # matrix-vector dot, which the kernel did not beat (1.01-1.36x the time); from 9 rows on, the

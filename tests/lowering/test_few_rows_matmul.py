@@ -6,7 +6,7 @@ weight (nn.Linear's, or merge_linears' concatenation) to the kernel library's fe
 with the weight handed over as torch holds it. What these tests hold it to:
 - results equal eager's at float32 rtol 1e-5 / atol 1e-5 (the kernel sums in another order than
   torch's GEMM), for 2, 3, 4, 5 and 8 rows, K and N with and without remainders of the kernel's
-  16-float chunks and its tiles of 4 rows of W (up to 4 rows of x) or 2 (beyond), weights large
+  chunks (16 floats with AVX-512, 8 without) and of its tiles of 1-4 rows of W, weights large
   enough to be cut across XLA's threads, with and without a bias, 2-D and 3-D inputs;
 - the plan lists the matmuls (and not as weight-left ones), no weight is relaid, the optimized
   HLO calls the kernel, and the handler runs once per matmul per call;
