@@ -45,6 +45,10 @@ torch_kernels=["convolution", "skinny_matmul", "attention"]), which computes the
 matmuls of a step at batch 2-8 with the weight on the dot's left instead. `--no-decode-attention`
 adds "fx2xla:no-decode-attention": fx2xla without the kernel library's float32 decode attention
 (option torch_kernels without "decode_attention"), which leaves a step's attention to XLA's dots.
+`--helpers` adds "fx2xla:helpers": fx2xla with FX2XLA_HELPER_THREADS=1 while it compiles, so
+that a step's few-row matmuls hand their parts to the kernel library's helper threads
+(torch_kernels.run_helped) instead of XLA's pool, whose threads must be woken; at batch 1 both run
+the same program.
 
 `--split` also takes fx2xla's step apart at each batch size: per step, fx2xla's graph (its
 `CompiledGraph` call) and, inside it, the executable's launch through the export of its results;
@@ -82,7 +86,8 @@ from fx2xla.testing import llama  # noqa: E402
 CONTENDERS = ("eager", "inductor", "fx2xla")
 # Contenders compiled with an fx2xla switch set to 0 during their first call, when their graphs
 # are planned and their executors made.
-COMPILE_ENV = {"fx2xla:not-in-place": "FX2XLA_INPLACE", "fx2xla:imported-inputs": "FX2XLA_STAGE_INPUTS"}
+COMPILE_ENV = {"fx2xla:not-in-place": ("FX2XLA_INPLACE", "0"), "fx2xla:imported-inputs": ("FX2XLA_STAGE_INPUTS", "0"),
+               "fx2xla:helpers": ("FX2XLA_HELPER_THREADS", "1")}
 
 
 def compile_config(backend: str, options: dict | None = None):
@@ -105,6 +110,7 @@ def contenders(args) -> tuple:
             + (("fx2xla:weight-rhs",) if args.weight_rhs else ())
             + (("fx2xla:no-few-rows",) if args.no_few_rows else ())
             + (("fx2xla:no-decode-attention",) if args.no_decode_attention else ())
+            + (("fx2xla:helpers",) if args.helpers else ())
             + (("fx2xla:xla-attention",) if args.xla_attention else ()))
 
 
@@ -154,7 +160,8 @@ def make_generate(model, name: str, ids, new_tokens: int, max_cache_len: int | N
                    else {"merge_linears": False} if name == "fx2xla:unmerged"
                    else {"linear_weight_lhs": False} if name == "fx2xla:weight-rhs"
                    # the default's value: a backend of its own, so that Dynamo compiles it apart
-                   else {"check_indices": True} if name == "fx2xla:imported-inputs" else None)
+                   else {"check_indices": True} if name == "fx2xla:imported-inputs"
+                   else {"no_recompile": False} if name == "fx2xla:helpers" else None)
         kw["compile_config"] = compile_config(name.split(":")[0], options)
 
     def generate(**extra):
@@ -262,9 +269,9 @@ def bench_batch(batch: int, args) -> dict:
                  "max_cache_len": args.max_cache_len, "first_call_s": {}}
     outs = {}
     for name in names:  # first calls: the compiles (Dynamo, and the backend's)
-        env = COMPILE_ENV.get(name)
+        env, value = COMPILE_ENV.get(name, (None, None))
         if env:
-            os.environ[env] = "0"
+            os.environ[env] = value
         t0 = time.perf_counter()
         outs[name] = gens[name]()
         res["first_call_s"][name] = time.perf_counter() - t0
@@ -342,6 +349,10 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_no_few_rows_tokens_per_s"] = med["fx2xla:no-few-rows"] / med["fx2xla"]
         res["fx2xla_vs_no_few_rows_cpu"] = cmed["fx2xla:no-few-rows"] / cmed["fx2xla"]
         res["fx2xla_vs_no_few_rows_step"] = smed["fx2xla"] / smed["fx2xla:no-few-rows"]
+    if "fx2xla:helpers" in med:
+        res["helpers_vs_fx2xla_tokens_per_s"] = med["fx2xla"] / med["fx2xla:helpers"]
+        res["helpers_vs_fx2xla_cpu"] = cmed["fx2xla"] / cmed["fx2xla:helpers"]
+        res["helpers_vs_fx2xla_step"] = smed["fx2xla:helpers"] / smed["fx2xla"]
     if "fx2xla:no-decode-attention" in med:
         res["fx2xla_vs_no_decode_attention_tokens_per_s"] = med["fx2xla:no-decode-attention"] / med["fx2xla"]
         res["fx2xla_vs_no_decode_attention_cpu"] = cmed["fx2xla:no-decode-attention"] / cmed["fx2xla"]
@@ -400,6 +411,9 @@ def main() -> None:
                         "kernel (option torch_kernels without 'attention')")
     p.add_argument("--no-few-rows", action="store_true",
                    help="also time fx2xla without its few-row float32 matmul kernel")
+    p.add_argument("--helpers", action="store_true",
+                   help="also time fx2xla with the kernel library's helper threads taking the few-row "
+                        "matmuls' parts (FX2XLA_HELPER_THREADS=1)")
     p.add_argument("--no-decode-attention", action="store_true",
                    help="also time fx2xla without its float32 decode attention kernel")
     p.add_argument("--weight-rhs", action="store_true",
@@ -462,6 +476,9 @@ def main() -> None:
         if "fx2xla_vs_no_few_rows_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:no-few-rows tokens/s {r['fx2xla_vs_no_few_rows_tokens_per_s']:.3f}"
                   f" (cpu time: {r['fx2xla_vs_no_few_rows_cpu']:.3f}); step time {r['fx2xla_vs_no_few_rows_step']:.3f}")
+        if "helpers_vs_fx2xla_tokens_per_s" in r:
+            print(f"      fx2xla:helpers ÷ fx2xla tokens/s {r['helpers_vs_fx2xla_tokens_per_s']:.3f}"
+                  f" (cpu time: {r['helpers_vs_fx2xla_cpu']:.3f}); step time {r['helpers_vs_fx2xla_step']:.3f}")
         if "fx2xla_vs_no_decode_attention_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:no-decode-attention tokens/s {r['fx2xla_vs_no_decode_attention_tokens_per_s']:.3f}"
                   f" (cpu time: {r['fx2xla_vs_no_decode_attention_cpu']:.3f}); step time "

@@ -33,7 +33,8 @@ from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_
 
 _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
 _twin_of, _twins_waiting = _twins.twin, _twins.waiting
-_team_running, _run_parked = torch_kernels.torch_team_running, torch_kernels.run_parked
+_team_running, _run_parked, _run_helped = (torch_kernels.torch_team_running, torch_kernels.run_parked,
+                                           torch_kernels.run_helped)
 _recording = make_recording()
 # The kinds the call path tests, as module globals: reading an enum member through its class
 # costs ~60 ns on Python 3.11, a global ~8 ns, and a call tests several per input.
@@ -100,7 +101,7 @@ class Specialization:
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
                  "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "kept", "keeps_arrays",
-                 "park", "in_place", "twinned_in_place", "wait_for_writes", "stages")
+                 "park", "helped", "in_place", "twinned_in_place", "wait_for_writes", "stages")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
                  lowered=None, sharded_outputs: bool = False, training: bool = False):
@@ -157,6 +158,9 @@ class Specialization:
         # CPU: a long executable launched while torch's OpenMP workers spin runs with them parked
         # (torch_kernels.run_parked); decided here from XLA's cost analysis.
         self.park = plan.platform == "cpu" and torch_kernels.worth_parking(exe)
+        # CPU, few-row matmuls: the library's helper threads poll for their splits' parts while a
+        # call runs (torch_kernels.run_helped), as it is launched from any thread.
+        self.helped = plan.platform == "cpu" and torch_kernels.worth_helping(exe)
 
 
 class PlanExecutor:
@@ -306,11 +310,14 @@ class PlanExecutor:
             args.clear()  # boxed convention: drop our references to the inputs early
         if self._timed:  # parked calls included
             t0 = time.perf_counter()
-            outs = _run_parked(spec.launch, bufs) if spec.park and _team_running() else spec.launch(bufs)
+            outs = self._launch_parked(spec, bufs) if spec.park and _team_running() else self._launch(spec, bufs)
             results = self._finish(spec, outs, held)
             self.execute_seconds += time.perf_counter() - t0  # export waits for the results
         elif spec.park and _team_running():
-            outs = _run_parked(spec.launch, bufs)
+            outs = self._launch_parked(spec, bufs)
+            results = outs if spec.direct else self._finish(spec, outs, held)
+        elif spec.helped:
+            outs = _run_helped(spec.launch, bufs)
             results = outs if spec.direct else self._finish(spec, outs, held)
         elif spec.direct:
             results = spec.launch(bufs)
@@ -319,6 +326,14 @@ class PlanExecutor:
         if stages is not None:
             self._free_stages.append(stages)  # the results are out: the execution read them
         return results
+
+    @staticmethod
+    def _launch(spec: Specialization, bufs):
+        return _run_helped(spec.launch, bufs) if spec.helped else spec.launch(bufs)
+
+    @staticmethod
+    def _launch_parked(spec: Specialization, bufs):
+        return _run_parked(_run_helped, spec.launch, bufs) if spec.helped else _run_parked(spec.launch, bufs)
 
     def _import(self, args, stages: dict | None = None) -> list:
         """The executable's arguments for one call: every passed input's device buffer

@@ -283,6 +283,11 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_torch_kernels_set_slicing.argtypes = [ctypes.c_int]
         lib.fx2xla_torch_kernels_sliced_calls.restype = ctypes.c_int64
         lib.fx2xla_run_parked.argtypes = [_PARKED_FN, ctypes.c_void_p]
+        lib.fx2xla_helped_parts.restype = ctypes.c_int64
+        lib.fx2xla_helper_count.restype = ctypes.c_int64
+        lib.fx2xla_help_asks.restype = ctypes.c_int64
+        lib.fx2xla_help_begin.argtypes = lib.fx2xla_help_end.argtypes = []
+        lib.fx2xla_help_begin.restype = lib.fx2xla_help_end.restype = None
         lib.fx2xla_torch_team_running.argtypes = []
         lib.fx2xla_parked_calls.restype = ctypes.c_int64
         lib.fx2xla_skinny_matmul_calls.restype = ctypes.c_int64
@@ -463,13 +468,28 @@ def worth_parking(exe) -> bool:
     return calls_handlers(exe)
 
 
-def calls_handlers(exe) -> bool:
-    """Whether the optimized program of `exe` calls any of the library's handlers."""
+def calls_handlers(exe, targets=TARGETS) -> bool:
+    """Whether the optimized program of `exe` calls any of the library's handlers (of `targets`)."""
     try:
         text = "\n".join(m.to_string() for m in exe.hlo_modules())
     except Exception:  # noqa: BLE001  no HLO to read (a deserialized executable may have none)
         return False
-    return any(f'custom_call_target="{t}"' in text for t in TARGETS)
+    return any(f'custom_call_target="{t}"' in text for t in targets)
+
+
+def helping_on() -> bool:
+    """FX2XLA_HELPER_THREADS=1 (or on/true/yes): executables with few-row matmuls ask the
+    library's helper threads for help (worth_helping). Off by default: see docs/usage.md."""
+    return os.environ.get("FX2XLA_HELPER_THREADS", "").strip().lower() in ("1", "on", "true", "yes")
+
+
+def worth_helping(exe) -> bool:
+    """Whether calls of `exe` (a CPU executable) run with the library's helper threads polling
+    for its splits (run_helped): helping is on, the library is loaded, this process may use more
+    than one core, and it calls the few-row matmul, whose splits a sleeping thread of XLA's pool
+    took too long to join (docs/benchmarks.md, "Helper threads for few-row splits"). Decided
+    once per executable."""
+    return helping_on() and helper_count() > 0 and calls_handlers(exe, ("fx2xla_few_rows_matmul",))
 
 
 def torch_team_running() -> bool:
@@ -491,6 +511,37 @@ def run_parked(fn, *args):
     if ok:
         return value
     raise value
+
+
+def run_helped(fn, *args):
+    """`fn(*args)` (a launch) with the library's helper threads polling for the parts of the
+    split kernels it runs until it returns, instead of sleeping (csrc/torch_kernels.cc, Helping);
+    its result, or its exception. From any thread."""
+    if not load()[0]:
+        return fn(*args)
+    _lib.fx2xla_help_begin()
+    try:
+        return fn(*args)
+    finally:
+        _lib.fx2xla_help_end()
+
+
+def helper_count() -> int:
+    """How many helper threads a call that asks for help gets (one per usable core past the
+    caller's, at most 3; 0 where the library is not loaded)."""
+    return int(_lib.fx2xla_helper_count()) if load()[0] else 0
+
+
+def help_asks() -> int:
+    """How many executions are asking the helper threads for help now (0 where the library is
+    not loaded)."""
+    return int(_lib.fx2xla_help_asks()) if load()[0] else 0
+
+
+def helped_parts() -> int:
+    """How many parts of the library's split kernels its helper threads ran in this process (0
+    where the library is not loaded)."""
+    return int(_lib.fx2xla_helped_parts()) if load()[0] else 0
 
 
 def parked_calls() -> int:

@@ -185,10 +185,12 @@ int64_t slices(int64_t n, const ffi::ThreadPool& pool) {
 #endif
 }
 
-// Runs body(i) for i in [0, parts): the calling thread and tasks on XLA's pool claim indices
-// from a shared counter, so the caller never waits for a task that has not started (the pool's
-// threads may all be busy, or waiting in handlers of their own); a task that starts after every
-// index is claimed returns at once. The first exception is rethrown here once all have ended.
+// Runs body(i) for i in [0, parts): the calling thread and helpers claim indices from a shared
+// counter, so the caller never waits for a helper that has not started (the pool's threads may
+// all be busy, or waiting in handlers of their own); a helper that starts after every index is
+// claimed returns at once. The helpers are the library's helper threads where the call asked for
+// them (Helping, below), else tasks on XLA's pool. The first exception is rethrown here once all
+// have ended.
 struct SplitState {
   std::atomic<int64_t> next{0};
   int64_t parts = 0;
@@ -196,11 +198,13 @@ struct SplitState {
   const std::function<void(int64_t)>* body = nullptr;  // read only by a thread holding a claim
   std::mutex mu;
   std::condition_variable cv;
-  int64_t finished = 0;
-  std::exception_ptr error;
+  std::atomic<int64_t> finished{0};
+  std::exception_ptr error;  // guarded by mu
 
-  void work() {
-    for (int64_t i; (i = next.fetch_add(1)) < parts;) {
+  // Runs parts until none is left to claim; returns how many this thread ran.
+  int64_t work() {
+    int64_t ran = 0;
+    for (int64_t i; (i = next.fetch_add(1)) < parts; ++ran) {
       std::exception_ptr failed;
       try {
         if (calls_torch) {
@@ -215,12 +219,85 @@ struct SplitState {
       }
       std::lock_guard<std::mutex> lock(mu);
       if (failed && !error) error = failed;
-      if (++finished == parts) cv.notify_all();
+      if (finished.fetch_add(1) + 1 == parts) cv.notify_all();
     }
+    return ran;
   }
 };
 
-// `helpers`: at most this many tasks go to the pool (by default one per part past the first).
+// Helpers. Waking a sleeping thread took 100-200 us on the 2-core VMs this was measured on,
+// about what one split matmul of a decode step takes, so a split handed to XLA's pool often ran
+// on the caller alone. While an execution that asked for help runs (fx2xla_help_begin / _end,
+// around the launch of an executable with few-row matmuls), the library's helper threads poll
+// this slot instead of sleeping, and claim a posted split's parts at once; with no execution
+// asking, they sleep (a helper that spun on past the execution took the core that the caller's
+// own work between calls needed). One split is posted at a time (others go to XLA's pool); its
+// state is shared, so a helper that took it late finds no part left and lets go. The state is
+// never destroyed: a helper may sleep on it while the process exits.
+struct Helping {
+  std::mutex mu;                    // guards `asking` changes and the sleep
+  std::condition_variable wake;
+  std::atomic<int64_t> asking{0};   // executions that asked for help and have not ended
+  std::atomic<int> spinning{0};     // helpers polling the slot now
+  std::atomic<bool> posted{false};
+  std::mutex posted_mu;
+  std::shared_ptr<SplitState> split;  // the posted split, guarded by posted_mu
+  std::atomic<int64_t> parts{0};      // parts helpers ran (fx2xla_helped_parts)
+  std::once_flag started;
+};
+Helping& helping = *new Helping;
+
+bool post_split(const std::shared_ptr<SplitState>& state) {
+  if (helping.spinning.load(std::memory_order_acquire) == 0) return false;
+  std::lock_guard<std::mutex> lock(helping.posted_mu);
+  if (helping.split) return false;
+  helping.split = state;
+  helping.posted.store(true, std::memory_order_release);
+  return true;
+}
+
+void take_back_split(const std::shared_ptr<SplitState>& state) {
+  std::lock_guard<std::mutex> lock(helping.posted_mu);
+  if (helping.split == state) {
+    helping.split.reset();
+    helping.posted.store(false, std::memory_order_release);
+  }
+}
+
+// A helper thread: sleeps until an execution asks, then runs posted parts until none asks.
+void helper_loop() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(helping.mu);
+      helping.wake.wait(lock, [] { return helping.asking.load(std::memory_order_acquire) > 0; });
+    }
+    helping.spinning.fetch_add(1, std::memory_order_acq_rel);
+    while (helping.asking.load(std::memory_order_acquire) > 0) {
+      if (helping.posted.load(std::memory_order_acquire)) {
+        std::shared_ptr<SplitState> split;
+        {
+          std::lock_guard<std::mutex> lock(helping.posted_mu);
+          split = helping.split;
+        }
+        if (split) {
+          helping.parts.fetch_add(split->work(), std::memory_order_relaxed);
+          continue;
+        }
+      }
+      // Nothing to run: the core goes to any other thread that wants it (XLA's own, mid-
+      // execution), and this one polls again as soon as none does.
+      sched_yield();
+    }
+    helping.spinning.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+// How many helper threads: one per usable core past the caller's, at most 3 (measured with one,
+// on 2 cores; beyond a few, the splits of a decode step's matmuls are bound by memory).
+int64_t helper_count() { return std::min<int64_t>(usable_cores() - 1, 3); }
+
+// `helpers`: at most this many tasks go to XLA's pool (by default one per part past the first),
+// fewer by the helper threads polling where the split is posted to them.
 void run_split(int64_t parts, ffi::ThreadPool& pool, const std::function<void(int64_t)>& body,
                bool calls_torch = true, int64_t helpers = -1) {
   if (calls_torch) sliced_calls.fetch_add(1, std::memory_order_relaxed);
@@ -228,11 +305,18 @@ void run_split(int64_t parts, ffi::ThreadPool& pool, const std::function<void(in
   state->parts = parts;
   state->calls_torch = calls_torch;
   state->body = &body;
+  bool posted = post_split(state);
   int64_t tasks = helpers < 0 ? parts - 1 : std::min(parts - 1, helpers);
+  if (posted) tasks = std::max<int64_t>(0, tasks - helping.spinning.load(std::memory_order_acquire));
   for (int64_t i = 0; i < tasks; ++i) pool.Schedule([state] { state->work(); });
   state->work();
+  if (posted) {
+    take_back_split(state);
+    // The helpers are running: whatever part one holds ends sooner than a sleep's wake-up would.
+    while (state->finished.load(std::memory_order_acquire) < parts) __builtin_ia32_pause();
+  }
   std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->finished == parts; });
+  state->cv.wait(lock, [&] { return state->finished.load(std::memory_order_acquire) == parts; });
   if (state->error) std::rethrow_exception(state->error);
 }
 
@@ -1514,6 +1598,30 @@ extern "C" int fx2xla_run_parked(int (*fn)(void*), void* arg) {
   return fn(arg);
 #endif
 }
+
+// An execution about to launch asks the library's helper threads to poll for the parts of its
+// splits until fx2xla_help_end (see Helping); they are started at the first ask.
+extern "C" void fx2xla_help_begin() {
+  std::call_once(helping.started, [] {
+    for (int64_t i = 0; i < helper_count(); ++i) std::thread(helper_loop).detach();
+  });
+  {
+    std::lock_guard<std::mutex> lock(helping.mu);
+    helping.asking.fetch_add(1, std::memory_order_acq_rel);
+  }
+  helping.wake.notify_all();
+}
+
+extern "C" void fx2xla_help_end() { helping.asking.fetch_sub(1, std::memory_order_acq_rel); }
+
+// How many parts of the library's splits helper threads ran so far, in this process.
+extern "C" int64_t fx2xla_helped_parts() { return helping.parts.load(); }
+
+// How many helper threads an execution that asks for help gets (0: this process has one core).
+extern "C" int64_t fx2xla_helper_count() { return helper_count(); }
+
+// How many executions are asking for help now.
+extern "C" int64_t fx2xla_help_asks() { return helping.asking.load(); }
 
 // How many calls ran with their team parked so far, in this process.
 extern "C" int64_t fx2xla_parked_calls() { return parked_calls.load(); }

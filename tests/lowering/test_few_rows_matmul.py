@@ -12,7 +12,11 @@ with the weight handed over as torch holds it. What these tests hold it to:
   HLO calls the kernel, and the handler runs once per matmul per call;
 - left to XLA's dot: 1 and 9 rows, bf16, training graphs, dynamic rows; the option
   torch_kernels without "few_rows_matmul" gives the weight-left form, within the same tolerance;
-- four threads calling one compiled model get, on every call, the bits a single call gives;
+- four threads calling one compiled model get, on every call, the bits a single call gives, also
+  five threads at once whose calls all ask the library's helper threads for the kernel's parts
+  (FX2XLA_HELPER_THREADS=1);
+- with helper threads (their parts counted), an executable gives the bits it gives without them
+  (the default), on the main thread and on another, in a child process;
 - a transformers LLaMA decode token at batch 4 (merged q/k/v and gate/up) runs its projections
   in the kernel, and its logits match eager's at float32 rtol 1e-4 / atol 1e-4;
 - called directly, the handler computes 1-20 rows (beyond 8: 8 at a time against one tile of W)
@@ -179,6 +183,118 @@ def test_threads():
     for i in range(4):
         for out in results[i]:
             assert torch.equal(out, refs[i])
+
+
+@pytest.mark.skipif(torch_kernels.helper_count() < 1, reason="helper threads need two usable cores or more")
+def test_threads_with_helpers(monkeypatch):
+    """Five threads (the main one among them) calling one compiled model whose 4 MiB weight is
+    cut into parts, compiled with FX2XLA_HELPER_THREADS=1 so that each call asks the library's
+    helper threads for them (torch_kernels.run_helped; one split is posted at a time, the others
+    go to XLA's pool): every result, on every thread, is the bits one call gives, and within TOL
+    of eager's (eager's first: see docs/usage.md on the helper threads)."""
+    import threading
+
+    torch.manual_seed(0)
+    model = Stack(1024, 1024, True).eval()
+    inputs = [torch.randn(8, 1024) for _ in range(5)]
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    monkeypatch.setenv("FX2XLA_HELPER_THREADS", "1")
+    compiled = torch.compile(model, backend="fx2xla")
+    with torch.no_grad():
+        refs = [compiled(x) for x in inputs]
+    monkeypatch.delenv("FX2XLA_HELPER_THREADS")
+    for ref, want in zip(refs, expected):
+        torch.testing.assert_close(ref, want, **TOL)
+    graph = next(g for g in live_graphs if g.static is not None and g.plan.few_rows)
+    assert graph.static.helped
+    results, errors = {i: [] for i in range(5)}, []
+
+    def work(i):
+        try:
+            with torch.no_grad():
+                for _ in range(20):
+                    results[i].append(compiled(inputs[i]))
+        except Exception as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(1, 5)]
+    for t in threads:
+        t.start()
+    work(0)
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    for i in range(5):
+        assert len(results[i]) == 20
+        for out in results[i]:
+            assert torch.equal(out, refs[i])
+
+
+HELPING = """
+import json, os, threading
+import torch
+import fx2xla
+from fx2xla import torch_kernels
+from fx2xla.metrics import live_graphs
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(1024, 1024), torch.nn.Tanh())]).eval()
+x = torch.randn(4, 1024)
+out = {}
+with torch.no_grad():
+    eager = model(x)
+    for mode in ("on", "off"):
+        torch._dynamo.reset()
+        if mode == "on":
+            os.environ["FX2XLA_HELPER_THREADS"] = "1"
+        compiled = torch.compile(model, backend="fx2xla")
+        first = compiled(x)
+        os.environ.pop("FX2XLA_HELPER_THREADS", None)
+        spec = [g for g in live_graphs if g.static is not None and g.plan.few_rows][-1].static
+        helped = torch_kernels.helped_parts()
+        ys = [compiled(x) for _ in range(80)]
+        out[mode] = {"helped": spec.helped, "helped_parts": torch_kernels.helped_parts() - helped,
+                     "same": all(torch.equal(y, first) for y in ys), "first": first.tolist(),
+                     "err": float((first - eager).abs().max())}
+        box = {}
+
+        def other():
+            before = torch_kernels.helped_parts()
+            with torch.no_grad():
+                box["ys"] = [compiled(x) for _ in range(80)]
+            box["helped_parts"] = torch_kernels.helped_parts() - before
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        out[mode]["other_thread_helped_parts"] = box["helped_parts"]
+        out[mode]["other_thread_same"] = all(torch.equal(y, first) for y in box["ys"])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.serial  # the helpers join a split only while no other process takes their core
+@pytest.mark.skipif(torch_kernels.helper_count() < 1,
+                    reason="helper threads need two usable cores or more")
+def test_helper_threads_take_parts():
+    """In a child process, an inference graph whose four 4 MiB few-row matmuls split into parts,
+    compiled with FX2XLA_HELPER_THREADS=1: its calls, from the main thread and from another, ask
+    the library's helper threads, which run parts of them; the results are the bits of the first
+    call, the same as compiled without it (the default: no help asked, no part run by a helper),
+    and within TOL of eager's (computed before any compiled call)."""
+    done = subprocess.run([sys.executable, "-c", HELPING], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    on, off = out["on"], out["off"]
+    assert on["helped"] and not off["helped"], out
+    assert on["helped_parts"] > 0 and on["other_thread_helped_parts"] > 0, on
+    assert off["helped_parts"] == 0 and off["other_thread_helped_parts"] == 0, off
+    assert on["same"] and off["same"] and on["other_thread_same"] and off["other_thread_same"], out
+    assert on["first"] == off["first"], "parts run by helpers gave other bits"
+    assert on["err"] <= TOL["atol"] * 10 and off["err"] <= TOL["atol"] * 10, out
 
 
 def test_llama_decode_token():

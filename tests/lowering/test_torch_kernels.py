@@ -427,3 +427,32 @@ def test_run_parked_returns_and_raises():
     with pytest.raises(ZeroDivisionError):
         torch_kernels.run_parked(lambda: 1 / 0)
     assert torch_kernels.run_parked(lambda: "again") == "again"
+
+
+@needs_kernels
+def test_run_helped_returns_and_raises():
+    """run_helped gives fn's result and raises fn's exception on the caller's side, on the main
+    thread and on another, and leaves no execution asking for help behind it (the next call
+    works the same)."""
+    import threading
+
+    assert torch_kernels.run_helped(lambda a, b: a * b, 2, 3) == 6
+    assert torch_kernels.run_helped(torch_kernels.help_asks) == 1  # this call, asking
+    with pytest.raises(ZeroDivisionError):
+        torch_kernels.run_helped(lambda: 1 / 0)
+    assert torch_kernels.help_asks() == 0
+    assert torch_kernels.run_helped(lambda: "again") == "again"
+    box = {}
+
+    def other():
+        box["v"] = torch_kernels.run_helped(threading.get_ident)
+        try:
+            torch_kernels.run_helped(lambda: 1 / 0)
+        except ZeroDivisionError as e:
+            box["e"] = e
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert box["v"] == t.ident and isinstance(box.get("e"), ZeroDivisionError)
+    assert torch_kernels.help_asks() == 0
