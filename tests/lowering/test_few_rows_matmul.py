@@ -199,6 +199,7 @@ def test_threads_with_helpers(monkeypatch):
     inputs = [torch.randn(8, 1024) for _ in range(5)]
     with torch.no_grad():
         expected = [model(x) for x in inputs]
+    before = set(live_graphs)  # held: no id of theirs is reused
     monkeypatch.setenv("FX2XLA_HELPER_THREADS", "1")
     compiled = torch.compile(model, backend="fx2xla")
     with torch.no_grad():
@@ -206,8 +207,8 @@ def test_threads_with_helpers(monkeypatch):
     monkeypatch.delenv("FX2XLA_HELPER_THREADS")
     for ref, want in zip(refs, expected):
         torch.testing.assert_close(ref, want, **TOL)
-    graph = next(g for g in live_graphs if g.static is not None and g.plan.few_rows)
-    assert graph.static.helped
+    graphs = [g for g in live_graphs if g not in before and g.static is not None and g.plan.few_rows]
+    assert len(graphs) == 1 and graphs[0].static.helped
     results, errors = {i: [] for i in range(5)}, []
 
     def work(i):
@@ -248,10 +249,11 @@ with torch.no_grad():
         torch._dynamo.reset()
         if mode == "on":
             os.environ["FX2XLA_HELPER_THREADS"] = "1"
+        before = set(live_graphs)  # held: no id of theirs is reused
         compiled = torch.compile(model, backend="fx2xla")
         first = compiled(x)
         os.environ.pop("FX2XLA_HELPER_THREADS", None)
-        spec = [g for g in live_graphs if g.static is not None and g.plan.few_rows][-1].static
+        [spec] = [g.static for g in live_graphs if g not in before and g.static is not None and g.plan.few_rows]
         helped = torch_kernels.helped_parts()
         ys = [compiled(x) for _ in range(80)]
         out[mode] = {"helped": spec.helped, "helped_parts": torch_kernels.helped_parts() - helped,
