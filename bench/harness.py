@@ -56,6 +56,25 @@ def interleaved_medians(contenders: dict[str, Callable], args: tuple, rounds: in
     `budget_s` stops early (after ≥5 rounds). `clock`:
     wall time by default; `time.thread_time` counts only this thread's CPU time, which other
     processes on a loaded machine inflate far less (for single-threaded contenders)."""
+    return _medians(contenders, args, rounds, calls_per_round, budget_s, clock, warm=False)
+
+
+def back_to_back_medians(contenders: dict[str, Callable], args: tuple, rounds: int = 15, calls: int = 5,
+                         budget_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median seconds per call of each contender called back to back, as a loop of requests
+    calls one model: in every round (the balanced orders of interleaved_medians) each contender
+    runs once untimed, so that nothing of the contender before it is left (its OpenMP workers
+    spinning, or its own asleep), then `calls` times in a row, timed together. interleaved_medians
+    times single calls that each follow another contender's, which costs a compiler whose kernels
+    run on torch's OpenMP team (eager, Inductor) more than fx2xla: its workers must wake, or share
+    the cores with XLA's threads. `budget_s` stops early (after ≥5 rounds)."""
+    return _medians(contenders, args, rounds, calls, budget_s, clock, warm=True)
+
+
+def _medians(contenders: dict[str, Callable], args: tuple, rounds: int, calls: int, budget_s: float | None,
+             clock: Callable[[], float], warm: bool) -> dict[str, float]:
+    """Rounds in balanced orders; per round and contender, one untimed call first where `warm`,
+    then `calls` calls timed together. Medians of the seconds per call."""
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     start = time.perf_counter()
     names = list(contenders)
@@ -63,11 +82,13 @@ def interleaved_medians(contenders: dict[str, Callable], args: tuple, rounds: in
     for r in range(rounds):
         for name in orders[r % len(orders)]:
             fn = contenders[name]
+            if warm:
+                materialise(fn(*args))
             t0 = clock()
-            for _ in range(calls_per_round):
+            for _ in range(calls):
                 out = fn(*args)
             materialise(out)
-            samples[name].append((clock() - t0) / calls_per_round)
+            samples[name].append((clock() - t0) / calls)
         if budget_s is not None and r >= 4 and time.perf_counter() - start > budget_s:
             break
     return {k: statistics.median(v) for k, v in samples.items()}

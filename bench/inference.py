@@ -9,6 +9,11 @@ executable and two backends that do no more than jaxlib must (`per_call_overhead
 raw numbers to bench/results/inference.json. The cost of the run-time index checks
 (options={"check_indices": True}, the default) is the column `chk`: fx2xla with checks ÷ fx2xla
 without, interleaved in the same rounds, and per call on a tiny embedding lookup.
+Columns `b2b/e` and `b2b/i`: fx2xla ÷ eager and ÷ Inductor called back to back
+(harness.back_to_back_medians: in each round each of the three runs once untimed, then
+BACK_TO_BACK_CALLS times in a row), as a loop of requests calls one model; the main columns time
+single calls that each follow another contender's, which costs eager and Inductor (kernels on
+torch's OpenMP team, whose workers must wake or share the cores) more than fx2xla.
 Column `tk`: fx2xla ÷ fx2xla with XLA's own CPU kernels (options={"torch_kernels": False}); `sl`
 (models with convolutions): fx2xla ÷ the same executable with torch's kernels on whole batches
 (fx2xla.torch_kernels.batch_slicing(False)); `pk` (the same models): fx2xla ÷ the same
@@ -42,7 +47,8 @@ os.environ["FX2XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="fx2xla-cold-")  # cold
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import copied_out, fmt_time, interleaved_medians, timed_call, unpacked, unsliced, write_json  # noqa: E402
+from harness import (back_to_back_medians, copied_out, fmt_time, interleaved_medians, timed_call, unpacked,  # noqa: E402
+                     unsliced, write_json)
 
 import fx2xla  # noqa: E402
 from fx2xla.metrics import live_graphs  # noqa: E402
@@ -220,6 +226,10 @@ def has_attention(model: torch.nn.Module) -> bool:
     return any(type(m).__name__.endswith("Attention") for m in model.modules())
 
 
+# Calls per timed run of the back-to-back medians (harness.back_to_back_medians).
+BACK_TO_BACK_CALLS = 5
+
+
 def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
     model = case.build().eval().to(dtype)
@@ -269,12 +279,17 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
             decomposed(*args)
             contenders["fx2xla_decomposed_attention"] = decomposed
         med = interleaved_medians(contenders, args, rounds=rounds, budget_s=60)
+        b2b = back_to_back_medians({k: contenders[k] for k in ("eager", "inductor", "fx2xla")}, args,
+                                   rounds=rounds, calls=BACK_TO_BACK_CALLS, budget_s=60)
         checks = index_check_cost(model, args, rounds)
     res.update({f"{k}_s": v for k, v in med.items()})
     res["fx2xla_vs_eager"] = med["fx2xla"] / med["eager"]
     res["fx2xla_vs_inductor"] = med["fx2xla"] / med["inductor"]
     res["inductor_vs_eager"] = med["inductor"] / med["eager"]
     res["first_call_vs_inductor"] = res["fx2xla_first_call_s"] / res["inductor_first_call_s"]
+    res.update({f"{k}_back_to_back_s": v for k, v in b2b.items()})
+    res["back_to_back_fx2xla_vs_eager"] = b2b["fx2xla"] / b2b["eager"]
+    res["back_to_back_fx2xla_vs_inductor"] = b2b["fx2xla"] / b2b["inductor"]
     res["torch_kernels_ratio"] = med["fx2xla"] / med["fx2xla_xla_kernels"]
     if "fx2xla_unsliced" in med:
         res["batch_slicing_ratio"] = med["fx2xla"] / med["fx2xla_unsliced"]
@@ -316,7 +331,7 @@ def main() -> None:
         e = o["embedding_lookup"]
         print(f"  index checks on an 8-id embedding lookup: {e['delta_s'] * 1e6:+.1f} us per call "
               f"({fmt_time(e['checked_s'])} checked vs {fmt_time(e['unchecked_s'])}; ratio {e['ratio']:.3f})")
-    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'ip':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s} {'wl':>5s} {'rc':>5s}"
+    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'b2b/e':>6s} {'b2b/i':>6s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'ip':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s} {'wl':>5s} {'rc':>5s}"
     print(header)
     for dt_name in a.dtypes.split(","):
         dtype = getattr(torch, dt_name)
@@ -334,6 +349,7 @@ def main() -> None:
             print(f"{key:12s} {fmt_time(r['eager_s'])} {fmt_time(r['inductor_s'])} {fmt_time(r['fx2xla_s'])} "
                   f"{r['fx2xla_vs_eager']:9.2f} {r['fx2xla_vs_inductor']:7.2f} {r['inductor_vs_eager']:9.2f} "
                   f"{fmt_time(r['fx2xla_first_call_s'])} {fmt_time(r['inductor_first_call_s'])} {r['max_abs_err']:9.2e} "
+                  f"{r['back_to_back_fx2xla_vs_eager']:6.2f} {r['back_to_back_fx2xla_vs_inductor']:6.2f} "
                   f"{r['index_checks']['ratio']:5.2f} {r['torch_kernels_ratio']:5.2f} "
                   f"{r.get('batch_slicing_ratio', float('nan')):5.2f} {r.get('packed_weights_ratio', float('nan')):5.2f} "
                   f"{r.get('in_place_writes_ratio', float('nan')):5.2f} "
