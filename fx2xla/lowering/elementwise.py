@@ -302,15 +302,80 @@ def _digamma(x):
     return jnp.where((x < zero) & (x == lax.floor(x)), jnp.asarray(math.nan, x.dtype), d)
 
 
-def _float_unary_rule(fn):
+def _float_unary_rule(fn, expensive: bool):
     def rule(ctx, x):
-        return fn(_opmath(x))
+        y = fn(_opmath(x))
+        return _materialized(y) if expensive and _broadcast_reader(ctx, y) else y
 
     return rule
 
 
+# A transcendental function's result read by ops over at least BROADCAST_READ_FACTOR times its
+# elements, READ_MIN_ELEMENTS or more (a rotary embedding's cos and sin tables, [1, seq, dim],
+# multiplied into every batch and head) is computed once into a buffer of its own. XLA:CPU fuses
+# it into each reader's loop instead, one sin or cos per element read: in LLaMA 4L at 4 x 128,
+# each layer's rotary embedding of q and k took 1.5-1.9 ms so and 0.23-0.31 ms with the tables
+# computed once (docs/benchmarks.md, "Rotary tables computed once").
+BROADCAST_READ_FACTOR = 4
+READ_MIN_ELEMENTS = 1 << 15
+# Ops through which a value reaches its readers with its elements unchanged.
+_PASS_THROUGH = {aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                 aten.expand.default, aten.clone.default, aten._to_copy.default, aten.squeeze.dim,
+                 aten.squeeze.dims, aten.alias.default}
+
+
+def _broadcast_reader(ctx, y) -> bool:
+    """Whether, on one CPU device, the node's real floating result reaches (through views,
+    copies and ops of its own size) an op of at least BROADCAST_READ_FACTOR times and
+    READ_MIN_ELEMENTS elements, all sizes static."""
+    from .registry import current_platform
+
+    # (Not under SPMD: the predicate would read one shard's element across the mesh.)
+    if current_platform() != "cpu" or ctx.spmd or not jnp.issubdtype(y.dtype, jnp.floating):
+        return False
+    node = ctx.node
+    size = _static_numel(node)
+    if not size:
+        return False
+    todo, seen = list(node.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen or u.op != "call_function":
+            continue
+        seen.add(u)
+        if u.target in _PASS_THROUGH:
+            todo.extend(u.users)
+            continue
+        n = _static_numel(u)
+        if n and n >= max(BROADCAST_READ_FACTOR * size, READ_MIN_ELEMENTS):
+            return True
+        if n == size:  # an op of the same size (a scale, a cast): its readers read these elements
+            todo.extend(u.users)
+    return False
+
+
+def _materialized(y):
+    """`y`, computed into a buffer of its own. XLA:CPU passes a conditional's operand as a
+    buffer and cannot fuse its producer into the readers of the conditional's result. Both
+    branches give y's values (v * 1 is v for every real float, NaN, infinities and -0.0
+    included), and the predicate reads y, so that XLA cannot fold the conditional away. (An
+    optimization barrier does not do it: XLA:CPU fuses across it.)"""
+    first = y.reshape(-1)[0]
+    one = jnp.ones((), y.dtype)
+    return lax.cond(first == first, lambda v: v, lambda v: v * one, y)
+
+
+def _static_numel(node) -> int | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or any(not isinstance(d, int) for d in val.shape):
+        return None
+    return val.numel()
+
+
+# The cheap ones, computed again in each reader's loop at little cost.
+_CHEAP_UNARY = {aten.sqrt.default, aten.rsqrt.default, aten.reciprocal.default}
 for _op, _fn in _FLOAT_UNARY.items():
-    register_lowering(_op, promote="out")(_float_unary_rule(_fn))
+    register_lowering(_op, promote="out")(_float_unary_rule(_fn, _op not in _CHEAP_UNARY))
 
 
 @register_lowering(aten.neg.default)
