@@ -313,9 +313,9 @@ def _float_unary_rule(fn, expensive: bool):
 # A transcendental function's result read by ops over at least BROADCAST_READ_FACTOR times its
 # elements, READ_MIN_ELEMENTS or more (a rotary embedding's cos and sin tables, [1, seq, dim],
 # multiplied into every batch and head) is computed once into a buffer of its own. XLA:CPU fuses
-# it into each reader's loop instead, one sin or cos per element read: in LLaMA 4L at 4 x 128,
-# each layer's rotary embedding of q and k took 1.5-1.9 ms so and 0.23-0.31 ms with the tables
-# computed once (docs/benchmarks.md, "Rotary tables computed once").
+# it into each reader's loop instead, one sin or cos per element read: a jax probe of one LLaMA
+# 4L layer's rotary embedding of q and k at 4 x 128 took 1.5-1.9 ms with the tables fused, and
+# 0.23-0.31 ms with them computed once (docs/benchmarks.md, "Rotary tables computed once").
 BROADCAST_READ_FACTOR = 4
 READ_MIN_ELEMENTS = 1 << 15
 # Ops through which a value reaches its readers with its elements unchanged.
