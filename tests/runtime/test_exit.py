@@ -45,6 +45,7 @@ import copy, torch
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 16))
 ref = copy.deepcopy(model)
+again = copy.deepcopy(model)
 x = torch.randn(8, 64)
 def train(m, backend):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -57,8 +58,15 @@ def train(m, backend):
     return opt
 opt = train(model, "fx2xla")
 train(ref, None)
-for p, q in zip(model.parameters(), ref.parameters()):
-    torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+try:
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+except AssertionError as e:
+    # Seen once in CI (2.2e-5 on one element, 2026-11-29), never in 44 runs alone: say which
+    # side moved, eager against itself from the same start or fx2xla against eager.
+    train(again, None)
+    same = all(torch.equal(a, b) for a, b in zip(again.parameters(), ref.parameters()))
+    raise AssertionError(f"{e}; eager trained again gives its first bits: {same}") from None
 """
 
 
