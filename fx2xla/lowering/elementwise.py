@@ -318,15 +318,11 @@ def _float_unary_rule(fn, expensive: bool):
 # 0.23-0.31 ms with them computed once (docs/benchmarks.md, "Rotary tables computed once").
 BROADCAST_READ_FACTOR = 4
 READ_MIN_ELEMENTS = 1 << 15
-# Ops through which a value reaches its readers with its elements unchanged.
-_PASS_THROUGH = {aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-                 aten.expand.default, aten.clone.default, aten._to_copy.default, aten.squeeze.dim,
-                 aten.squeeze.dims, aten.alias.default}
 
 
 def _broadcast_reader(ctx, y) -> bool:
-    """Whether, on one CPU device, the node's real floating result reaches (through views,
-    copies and ops of its own size) an op of at least BROADCAST_READ_FACTOR times and
+    """Whether, on one CPU device, the node's real floating result reaches (through ops of its
+    own size: views, casts, scales) an op of at least BROADCAST_READ_FACTOR times and
     READ_MIN_ELEMENTS elements, all sizes static."""
     from .registry import current_platform
 
@@ -343,13 +339,10 @@ def _broadcast_reader(ctx, y) -> bool:
         if u in seen or u.op != "call_function":
             continue
         seen.add(u)
-        if u.target in _PASS_THROUGH:
-            todo.extend(u.users)
-            continue
         n = _static_numel(u)
         if n and n >= max(BROADCAST_READ_FACTOR * size, READ_MIN_ELEMENTS):
             return True
-        if n == size:  # an op of the same size (a scale, a cast): its readers read these elements
+        if n == size:  # an op of the same size (a view, a cast, a scale): its readers read these elements
             todo.extend(u.users)
     return False
 
