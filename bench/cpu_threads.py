@@ -3,6 +3,7 @@
     .venv/bin/python bench/cpu_threads.py [--models mlp,cnn,gpt2] [--calls 40]
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/cpu_threads.py     # torch's workers sleep at once
     FX2XLA_PARK_TORCH_THREADS=0 .venv/bin/python bench/cpu_threads.py # fx2xla does not park them
+    FX2XLA_PARK_SIGNALS=0 .venv/bin/python bench/cpu_threads.py       # it parks them in a region
 
 torch's OpenMP workers keep spinning on their cores for a while after each parallel region
 (GNU OpenMP's default wait policy). XLA:CPU runs its executables on threads of its own, so a call
@@ -91,6 +92,10 @@ def main() -> None:
             r = row[name]
             print(f"{case.name:8s} {name:9s} {r['alone_s'] * 1e3:7.2f}ms {r['after_eager_s'] * 1e3:10.2f}ms "
                   f"{r['after_eager_10ms_s'] * 1e3:10.2f}ms {row['eager_alone_s'] * 1e3:7.2f}ms")
+    results["parked_calls"] = torch_kernels.parked_calls()
+    results["signal_parked_calls"] = torch_kernels.signal_parked_calls()
+    print(f"\nfx2xla calls parked: {results['parked_calls']}, by signal: {results['signal_parked_calls']} "
+          "(FX2XLA_PARK_SIGNALS=0: in a parallel region instead)")
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")
 

@@ -48,7 +48,10 @@ adds "fx2xla:no-decode-attention": fx2xla without the kernel library's float32 d
 `--helpers` adds "fx2xla:helpers": fx2xla with FX2XLA_HELPER_THREADS=1 while it compiles, so
 that a step's few-row matmuls hand their parts to the kernel library's helper threads
 (torch_kernels.run_helped) instead of XLA's pool, whose threads must be woken; at batch 1 both run
-the same program.
+the same program. `--park-region` adds "fx2xla:park-region": fx2xla parking torch's spinning
+OpenMP workers inside a parallel region of their team (torch_kernels.park_signals(False), the
+way before parking by signal) for each of its calls; its end waits for a worker's wake-up and
+leaves the worker spinning again, so the next step parks it again.
 
 `--split` also takes fx2xla's step apart at each batch size: per step, fx2xla's graph (its
 `CompiledGraph` call) and, inside it, the executable's launch through the export of its results;
@@ -111,7 +114,8 @@ def contenders(args) -> tuple:
             + (("fx2xla:no-few-rows",) if args.no_few_rows else ())
             + (("fx2xla:no-decode-attention",) if args.no_decode_attention else ())
             + (("fx2xla:helpers",) if args.helpers else ())
-            + (("fx2xla:xla-attention",) if args.xla_attention else ()))
+            + (("fx2xla:xla-attention",) if args.xla_attention else ())
+            + (("fx2xla:park-region",) if args.park_region else ()))
 
 
 _step_times: dict = {}  # id(model) -> seconds of each compiled decode step it ran
@@ -168,6 +172,12 @@ def make_generate(model, name: str, ids, new_tokens: int, max_cache_len: int | N
         with torch.no_grad():
             return model.generate(ids, **kw, **extra)
 
+    if name == "fx2xla:park-region":
+        def generate_region(**extra):
+            with fx2xla.torch_kernels.park_signals(False):
+                return generate(**extra)
+
+        return generate_region
     return generate
 
 
@@ -365,6 +375,10 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_xla_attention_tokens_per_s"] = med["fx2xla:xla-attention"] / med["fx2xla"]
         res["fx2xla_vs_xla_attention_cpu"] = cmed["fx2xla:xla-attention"] / cmed["fx2xla"]
         res["fx2xla_vs_xla_attention_step"] = smed["fx2xla"] / smed["fx2xla:xla-attention"]
+    if "fx2xla:park-region" in med:
+        res["fx2xla_vs_park_region_tokens_per_s"] = med["fx2xla:park-region"] / med["fx2xla"]
+        res["fx2xla_vs_park_region_cpu"] = cmed["fx2xla:park-region"] / cmed["fx2xla"]
+        res["fx2xla_vs_park_region_step"] = smed["fx2xla"] / smed["fx2xla:park-region"]
     if split is not None:
         split.close()
         res["split"] = step_split(res, med, graph_steps, launch_steps, weight_read_s(models["fx2xla"]), args)
@@ -409,6 +423,9 @@ def main() -> None:
     p.add_argument("--xla-attention", action="store_true",
                    help="also time fx2xla computing attention with XLA's dots instead of torch's flash-attention "
                         "kernel (option torch_kernels without 'attention')")
+    p.add_argument("--park-region", action="store_true",
+                   help="also time fx2xla parking torch's workers in a parallel region instead of by signal "
+                        "(torch_kernels.park_signals(False))")
     p.add_argument("--no-few-rows", action="store_true",
                    help="also time fx2xla without its few-row float32 matmul kernel")
     p.add_argument("--helpers", action="store_true",
@@ -490,6 +507,10 @@ def main() -> None:
             print(f"      fx2xla ÷ fx2xla:xla-attention tokens/s {r['fx2xla_vs_xla_attention_tokens_per_s']:.3f}"
                   f" (cpu time: {r['fx2xla_vs_xla_attention_cpu']:.3f}); step time "
                   f"{r['fx2xla_vs_xla_attention_step']:.3f}")
+        if "fx2xla_vs_park_region_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:park-region tokens/s {r['fx2xla_vs_park_region_tokens_per_s']:.3f}"
+                  f" (cpu time: {r['fx2xla_vs_park_region_cpu']:.3f}); step time "
+                  f"{r['fx2xla_vs_park_region_step']:.3f}")
     results["load_after"] = load()
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")

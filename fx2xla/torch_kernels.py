@@ -290,6 +290,9 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_help_begin.restype = lib.fx2xla_help_end.restype = None
         lib.fx2xla_torch_team_running.argtypes = []
         lib.fx2xla_parked_calls.restype = ctypes.c_int64
+        lib.fx2xla_set_park_signals.argtypes = [ctypes.c_int]
+        lib.fx2xla_signal_parked_calls.restype = ctypes.c_int64
+        lib.fx2xla_signal_parks_taken.restype = ctypes.c_int64
         lib.fx2xla_skinny_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_few_rows_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_decode_attention_calls.restype = ctypes.c_int64
@@ -308,6 +311,8 @@ def _load() -> tuple[bool, str]:
     except (OSError, AttributeError) as e:
         return False, f"{path} did not load: {e}"
     _lib = lib
+    if os.environ.get("FX2XLA_PARK_SIGNALS", "").strip().lower() in ("0", "off", "false", "no"):
+        lib.fx2xla_set_park_signals(0)
     return True, str(path)
 
 
@@ -418,7 +423,8 @@ def packing_counts() -> dict:
 
 # Parking torch's OpenMP workers (csrc/torch_kernels.cc says why): a long CPU executable launched
 # on the main thread while a worker of its team is running (spinning after eager torch work)
-# runs inside a region of that team whose other members sleep until it returns.
+# runs with that team's other members asleep until it returns: each in a signal's handler, or
+# (set_park_signals(False), or where the signal cannot be used) inside a region of the team.
 _PARKED_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 # An executable XLA's cost analysis puts at this many flops or bytes or more is worth the check
 # (~5 µs): about 100 µs of work on one core.
@@ -548,6 +554,34 @@ def parked_calls() -> int:
     """How many calls in this process ran with torch's OpenMP workers parked (0 where the
     library is not loaded)."""
     return int(_lib.fx2xla_parked_calls()) if load()[0] else 0
+
+
+def set_park_signals(on: bool) -> bool:
+    """Process-wide: whether run_parked parks torch's workers by signal (the default, where every
+    worker of the main thread's team takes it: each sleeps in the signal's handler until the
+    launch returns) or only inside a parallel region of their team (whose end waits for a
+    worker's wake-up and starts its spin again; csrc/torch_kernels.cc, "Parking").
+    FX2XLA_PARK_SIGNALS=0 sets it off when the library loads. Returns the previous setting (True
+    where the library is not loaded: there is nothing to switch)."""
+    if not load()[0]:
+        return True
+    return bool(_lib.fx2xla_set_park_signals(int(bool(on))))
+
+
+def park_signals(on: bool):
+    """`set_park_signals(on)` for the block, then the previous setting back."""
+    return _scoped(set_park_signals, on)
+
+
+def signal_parked_calls() -> int:
+    """How many of parked_calls() parked by signal (0 where the library is not loaded)."""
+    return int(_lib.fx2xla_signal_parked_calls()) if load()[0] else 0
+
+
+def signal_parks_taken() -> int:
+    """How many times a worker entered the park signal's handler in this process (0 where the
+    library is not loaded)."""
+    return int(_lib.fx2xla_signal_parks_taken()) if load()[0] else 0
 
 
 def sliced_calls() -> int:

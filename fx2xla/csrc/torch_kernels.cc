@@ -38,7 +38,10 @@
 #include <vector>
 
 #include <dlfcn.h>
+#include <errno.h>
+#include <linux/futex.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -1494,18 +1497,32 @@ extern "C" int64_t fx2xla_torch_kernels_written_in_place() { return written_in_p
 //
 // After each parallel region, torch's OpenMP workers spin for milliseconds (GNU OpenMP's default
 // wait policy) on the cores XLA's threads need next: an executable launched right after eager
-// torch work ran at half speed. fx2xla therefore launches a long executable, when a worker of
-// the main thread's team is running at that moment, inside a parallel region of that team whose
-// other members sleep on a condition variable until the launch returns. Only the main thread's
-// team: a team is found by running a region on it, and other threads' teams would be started by
-// the search itself.
+// torch work ran at half speed. fx2xla therefore parks them for a long executable's launch when
+// a worker of the main thread's team is running at that moment. Only the main thread's team: a
+// team is found by running a region on it, and other threads' teams would be started by the
+// search itself.
+//
+// Two ways to park, both until the launch returns:
+// - A signal (the default where every worker takes it): each worker is sent one, and its handler
+//   sleeps on a futex until the launch is done. The worker then goes back to whatever it was
+//   doing, spinning included: GNU OpenMP counts its spin in iterations, so the rest of it runs
+//   later, in the gaps between calls. Nothing of the team's own state changes, and the launch
+//   waits for no one.
+// - A parallel region of the team whose other members sleep on a condition variable. Its end
+//   costs the launch a worker's wake-up (~0.2 ms on a 2-core VM), and starts a new spin after it,
+//   which the next call, coming within it, parks again: a decode loop paid that at most steps.
+// While parked, the launch runs with torch and MKL at one thread on this thread, so that
+// nothing it does waits for a parked worker (in the region, nested regions are serial anyway).
 namespace {
 
 struct Team {
   int size = -1;                  // torch's thread count when the workers were found
   int64_t exits = -1;             // worker_exits then
   std::vector<clockid_t> clocks;  // each worker's CPU-time clock
+  std::vector<pid_t> tids;        // each worker's thread id
+  bool signal_ok = false;         // every worker found, none blocks the park signal
 };
+Team main_team;  // the main thread's: only it reads or writes this
 
 // Counts exits of threads that were found as workers (each one's thread-local destructor): after
 // one, its clock id could name a thread that reuses the id, so the team is looked for again.
@@ -1524,10 +1541,63 @@ int64_t cpu_ns(clockid_t clock) {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+// The futex word parked workers sleep on: 1 while a launch runs parked by signal.
+int park_word = 0;
+int park_signal = 0;  // the real-time signal taken for parking; 0: none could be
+std::atomic<bool> park_signals{true};  // fx2xla_set_park_signals
+std::atomic<int64_t> signal_parked_calls{0};  // fx2xla_signal_parked_calls
+std::atomic<int64_t> signal_parks_taken{0};  // fx2xla_signal_parks_taken: handler entries
+
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+// The longest a worker stays parked by one signal. A worker is stopped wherever the signal finds
+// it; should that be inside a lock the launch then needs (a malloc arena's, say), the launch
+// waits this long instead of forever. Its spin lasts milliseconds, so a launch longer than this
+// loses little to what is left of it.
+constexpr int64_t kMaxParkNs = 100 * 1000 * 1000;
+
+// Async-signal-safe: atomics, clock_gettime, futex and errno only.
+void park_handler(int) {
+  int saved = errno;
+  signal_parks_taken.fetch_add(1, std::memory_order_relaxed);
+  const int64_t deadline = monotonic_ns() + kMaxParkNs;
+  while (__atomic_load_n(&park_word, __ATOMIC_ACQUIRE) == 1) {
+    int64_t left = deadline - monotonic_ns();
+    if (left <= 0) break;
+    timespec limit{static_cast<time_t>(left / 1000000000), static_cast<long>(left % 1000000000)};
+    syscall(SYS_futex, &park_word, FUTEX_WAIT_PRIVATE, 1, &limit, nullptr, 0);
+  }
+  errno = saved;
+}
+
+// Takes the highest real-time signal nobody handles (its action still the default), once.
+int take_park_signal() {
+  static int taken = [] {
+    for (int sig = SIGRTMAX; sig >= SIGRTMIN; --sig) {
+      struct sigaction now {};
+      if (sigaction(sig, nullptr, &now) != 0 || now.sa_handler != SIG_DFL || (now.sa_flags & SA_SIGINFO)) continue;
+      struct sigaction act {};
+      act.sa_handler = park_handler;
+      sigemptyset(&act.sa_mask);
+      act.sa_flags = SA_RESTART;
+      if (sigaction(sig, &act, nullptr) == 0) return sig;
+    }
+    return 0;
+  }();
+  park_signal = taken;
+  return taken;
+}
+
 #if AT_PARALLEL_OPENMP
 void find_workers(Team& team, int threads) {
+  int sig = take_park_signal();
   std::vector<clockid_t> clocks(threads);
-  std::vector<char> found(threads, 0);
+  std::vector<pid_t> tids(threads);
+  std::vector<char> found(threads, 0), takes(threads, 0);
 #pragma omp parallel num_threads(threads)
   {
     int i = omp_get_thread_num();
@@ -1535,15 +1605,34 @@ void find_workers(Team& team, int threads) {
       static thread_local ExitCount exit_count;
       exit_count.armed = true;
       found[i] = 1;
+      tids[i] = static_cast<pid_t>(syscall(SYS_gettid));
+      sigset_t mask;
+      takes[i] = sig != 0 && pthread_sigmask(SIG_BLOCK, nullptr, &mask) == 0 && !sigismember(&mask, sig);
     }
   }
   team.exits = worker_exits.load();
   team.clocks.clear();
-  for (int i = 1; i < threads; ++i)
-    if (found[i]) team.clocks.push_back(clocks[i]);
+  team.tids.clear();
+  team.signal_ok = sig != 0;
+  for (int i = 1; i < threads; ++i) {
+    if (found[i]) {
+      team.clocks.push_back(clocks[i]);
+      team.tids.push_back(tids[i]);
+    }
+    team.signal_ok = team.signal_ok && found[i] && takes[i];
+  }
   team.size = threads;
 }
+
+// The main team as torch runs it now, looked for again where torch's thread count changed or a
+// worker exited.
+Team& current_team(int threads) {
+  if (main_team.size != threads || main_team.exits != worker_exits.load()) find_workers(main_team, threads);
+  return main_team;
+}
 #endif
+
+bool on_main_thread() { return syscall(SYS_gettid) == getpid(); }
 
 }  // namespace
 
@@ -1552,11 +1641,10 @@ void find_workers(Team& team, int threads) {
 // two reads, a syscall apart: spinning after a region, or working); else 0.
 extern "C" int fx2xla_torch_team_running() {
 #if AT_PARALLEL_OPENMP
-  if (syscall(SYS_gettid) != getpid() || omp_in_parallel()) return 0;
+  if (!on_main_thread() || omp_in_parallel()) return 0;
   int threads = at::get_num_threads();
   if (threads < 2) return 0;
-  static Team team;  // the main thread's: only it gets here
-  if (team.size != threads || team.exits != worker_exits.load()) find_workers(team, threads);
+  Team& team = current_team(threads);
   std::vector<int64_t> before;
   before.reserve(team.clocks.size());
   for (clockid_t c : team.clocks) before.push_back(cpu_ns(c));
@@ -1568,13 +1656,29 @@ extern "C" int fx2xla_torch_team_running() {
 
 std::atomic<int64_t> parked_calls{0};  // fx2xla_parked_calls
 
-// Runs fn(arg) on the calling thread inside a parallel region of its torch team whose other
-// members sleep until fn returns; returns fn's result. (Plainly, where torch is not on OpenMP.)
+// Runs fn(arg) on the calling thread with the other members of its torch team parked until fn
+// returns; returns fn's result. Plainly where torch is not on OpenMP, runs one thread, or the
+// caller is inside a region or not the main thread (only the main team is known).
 extern "C" int fx2xla_run_parked(int (*fn)(void*), void* arg) {
 #if AT_PARALLEL_OPENMP
   int threads = at::get_num_threads();
-  if (threads < 2 || omp_in_parallel()) return fn(arg);
+  if (threads < 2 || omp_in_parallel() || !on_main_thread() || __atomic_load_n(&park_word, __ATOMIC_ACQUIRE))
+    return fn(arg);
   parked_calls.fetch_add(1, std::memory_order_relaxed);
+  Team& team = current_team(threads);
+  if (park_signals.load() && team.signal_ok) {
+    signal_parked_calls.fetch_add(1, std::memory_order_relaxed);
+    __atomic_store_n(&park_word, 1, __ATOMIC_RELEASE);
+    for (pid_t tid : team.tids) syscall(SYS_tgkill, getpid(), tid, park_signal);
+    int result;
+    {
+      SingleThreaded one;
+      result = fn(arg);
+    }
+    __atomic_store_n(&park_word, 0, __ATOMIC_RELEASE);
+    syscall(SYS_futex, &park_word, FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+    return result;
+  }
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -1598,6 +1702,15 @@ extern "C" int fx2xla_run_parked(int (*fn)(void*), void* arg) {
   return fn(arg);
 #endif
 }
+
+// Whether fx2xla_run_parked may park by signal (1, the default) or only with a region (0), for
+// every later call; returns the previous setting.
+extern "C" int fx2xla_set_park_signals(int on) { return park_signals.exchange(on != 0) ? 1 : 0; }
+
+// How many calls were parked by signal so far in this process, and how many times a worker
+// entered the signal's handler.
+extern "C" int64_t fx2xla_signal_parked_calls() { return signal_parked_calls.load(); }
+extern "C" int64_t fx2xla_signal_parks_taken() { return signal_parks_taken.load(); }
 
 // An execution about to launch asks the library's helper threads to poll for the parts of its
 // splits until fx2xla_help_end (see Helping); they are started at the first ask.

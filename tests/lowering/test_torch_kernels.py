@@ -15,6 +15,7 @@ cache and runs it."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -383,6 +384,8 @@ _PARKING_SCRIPT = textwrap.dedent("""
         before = torch_kernels.parked_calls()
         out["tiny_equal"] = bool(torch.equal(tiny(small), small * 2 + 1))
         out["tiny_parked"] = torch_kernels.parked_calls() - before
+    out["signal_parked"] = torch_kernels.signal_parked_calls()
+    out["all_parked"] = torch_kernels.parked_calls()
     print(json.dumps(out))
 """)
 
@@ -404,29 +407,110 @@ def test_parks_spinning_torch_workers():
     """In a fresh process (where torch's workers spin after each region; other threads' OpenMP
     teams make GNU OpenMP spin only briefly): a long CPU executable launched on the main thread
     right after eager torch work runs with torch's workers parked and matches eager (float32
-    tolerance); another thread and a tiny executable never park; FX2XLA_PARK_TORCH_THREADS=0
-    turns it off. With FX2XLA_TIME_EXECUTE=1, parked calls count in metrics()["execute_seconds"]
+    tolerance), by signal, and with FX2XLA_PARK_SIGNALS=0 in a parallel region instead; another
+    thread and a tiny executable never park; FX2XLA_PARK_TORCH_THREADS=0 turns it off. With FX2XLA_TIME_EXECUTE=1, parked calls count in metrics()["execute_seconds"]
     as the others do."""
     tol = tolerance(torch.float32)["atol"] * 10  # outputs of magnitude ~1
     on = _run_parking_script(FX2XLA_TIME_EXECUTE="1")
-    assert on["park"] == [True]
-    assert sum(on["parked"]) >= 3, on  # a worker may have gone to sleep before a check
-    assert all(t > 0 for t in on["timed"]), on
-    assert on["err"] <= tol and on["other_thread_err"] <= tol, on
-    assert on["other_thread_parked"] == 0 and on["tiny_parked"] == 0 and on["tiny_equal"], on
+    region = _run_parking_script(FX2XLA_TIME_EXECUTE="1", FX2XLA_PARK_SIGNALS="0")
+    for run in (on, region):
+        assert run["park"] == [True]
+        assert sum(run["parked"]) >= 3, run  # a worker may have gone to sleep before a check
+        assert all(t > 0 for t in run["timed"]), run
+        assert run["err"] <= tol and run["other_thread_err"] <= tol, run
+        assert run["other_thread_parked"] == 0 and run["tiny_parked"] == 0 and run["tiny_equal"], run
+    assert on["signal_parked"] == on["all_parked"] > 0 and region["signal_parked"] == 0, (on, region)
     off = _run_parking_script(FX2XLA_PARK_TORCH_THREADS="0")
     assert off["park"] == [False] and sum(off["parked"]) == 0, off
     assert off["err"] <= tol, off
 
 
 @needs_kernels
-def test_run_parked_returns_and_raises():
+@pytest.mark.parametrize("signals", [True, False], ids=["signal", "region"])
+def test_run_parked_returns_and_raises(signals):
     """run_parked gives fn's result, raises fn's exception on the caller's side, and leaves
-    nothing behind for the next call."""
-    assert torch_kernels.run_parked(lambda a, b: a + b, 2, 3) == 5
-    with pytest.raises(ZeroDivisionError):
-        torch_kernels.run_parked(lambda: 1 / 0)
-    assert torch_kernels.run_parked(lambda: "again") == "again"
+    nothing behind for the next call, parking by signal or in a region."""
+    with torch_kernels.park_signals(signals):
+        assert torch_kernels.run_parked(lambda a, b: a + b, 2, 3) == 5
+        with pytest.raises(ZeroDivisionError):
+            torch_kernels.run_parked(lambda: 1 / 0)
+        assert torch_kernels.run_parked(lambda: "again") == "again"
+
+
+_SIGNAL_PARKING_SCRIPT = textwrap.dedent("""
+    import json, os, time
+    import torch
+    from fx2xla import torch_kernels as tk
+
+    a, b = torch.randn(256, 256), torch.randn(384, 384)
+    want = torch.mm(b, b)
+
+    def spin():  # an eager op on torch's OpenMP team: its workers spin for a while after it
+        torch.mm(a, a)
+
+    def running_a_moment_later():
+        time.sleep(0.005)  # the signal's delivery, and the handler's sleep, come after a while
+        return tk.torch_team_running()
+
+    def counts():
+        return tk.parked_calls(), tk.signal_parked_calls(), tk.signal_parks_taken()
+
+    def delta(before):
+        return [y - x for x, y in zip(before, counts())]
+
+    out = {"signals_default": tk.set_park_signals(True)}
+    spin()
+    out["running_after_spin"] = tk.torch_team_running()
+    for mode in ("signal", "region"):
+        tk.set_park_signals(mode == "signal")
+        r = out[mode] = {}
+        spin()
+        before = counts()
+        r["running_inside"] = tk.run_parked(running_a_moment_later)
+        r["counts"] = delta(before)
+        spin()
+        got = tk.run_parked(torch.mm, b, b)  # torch work on this thread while parked
+        r["nested_err"] = float((got - want).abs().max())
+        # fn asks torch for two threads again: its region needs the parked worker, which comes
+        # back by itself (signal: after at most 100 ms; region: nested regions are serial)
+        spin()
+        t0 = time.perf_counter()
+        got = tk.run_parked(lambda: (torch.set_num_threads(2), torch.mm(b, b))[1])
+        r["rejoined_s"] = time.perf_counter() - t0
+        r["rejoined_err"] = float((got - want).abs().max())
+        r["eager_after_equal"] = bool(torch.equal(torch.mm(b, b), want))
+        r["threads_after"] = torch.get_num_threads()
+    print(json.dumps(out))
+""")
+
+
+@needs_kernels
+@pytest.mark.serial  # spinning workers show only while no other process takes their core
+@pytest.mark.skipif(torch.get_num_threads() < 2 or "OpenMP" not in torch.__config__.parallel_info(),
+                    reason="parking needs torch on OpenMP with two threads or more")
+def test_parks_by_signal_and_in_a_region():
+    """In a fresh process: by default run_parked parks a spinning worker by signal (the worker
+    stops running while fn runs: its CPU clock stands still; one call parked by signal, its
+    handler entered); with set_park_signals(False) in a region (no signal). Either way torch work
+    on the parked thread gives eager's result (float32: 1e-3 for 384-long sums of products of
+    N(0,1) values, kernels with one thread and two may sum in other orders); fn that asks torch
+    for two threads again (its parallel region needs the parked worker) finishes within a few
+    seconds with the same result; and eager afterwards gives the same bits as before."""
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_PARKING_SCRIPT], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["signals_default"] is True, out
+    if not out["running_after_spin"]:
+        pytest.skip("torch's workers did not spin after a region here (another OpenMP policy)")
+    sig, region = out["signal"], out["region"]
+    assert sig["counts"][0] == 1 and sig["counts"][1] == 1 and sig["counts"][2] >= 1, out
+    assert sig["running_inside"] is False, out
+    assert region["counts"][:2] == [1, 0] and region["counts"][2] == 0, out
+    for r in (sig, region):
+        assert r["nested_err"] <= 1e-3 and r["rejoined_err"] <= 1e-3, out
+        assert r["rejoined_s"] < 5.0, out
+        assert r["eager_after_equal"] and r["threads_after"] == 2, out
 
 
 @needs_kernels
