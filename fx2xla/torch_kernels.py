@@ -293,6 +293,7 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_set_park_signals.argtypes = [ctypes.c_int]
         lib.fx2xla_signal_parked_calls.restype = ctypes.c_int64
         lib.fx2xla_signal_parks_taken.restype = ctypes.c_int64
+        lib.fx2xla_park_signal.restype = ctypes.c_int
         lib.fx2xla_skinny_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_few_rows_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_decode_attention_calls.restype = ctypes.c_int64
@@ -571,6 +572,14 @@ def set_park_signals(on: bool) -> bool:
 def park_signals(on: bool):
     """`set_park_signals(on)` for the block, then the previous setting back."""
     return _scoped(set_park_signals, on)
+
+
+def park_signal() -> int:
+    """The real-time signal the library parks torch's workers with: the highest one whose handler
+    was the default when the main thread's team was first looked for (0 before that, where none
+    was free, or where the library is not loaded). A program that later installs its own handler
+    for it makes parking fall back to the region."""
+    return int(_lib.fx2xla_park_signal()) if load()[0] else 0
 
 
 def signal_parked_calls() -> int:

@@ -1634,6 +1634,14 @@ Team& current_team(int threads) {
 
 bool on_main_thread() { return syscall(SYS_gettid) == getpid(); }
 
+// Whether the park signal still runs park_handler: another library may have taken the signal
+// for itself since.
+bool park_handler_installed() {
+  struct sigaction now {};
+  return park_signal != 0 && sigaction(park_signal, nullptr, &now) == 0 && !(now.sa_flags & SA_SIGINFO) &&
+         now.sa_handler == park_handler;
+}
+
 }  // namespace
 
 // 1 where the calling thread is the process's main thread, outside a parallel region, torch runs
@@ -1666,7 +1674,7 @@ extern "C" int fx2xla_run_parked(int (*fn)(void*), void* arg) {
     return fn(arg);
   parked_calls.fetch_add(1, std::memory_order_relaxed);
   Team& team = current_team(threads);
-  if (park_signals.load() && team.signal_ok) {
+  if (park_signals.load() && team.signal_ok && park_handler_installed()) {
     signal_parked_calls.fetch_add(1, std::memory_order_relaxed);
     __atomic_store_n(&park_word, 1, __ATOMIC_RELEASE);
     for (pid_t tid : team.tids) syscall(SYS_tgkill, getpid(), tid, park_signal);
@@ -1706,6 +1714,10 @@ extern "C" int fx2xla_run_parked(int (*fn)(void*), void* arg) {
 // Whether fx2xla_run_parked may park by signal (1, the default) or only with a region (0), for
 // every later call; returns the previous setting.
 extern "C" int fx2xla_set_park_signals(int on) { return park_signals.exchange(on != 0) ? 1 : 0; }
+
+// The real-time signal taken for parking (0 until the main team was first looked for, or where
+// none was free).
+extern "C" int fx2xla_park_signal() { return park_signal; }
 
 // How many calls were parked by signal so far in this process, and how many times a worker
 // entered the signal's handler.

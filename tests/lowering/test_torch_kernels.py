@@ -438,7 +438,7 @@ def test_run_parked_returns_and_raises(signals):
 
 
 _SIGNAL_PARKING_SCRIPT = textwrap.dedent("""
-    import json, os, time
+    import json, os, signal, time
     import torch
     from fx2xla import torch_kernels as tk
 
@@ -480,6 +480,13 @@ _SIGNAL_PARKING_SCRIPT = textwrap.dedent("""
         r["rejoined_err"] = float((got - want).abs().max())
         r["eager_after_equal"] = bool(torch.equal(torch.mm(b, b), want))
         r["threads_after"] = torch.get_num_threads()
+    tk.set_park_signals(True)
+    sig = out["signal_number"] = tk.park_signal()
+    signal.signal(sig, lambda *_: None)  # the program takes the signal for itself
+    spin()
+    before = counts()
+    tk.run_parked(running_a_moment_later)
+    out["after_taken"] = delta(before)
     print(json.dumps(out))
 """)
 
@@ -495,7 +502,9 @@ def test_parks_by_signal_and_in_a_region():
     on the parked thread gives eager's result (float32: 1e-3 for 384-long sums of products of
     N(0,1) values, kernels with one thread and two may sum in other orders); fn that asks torch
     for two threads again (its parallel region needs the parked worker) finishes within a few
-    seconds with the same result; and eager afterwards gives the same bits as before."""
+    seconds with the same result; eager afterwards gives the same bits as before; the signal is a
+    real-time one, and once the program installs its own handler for it, parking falls back to
+    the region."""
     done = subprocess.run([sys.executable, "-c", _SIGNAL_PARKING_SCRIPT], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -511,6 +520,10 @@ def test_parks_by_signal_and_in_a_region():
         assert r["nested_err"] <= 1e-3 and r["rejoined_err"] <= 1e-3, out
         assert r["rejoined_s"] < 5.0, out
         assert r["eager_after_equal"] and r["threads_after"] == 2, out
+    import signal as signals
+
+    assert signals.SIGRTMIN <= out["signal_number"] <= signals.SIGRTMAX, out
+    assert out["after_taken"][:2] == [1, 0], out  # the signal taken by the program: a region
 
 
 @needs_kernels
