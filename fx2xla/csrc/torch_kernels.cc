@@ -1574,22 +1574,22 @@ void park_handler(int) {
   errno = saved;
 }
 
-// Takes the highest real-time signal nobody handles (its action still the default), once.
+// Takes the highest real-time signal nobody handles (its action still the default) into
+// park_signal, on the first call (from the main thread only: find_workers).
 int take_park_signal() {
-  static int taken = [] {
-    for (int sig = SIGRTMAX; sig >= SIGRTMIN; --sig) {
-      struct sigaction now {};
-      if (sigaction(sig, nullptr, &now) != 0 || now.sa_handler != SIG_DFL || (now.sa_flags & SA_SIGINFO)) continue;
-      struct sigaction act {};
-      act.sa_handler = park_handler;
-      sigemptyset(&act.sa_mask);
-      act.sa_flags = SA_RESTART;
-      if (sigaction(sig, &act, nullptr) == 0) return sig;
-    }
-    return 0;
-  }();
-  park_signal = taken;
-  return taken;
+  static bool tried = false;
+  if (tried) return park_signal;
+  tried = true;
+  for (int sig = SIGRTMAX; sig >= SIGRTMIN; --sig) {
+    struct sigaction now {};
+    if (sigaction(sig, nullptr, &now) != 0 || now.sa_handler != SIG_DFL || (now.sa_flags & SA_SIGINFO)) continue;
+    struct sigaction act {};
+    act.sa_handler = park_handler;
+    sigemptyset(&act.sa_mask);
+    act.sa_flags = SA_RESTART;
+    if (sigaction(sig, &act, nullptr) == 0) return park_signal = sig;
+  }
+  return 0;
 }
 
 #if AT_PARALLEL_OPENMP
