@@ -9,6 +9,7 @@ from . import distributed  # noqa: F401  (fx2xla.distributed: many processes, on
 from .metrics import metrics, metrics_report
 from .offload import OffloadError, explain_memory, place_to_device, place_to_host
 from .package import LoadedModel, PackageError, export, load
+from .runtime.host_memory import release as release_host_memory
 from .scan import scan, scan_layers
 from .serving import RecompileError, TensorSpec, no_recompile, warmup
 from .passes.auto_sharding import InfeasibleBudget
@@ -18,4 +19,5 @@ from .version import __version__
 __all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError",
            "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "export", "load", "LoadedModel",
            "PackageError", "place_to_host", "place_to_device", "explain_memory", "OffloadError", "Mesh", "ShardedTensor", "mark_sharding", "clear_sharding", "explain_sharding", "shard_module", "fsdp", "ShardingError", "InfeasibleBudget",
+           "release_host_memory",
            "__version__"]

@@ -5,7 +5,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-from .runtime import client, executable_cache, executor, twins
+from .runtime import client, executable_cache, executor, host_memory, twins
 
 
 @dataclass
@@ -64,7 +64,8 @@ def metrics() -> dict:
     holds on each device fx2xla used (`device_memory`), and the bytes host offloading moved
     (`offloaded_bytes` into host memory, `reloaded_bytes` out of it), and the results kept as
     twins (`twin_records`; `twin_arrays_waiting`: a GPU's dropped results whose memory waits for
-    torch's stream, see runtime/twins.py)."""
+    torch's stream, see runtime/twins.py), and what fx2xla set of glibc's malloc thresholds
+    (`host_malloc`)."""
     out = dict(counters.__dict__)
     out["pass_seconds"] = dict(counters.pass_seconds)
     # Over every graph compiled in this process, freed ones included: executions, and with
@@ -100,6 +101,8 @@ def metrics() -> dict:
     # Per device fx2xla ran on: what XLA holds there ({"bytes_in_use", "peak_bytes_in_use",
     # "bytes_limit"}; None where the platform does not say).
     out["device_memory"] = {str(d): client.device_memory(d) for d in sorted(client.used_devices, key=str)}
+    # What fx2xla did to glibc's malloc thresholds (runtime/host_memory.py).
+    out["host_malloc"] = host_memory.status()
     return out
 
 

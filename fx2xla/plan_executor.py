@@ -27,6 +27,7 @@ from .errors import IndexOutOfRangeError
 from .plan import GraphPlan, InputKind, Move, OutputKind, OutputPlan, orders_after_torch
 from .runtime.client import device_of
 from .runtime.executor import make_launcher, make_recording, make_traceback_pause
+from .runtime import host_memory
 from .runtime import inplace as _inplace
 from .runtime import twins as _twins
 from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_order, make_stream_wait
@@ -158,6 +159,10 @@ class Specialization:
         # CPU: a long executable launched while torch's OpenMP workers spin runs with them parked
         # (torch_kernels.run_parked); decided here from XLA's cost analysis.
         self.park = plan.platform == "cpu" and torch_kernels.worth_parking(exe)
+        # CPU: glibc's malloc keeps the memory of XLA's freed buffers for the next call's instead
+        # of returning it and faulting fresh pages in (runtime/host_memory.py); once per process.
+        if plan.platform == "cpu":
+            host_memory.tune()
         # CPU, few-row matmuls: the library's helper threads poll for their splits' parts while a
         # call runs (torch_kernels.run_helped), as it is launched from any thread.
         self.helped = plan.platform == "cpu" and torch_kernels.worth_helping(exe)
