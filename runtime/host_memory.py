@@ -6,8 +6,8 @@ returns the free memory at the top of its heap to the system once it exceeds the
 threshold, which it sets to twice the largest chunk it has seen freed from an mmap (starting
 at 128 KiB), and serves requests from the mmap threshold up with a fresh mmap. Both send the
 next call's buffers to fresh pages, which fault on first touch: a Linear with a 4 MiB result
-took 90-380 minor faults per call, LLaMA 4L inference at 4 x 128 up to 290 where Inductor took
-none (docs/benchmarks.md, "Page faults of XLA's buffers").
+took 26-380 minor faults per call, LLaMA 4L inference at 4 x 128 up to 290 where Inductor's
+took 0-64 (docs/benchmarks.md, "Page faults of XLA's buffers").
 
 So, the first time a CPU executable is loaded (`tune`), fx2xla sets the mmap threshold to
 32 MiB (the highest glibc's own adjustment reaches on a 64-bit system) and the trim threshold to
@@ -25,6 +25,7 @@ or `glibc.malloc.*` tunable in the environment, a malloc other than glibc's inte
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 
@@ -57,12 +58,15 @@ def user_settings() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _glibc():
     """glibc's C library, or None (musl, macOS, no libc.so.6)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.gnu_get_libc_version.restype = ctypes.c_char_p
         libc.gnu_get_libc_version()
+        libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+        libc.malloc_trim.argtypes = (ctypes.c_size_t,)
         return libc
     except (OSError, AttributeError):
         return None
@@ -97,7 +101,6 @@ def _decide() -> str:
         return "left alone: not glibc"
     if _interposed(libc):
         return "left alone: malloc is not glibc's"
-    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     if not (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         return "left alone: mallopt refused"
     return f"set: mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB"
@@ -114,6 +117,5 @@ def release() -> bool:
     libc = _glibc()
     if libc is None or _interposed(libc):
         return False
-    libc.malloc_trim.argtypes = (ctypes.c_size_t,)
     libc.malloc_trim(0)
     return True
