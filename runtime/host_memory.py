@@ -37,7 +37,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 # The environment variables through which glibc takes malloc settings at start-up.
-_USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 _lock = threading.Lock()
 _status: str | None = None  # decided once per process by tune()
@@ -50,7 +50,7 @@ def tuning_off() -> bool:
 
 def user_settings() -> str | None:
     """The malloc setting the user gave the process at start-up, if any."""
-    for name in _USER_VARIABLES:
+    for name in USER_VARIABLES:
         if name in os.environ:
             return name
     if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
@@ -59,7 +59,7 @@ def user_settings() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _glibc():
+def glibc():
     """glibc's C library, or None (musl, macOS, no libc.so.6)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -96,7 +96,7 @@ def _decide() -> str:
     given = user_settings()
     if given:
         return f"left to the user: {given} is set"
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return "left alone: not glibc"
     if _interposed(libc):
@@ -114,7 +114,7 @@ def status() -> str:
 def release() -> bool:
     """Returns the free memory glibc keeps at the top of its heaps to the system
     (`malloc_trim(0)`); False where glibc's malloc is not the one in use."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None or _interposed(libc):
         return False
     libc.malloc_trim(0)

@@ -11,7 +11,7 @@ import pytest
 
 from fx2xla.runtime import host_memory
 
-pytestmark = pytest.mark.skipif(host_memory._glibc() is None, reason="glibc's malloc only")
+pytestmark = pytest.mark.skipif(host_memory.glibc() is None, reason="glibc's malloc only")
 
 _SCRIPT = r"""
 import ctypes, json, resource
@@ -75,7 +75,7 @@ print(json.dumps({"before": before, "after": host_memory.status(), "metrics": fx
 
 def _run(**env_overrides):
     env = {k: v for k, v in os.environ.items()
-           if k not in host_memory._USER_VARIABLES and k not in ("GLIBC_TUNABLES", "FX2XLA_MALLOC_TUNING")}
+           if k not in host_memory.USER_VARIABLES and k not in ("GLIBC_TUNABLES", "FX2XLA_MALLOC_TUNING")}
     env.update(env_overrides)
     out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
