@@ -117,17 +117,15 @@ def main() -> None:
                       + ", ".join(f"{k} {v['faults_per_call']:.0f}" for k, v in c.items())
                       + "; system ms per call "
                       + ", ".join(f"{k} {v['system_ms_per_call']:.2f}" for k, v in c.items()), flush=True)
-        summary = {}
-        for setting, rs in runs.items():
-            summary[setting] = {
-                "fx2xla_over_inductor": statistics.median(r["medians_ms"]["fx2xla"] / r["medians_ms"]["inductor"]
-                                                          for r in rs),
-                "fx2xla_over_eager": statistics.median(r["medians_ms"]["fx2xla"] / r["medians_ms"]["eager"]
-                                                       for r in rs),
-                "fx2xla_faults_per_call": statistics.median(r["counts"]["fx2xla"]["faults_per_call"] for r in rs),
-                "fx2xla_system_ms_per_call": statistics.median(r["counts"]["fx2xla"]["system_ms_per_call"]
-                                                               for r in rs),
-            }
+        # Per setting, the median over its processes of each child's figure.
+        figures = {
+            "fx2xla_over_inductor": lambda r: r["medians_ms"]["fx2xla"] / r["medians_ms"]["inductor"],
+            "fx2xla_over_eager": lambda r: r["medians_ms"]["fx2xla"] / r["medians_ms"]["eager"],
+            "fx2xla_faults_per_call": lambda r: r["counts"]["fx2xla"]["faults_per_call"],
+            "fx2xla_system_ms_per_call": lambda r: r["counts"]["fx2xla"]["system_ms_per_call"],
+        }
+        summary = {setting: {k: statistics.median(map(f, rs)) for k, f in figures.items()}
+                   for setting, rs in runs.items()}
         results["models"][name] = {"runs": runs, "summary": summary}
         s, g = summary["set"], summary["glibc"]
         print(f"{name:10s} medians over pairs, set / glibc's own: fx2xla / inductor {s['fx2xla_over_inductor']:.3f} / "
