@@ -1,10 +1,12 @@
 """glibc's malloc thresholds (runtime/host_memory.py), on and off, in alternating processes.
 
-    .venv/bin/python bench/host_memory.py [--models cnn,llama,mlp_train] [--pairs 2] [--rounds 9]
+    .venv/bin/python bench/host_memory.py [--models cnn,llama,mlp_train] [--pairs 2] [--rounds 9] [--no-pad]
 
 The setting is process-wide and is made once, so each measurement is a process of its own:
 for every model, `--pairs` pairs of child processes, one with fx2xla's setting and one with
-FX2XLA_MALLOC_TUNING=0 (glibc's own thresholds), run one after the other. Each child times
+FX2XLA_MALLOC_TUNING=0 (glibc's own thresholds), run one after the other; with `--no-pad`, a
+third (`no_pad`) with fx2xla's two thresholds given in the environment (which fx2xla then
+leaves to the user) and no top pad, which tells the pad's part. Each child times
 eager, Inductor and fx2xla called back to back (`back_to_back_medians`) and then counts, per
 call, the minor page faults and the system CPU time of a loop of calls of each. Inference
 models run under `torch.no_grad()`; `linear` is one nn.Linear with a 4 MiB result (1024 x 256
@@ -88,6 +90,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "host_memory.json"))
+    p.add_argument("--no-pad", action="store_true",
+                   help="also run processes with fx2xla's thresholds but no top pad (setting no_pad)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -99,6 +103,10 @@ def main() -> None:
         p.error(f"unknown models {unknown}; choose from {list(MODELS)}")
     base_env = {k: v for k, v in os.environ.items() if k != "FX2XLA_MALLOC_TUNING"}
     settings = {"set": base_env, "glibc": {**base_env, "FX2XLA_MALLOC_TUNING": "0"}}
+    if a.no_pad:
+        from fx2xla.runtime import host_memory
+        settings["no_pad"] = {**base_env, "MALLOC_MMAP_THRESHOLD_": str(host_memory.MMAP_THRESHOLD),
+                              "MALLOC_TRIM_THRESHOLD_": str(host_memory.TRIM_THRESHOLD)}
     results: dict = {"command": " ".join([Path(sys.executable).name] + sys.argv), "models": {}}
     for name in models:
         runs: dict = {s: [] for s in settings}
@@ -111,7 +119,7 @@ def main() -> None:
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 runs[setting].append(r)
                 m, c = r["medians_ms"], r["counts"]
-                print(f"{name:10s} {setting:5s} pair {pair}: fx2xla {m['fx2xla']:.2f} ms, inductor "
+                print(f"{name:10s} {setting:6s} pair {pair}: fx2xla {m['fx2xla']:.2f} ms, inductor "
                       f"{m['inductor']:.2f}, eager {m['eager']:.2f}; fx2xla / inductor "
                       f"{m['fx2xla'] / m['inductor']:.3f}, / eager {m['fx2xla'] / m['eager']:.3f}; faults per call "
                       + ", ".join(f"{k} {v['faults_per_call']:.0f}" for k, v in c.items())
@@ -127,12 +135,12 @@ def main() -> None:
         summary = {setting: {k: statistics.median(map(f, rs)) for k, f in figures.items()}
                    for setting, rs in runs.items()}
         results["models"][name] = {"runs": runs, "summary": summary}
-        s, g = summary["set"], summary["glibc"]
-        print(f"{name:10s} medians over pairs, set / glibc's own: fx2xla / inductor {s['fx2xla_over_inductor']:.3f} / "
-              f"{g['fx2xla_over_inductor']:.3f}, fx2xla / eager {s['fx2xla_over_eager']:.3f} / "
-              f"{g['fx2xla_over_eager']:.3f}, fx2xla faults per call {s['fx2xla_faults_per_call']:.0f} / "
-              f"{g['fx2xla_faults_per_call']:.0f}, system ms per call {s['fx2xla_system_ms_per_call']:.2f} / "
-              f"{g['fx2xla_system_ms_per_call']:.2f}", flush=True)
+        order = list(summary)  # set, glibc[, no_pad]
+        per = lambda key, spec: " / ".join(format(summary[k][key], spec) for k in order)  # noqa: E731
+        print(f"{name:10s} medians over pairs, {' / '.join(order)}: fx2xla / inductor "
+              f"{per('fx2xla_over_inductor', '.3f')}, fx2xla / eager {per('fx2xla_over_eager', '.3f')}, fx2xla faults "
+              f"per call {per('fx2xla_faults_per_call', '.0f')}, system ms per call "
+              f"{per('fx2xla_system_ms_per_call', '.2f')}", flush=True)
     from harness import write_json
     write_json(a.out, results)
     print(f"wrote {a.out}")
