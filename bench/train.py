@@ -1,6 +1,6 @@
 """Training step time of eager, Inductor and fx2xla, measured in one run.
 
-    .venv/bin/python bench/train.py [--models mlp,cnn,gpt2,gpt2_nodropout] [--rounds 15]
+    .venv/bin/python bench/train.py [--models mlp,cnn,gpt2,gpt2_nodropout] [--rounds 15] [--phases]
 
 One step = forward + loss + backward + AdamW step + zero_grad. Each contender trains its own
 copy of the model (same seed, same batch): eager; Inductor (`torch.compile` default backend
@@ -17,15 +17,21 @@ kind but "matmul"}: the column `mm` is fx2xla ÷ that) and with the optimizer's 
 loops, not in one compiled loop per parameter (every kind but "elementwise": the column `ew`),
 |dloss1| = |fx2xla - eager| first-step loss (rounding only without dropout; with dropout the
 random bits differ), and the 1-minute load average after timing (above the core count, other
-processes are skewing the figures). Raw numbers go to bench/results/train.json.
+processes are skewing the figures). With `--phases`, eager, Inductor and fx2xla also run steps
+timed phase by phase (forward, loss, backward, optimizer step, zero_grad: fresh copies, rounds
+interleaved), with the minor page faults of the process during each backward: medians per phase.
+Raw numbers go to bench/results/train.json.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import os
+import resource
+import statistics
 import sys
 import tempfile
+import time
 
 if __name__ == "__main__":
     # Cold compiler caches for honest first-step figures; set before torch is imported. (Only
@@ -101,7 +107,64 @@ def make_step(model, backend: str | None, x, y, foreach: bool | None = None, los
     return step, opt
 
 
-def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
+PHASES = ("forward", "loss", "backward", "optimizer", "zero_grad")
+
+
+def make_phased_step(model, backend: str | None, x, y, foreach: bool | None = None, loss=loss_fn, lr: float = 1e-4):
+    """make_step's step, timed phase by phase: `step(times)` appends each phase's seconds, and
+    the process's minor page faults during the backward, to the lists in `times`."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
+    if backend is None:
+        forward, opt_step = model, opt.step
+    else:
+        forward = torch.compile(model, backend=backend)
+        opt_step = torch.compile(opt.step, backend=backend)
+    clock = time.perf_counter
+
+    def faults():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    def step(times: dict):
+        t0 = clock()
+        out = forward(x)
+        t1 = clock()
+        value = loss(out, y)
+        t2 = clock()
+        f2 = faults()
+        value.backward()
+        f3 = faults()
+        t3 = clock()
+        opt_step()
+        t4 = clock()
+        opt.zero_grad(set_to_none=True)
+        t5 = clock()
+        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            times.setdefault(phase, []).append(seconds)
+        times.setdefault("backward_faults", []).append(f3 - f2)
+
+    return step
+
+
+def phase_medians(model, x, y, foreach: bool | None, rounds: int, steps_per_round: int = 5) -> dict:
+    """Per contender (eager, Inductor, fx2xla), the median of each phase's seconds and of the
+    backward's page faults, over `rounds` interleaved rounds of `steps_per_round` steps (each
+    contender's order rotated per round), after three untimed steps each."""
+    names = ("eager", "inductor", "fx2xla")
+    steps = {}
+    for name, backend in zip(names, (None, "inductor", "fx2xla")):
+        torch.manual_seed(1)
+        steps[name] = make_phased_step(copy.deepcopy(model), backend, x, y, foreach)
+        for _ in range(3):
+            steps[name]({})
+    times: dict = {name: {} for name in names}
+    for r in range(rounds):
+        for name in names[r % 3:] + names[:r % 3]:
+            for _ in range(steps_per_round):
+                steps[name](times[name])
+    return {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+
+
+def bench_case(name: str, rounds: int, foreach: bool | None = None, phases: bool = False) -> dict:
     torch.manual_seed(0)
     model, x, y = CASES[name][1]()
     model.train()
@@ -168,6 +231,8 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None) -> dict:
     # Steady state must not recompile or fall back to eager: report it if it does.
     res["fx2xla_graphs_compiled_while_timing"] = after["graphs"] - before["graphs"]
     res["fx2xla_fallback_ops"] = after["fallback_ops"]
+    if phases:
+        res["phases"] = phase_medians(model, x, y, foreach, rounds)
     return res
 
 
@@ -176,6 +241,8 @@ def main() -> None:
     p.add_argument("--models", default="mlp,gpt2,gpt2_nodropout", help=f"comma list of {','.join(CASES)}")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) (CPU default: single-tensor)")
+    p.add_argument("--phases", action="store_true",
+                   help="also time eager, Inductor and fx2xla steps phase by phase (forward, loss, backward, ...)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "train.json"))
     a = p.parse_args()
     results: dict = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -187,7 +254,7 @@ def main() -> None:
           f"{'ind/eager':>9s} {'1st eager':>11s} {'1st ind':>11s} {'1st fx2xla':>11s} {'|dloss1|':>9s} {'load':>5s}")
     for name in a.models.split(","):
         try:
-            r = bench_case(name, a.rounds, True if a.foreach else None)
+            r = bench_case(name, a.rounds, True if a.foreach else None, phases=a.phases)
         except Exception as e:  # report and go on: one failing model must not hide the rest
             print(f"{name:15s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
             results["models"][name] = {"error": f"{type(e).__name__}: {e}"}
@@ -208,6 +275,9 @@ def main() -> None:
             print(f"{'':15s} sl (fx2xla ÷ fx2xla with torch's kernels on whole batches): {r['batch_slicing_ratio']:.2f}")
         if "channels_last_ratio" in r:
             print(f"{'':15s} cl (fx2xla ÷ fx2xla transposing around each convolution): {r['channels_last_ratio']:.2f}")
+        for contender, med in r.get("phases", {}).items():
+            print(f"{'':15s} phases, {contender:8s}: " + ", ".join(f"{k} {med[k] * 1e3:.2f} ms" for k in PHASES)
+                  + f"; backward page faults {med['backward_faults']:.0f}")
         if r["fx2xla_graphs_compiled_while_timing"] or r["fx2xla_fallback_ops"]:
             print(f"{'':15s} note: fx2xla compiled {r['fx2xla_graphs_compiled_while_timing']} graphs while timing; "
                   f"{r['fx2xla_fallback_ops']} ops fell back to eager")

@@ -13,18 +13,19 @@ Buffers allocated on XLA's own threads come from glibc's per-thread arenas. An a
 heaps of at most 64 MiB (HEAP_MAX_SIZE: twice the largest mmap threshold), and once a heap past
 its arena's first is wholly free, `free` unmaps it (`heap_trim`, malloc/arena.c) unless the top
 pad asks to keep more than the heap before it could take. An MLP training step's two 16 MiB
-weight gradients, allocated on XLA's threads, took 4,000-8,000 faults per step that way, and
-its backward 1.5x its time.
+weight gradients, allocated on XLA's threads, took 4,100-8,700 faults per step that way, and
+its backward 1.5-2x its time.
 
 So, the first time a CPU executable is loaded (`tune`), fx2xla sets the mmap threshold to
 32 MiB (the highest glibc's own adjustment reaches on a 64-bit system), the trim threshold to
-1 GiB and the top pad to 64 MiB (HEAP_MAX_SIZE: no heap is then ever empty enough to unmap). A
+1 GiB and the top pad to 64 MiB (HEAP_MAX_SIZE: with that pad no heap is ever unmapped). A
 process then keeps the memory its buffers freed for its next allocations instead of returning
 it, up to its peak use; the top pad is address space, not memory: glibc asks for it beyond each
 growth of a heap but pages nothing in. Under the kernel's strict overcommit accounting
 (`vm.overcommit_memory=2`) that address space would be charged as memory, 64 MiB per arena, so
-there the top pad is not set. `release()` returns the main heap's free top and the free pages
-inside every arena on demand (`malloc_trim`).
+there the top pad is not set. `release()` returns the main heap's free top and the pages of
+free blocks inside every arena on demand (`malloc_trim`, which leaves the free tops of other
+threads' arenas: at most their peak use).
 
 Left alone where the user chose: `FX2XLA_MALLOC_TUNING=0`, any `MALLOC_*_` threshold variable
 or `glibc.malloc.*` tunable in the environment, a malloc other than glibc's interposed
@@ -40,7 +41,6 @@ import threading
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
-
 
 # mallopt's parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -144,8 +144,9 @@ def status() -> str:
 
 
 def release() -> bool:
-    """Returns the free memory glibc keeps at the top of its heaps to the system
-    (`malloc_trim(0)`); False where glibc's malloc is not the one in use."""
+    """Returns the free memory glibc keeps at the top of the main heap, and the pages of free
+    blocks in every arena, to the system (`malloc_trim(0)`); False where glibc's malloc is not
+    the one in use."""
     libc = glibc()
     if libc is None or _interposed(libc):
         return False

@@ -1,0 +1,25 @@
+"""bench/train.py runs end to end on the CPU for the MLP with `--phases`: the step's medians for
+every contender, fx2xla's first loss within 1e-4 of eager's (float32; the MLP has no dropout,
+so only rounding differs), and per phase (forward, loss, backward, optimizer step, zero_grad)
+a positive finite median for eager, Inductor and fx2xla, with the backward's page faults
+counted and printed."""
+import math
+
+from tests.conftest import run_bench
+
+
+def test_train_bench_phases(tmp_path):
+    r, printed = run_bench("train.py", ["--models", "mlp", "--rounds", "1", "--phases"], tmp_path / "train.json",
+                           timeout=1200)
+    m = r["models"]["mlp"]
+    assert "error" not in m, m.get("error")
+    for contender in ("eager", "inductor", "fx2xla"):
+        assert math.isfinite(m[f"{contender}_s"]) and m[f"{contender}_s"] > 0
+    assert m["first_loss_abs_diff_vs_eager"] < 1e-4
+    assert set(m["phases"]) == {"eager", "inductor", "fx2xla"}
+    for contender, med in m["phases"].items():
+        for phase in ("forward", "loss", "backward", "optimizer", "zero_grad"):
+            assert math.isfinite(med[phase]) and med[phase] > 0, (contender, phase, med)
+        assert med["backward_faults"] >= 0
+        assert f"phases, {contender}" in printed
+    assert "backward page faults" in printed
