@@ -19,7 +19,9 @@ loops, not in one compiled loop per parameter (every kind but "elementwise": the
 random bits differ), and the 1-minute load average after timing (above the core count, other
 processes are skewing the figures). With `--phases`, eager, Inductor and fx2xla also run steps
 timed phase by phase (forward, loss, backward, optimizer step, zero_grad: fresh copies, rounds
-interleaved), with the minor page faults of the process during each backward: medians per phase.
+interleaved), with the minor page faults of the process during each backward: medians per phase;
+and how many parts fx2xla's handlers split their work into in those steps, and how many of those
+another thread ran (`torch_kernels.split_parts`).
 Raw numbers go to bench/results/train.json.
 """
 from __future__ import annotations
@@ -157,11 +159,19 @@ def phase_medians(model, x, y, foreach: bool | None, rounds: int, steps_per_roun
         for _ in range(3):
             steps[name]({})
     times: dict = {name: {} for name in names}
+    parts = {"parts": 0, "elsewhere": 0}  # fx2xla's splits: parts, and those another thread ran
     for r in range(rounds):
         for name in names[r % 3:] + names[:r % 3]:
+            before = fx2xla.torch_kernels.split_parts()
             for _ in range(steps_per_round):
                 steps[name](times[name])
-    return {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+            if name == "fx2xla":
+                after = fx2xla.torch_kernels.split_parts()
+                for k in parts:
+                    parts[k] += after[k] - before[k]
+    res = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+    res["fx2xla_split_parts"] = parts
+    return res
 
 
 def bench_case(name: str, rounds: int, foreach: bool | None = None, phases: bool = False) -> dict:
@@ -275,9 +285,14 @@ def main() -> None:
             print(f"{'':15s} sl (fx2xla ÷ fx2xla with torch's kernels on whole batches): {r['batch_slicing_ratio']:.2f}")
         if "channels_last_ratio" in r:
             print(f"{'':15s} cl (fx2xla ÷ fx2xla transposing around each convolution): {r['channels_last_ratio']:.2f}")
-        for contender, med in r.get("phases", {}).items():
+        phases = dict(r.get("phases", {}))
+        split = phases.pop("fx2xla_split_parts", None)
+        for contender, med in phases.items():
             print(f"{'':15s} phases, {contender:8s}: " + ", ".join(f"{k} {med[k] * 1e3:.2f} ms" for k in PHASES)
                   + f"; backward page faults {med['backward_faults']:.0f}")
+        if split:
+            print(f"{'':15s} fx2xla's splits in those steps: {split['parts']} parts, {split['elsewhere']} run "
+                  "by a thread other than the handler's caller")
         if r["fx2xla_graphs_compiled_while_timing"] or r["fx2xla_fallback_ops"]:
             print(f"{'':15s} note: fx2xla compiled {r['fx2xla_graphs_compiled_while_timing']} graphs while timing; "
                   f"{r['fx2xla_fallback_ops']} ops fell back to eager")

@@ -282,6 +282,8 @@ def _load() -> tuple[bool, str]:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
         lib.fx2xla_torch_kernels_set_slicing.argtypes = [ctypes.c_int]
         lib.fx2xla_torch_kernels_sliced_calls.restype = ctypes.c_int64
+        lib.fx2xla_split_parts.argtypes = [ctypes.POINTER(ctypes.c_int64)] * 2
+        lib.fx2xla_split_parts.restype = None
         lib.fx2xla_run_parked.argtypes = [_PARKED_FN, ctypes.c_void_p]
         lib.fx2xla_helped_parts.restype = ctypes.c_int64
         lib.fx2xla_helper_count.restype = ctypes.c_int64
@@ -597,6 +599,18 @@ def sliced_calls() -> int:
     """How many handler calls in this process cut their batch into slices (0 where the library
     is not loaded)."""
     return int(_lib.fx2xla_torch_kernels_sliced_calls()) if load()[0] else 0
+
+
+def split_parts() -> dict:
+    """The parts of every split the handlers made in this process (`parts`: batch slices, column
+    blocks), and how many of them a thread other than the handler's caller ran (`elsewhere`):
+    where that stays near 0, XLA's pool joined no split and the parts ran one after another.
+    Zeros where the library is not loaded."""
+    if not load()[0]:
+        return {"parts": 0, "elsewhere": 0}
+    parts, elsewhere = ctypes.c_int64(), ctypes.c_int64()
+    _lib.fx2xla_split_parts(ctypes.byref(parts), ctypes.byref(elsewhere))
+    return {"parts": parts.value, "elsewhere": elsewhere.value}
 
 
 def batch_slicing(on: bool):

@@ -2,8 +2,11 @@
 every contender, fx2xla's first loss within 1e-4 of eager's (float32; the MLP has no dropout,
 so only rounding differs), and per phase (forward, loss, backward, optimizer step, zero_grad)
 a positive finite median for eager, Inductor and fx2xla, with the backward's page faults
-counted and printed."""
+counted and printed, and fx2xla's split parts counted (where the kernel library is built, its
+five matmuls are split, so some; else none)."""
 import math
+
+from fx2xla import torch_kernels
 
 from tests.conftest import run_bench
 
@@ -16,10 +19,13 @@ def test_train_bench_phases(tmp_path):
     for contender in ("eager", "inductor", "fx2xla"):
         assert math.isfinite(m[f"{contender}_s"]) and m[f"{contender}_s"] > 0
     assert m["first_loss_abs_diff_vs_eager"] < 1e-4
+    split = m["phases"].pop("fx2xla_split_parts")
+    assert (split["parts"] > 0) == torch_kernels.available("matmul")
+    assert 0 <= split["elsewhere"] <= split["parts"]
     assert set(m["phases"]) == {"eager", "inductor", "fx2xla"}
     for contender, med in m["phases"].items():
         for phase in ("forward", "loss", "backward", "optimizer", "zero_grad"):
             assert math.isfinite(med[phase]) and med[phase] > 0, (contender, phase, med)
         assert med["backward_faults"] >= 0
         assert f"phases, {contender}" in printed
-    assert "backward page faults" in printed
+    assert "backward page faults" in printed and "fx2xla's splits in those steps" in printed

@@ -162,6 +162,10 @@ class SingleThreaded {
 
 std::atomic<bool> slicing{true};  // fx2xla_torch_kernels_set_slicing
 std::atomic<int64_t> sliced_calls{0};  // fx2xla_torch_kernels_sliced_calls
+// Parts of every split (run_split) so far, and how many of them a thread other than the caller
+// ran: where the second stays near 0, the splits ran on the caller alone (fx2xla_split_parts).
+std::atomic<int64_t> split_parts{0};
+std::atomic<int64_t> split_parts_elsewhere{0};
 
 // The cores this process may run on (its affinity mask): XLA's pool may hold more threads than
 // that (one per virtual device, say), and slices beyond the cores would only queue.
@@ -312,7 +316,9 @@ void run_split(int64_t parts, ffi::ThreadPool& pool, const std::function<void(in
   int64_t tasks = helpers < 0 ? parts - 1 : std::min(parts - 1, helpers);
   if (posted) tasks = std::max<int64_t>(0, tasks - helping.spinning.load(std::memory_order_acquire));
   for (int64_t i = 0; i < tasks; ++i) pool.Schedule([state] { state->work(); });
-  state->work();
+  int64_t mine = state->work();
+  split_parts.fetch_add(parts, std::memory_order_relaxed);
+  split_parts_elsewhere.fetch_add(parts - mine, std::memory_order_relaxed);
   if (posted) {
     take_back_split(state);
     // The helpers are running: whatever part one holds ends sooner than a sleep's wake-up would.
@@ -1459,6 +1465,13 @@ extern "C" int fx2xla_torch_kernels_set_slicing(int on) { return slicing.exchang
 
 // How many handler calls cut their batch into slices so far, in this process.
 extern "C" int64_t fx2xla_torch_kernels_sliced_calls() { return sliced_calls.load(); }
+
+// The parts of every split so far in this process, and how many of them ran on a thread other
+// than the handler's caller (XLA's pool or a helper).
+extern "C" void fx2xla_split_parts(int64_t* parts, int64_t* elsewhere) {
+  *parts = split_parts.load();
+  *elsewhere = split_parts_elsewhere.load();
+}
 
 // Pins the `bytes` bytes at `data`: the buffer of a weight the caller holds, whose bytes stay the
 // weight's while pinned (see packed_weight). Pinning a pinned buffer again drops its packs.

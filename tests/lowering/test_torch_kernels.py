@@ -186,6 +186,35 @@ def test_convolution_backward(case, dtype):
 @needs_kernels
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or "OpenMP" not in torch.__config__.parallel_info(),
                     reason="slicing needs two cores and torch on OpenMP")
+def test_split_parts_counted():
+    """split_parts() counts the parts of every split: 20 calls of a sliced convolution (a batch of
+    9) add at least two parts each, of which at most all but one ran on a thread other than the
+    handler's caller (the caller claims the first part of its own split), and the result is
+    eager's within float32 rtol/atol 1e-5 (relative to the largest output); with slicing off the
+    calls add no part."""
+    fn, xs, ws = CASES["conv2d"]
+    torch.manual_seed(0)
+    x, w, b = torch.randn((9,) + xs[1:]), torch.randn(ws), torch.randn(ws[0])
+    compiled = torch.compile(fn, backend="fx2xla", fullgraph=True)
+    with torch.no_grad():
+        want = fn(x, w, b)
+        compiled(x, w, b)
+        before = torch_kernels.split_parts()
+        for _ in range(20):
+            got = compiled(x, w, b)
+        after = torch_kernels.split_parts()
+        parts, elsewhere = after["parts"] - before["parts"], after["elsewhere"] - before["elsewhere"]
+        assert parts >= 40
+        assert 0 <= elsewhere <= parts - 20
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        with torch_kernels.batch_slicing(False):
+            compiled(x, w, b)
+        assert torch_kernels.split_parts() == after
+
+
+@needs_kernels
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or "OpenMP" not in torch.__config__.parallel_info(),
+                    reason="slicing needs two cores and torch on OpenMP")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["conv2d", "conv1d", "conv_transpose2d"])
 def test_batch_slicing(case, dtype):
