@@ -87,17 +87,23 @@ def loss_fn(out, target):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
+def _compiled_parts(model, backend: str | None, foreach: bool | None, lr: float, options: dict | None = None,
+                    optimizer_options: dict | None = None):
+    """(AdamW over the model's parameters, the forward, the optimizer step): both compiled with
+    `backend` (and its options), or eager's own where backend is None."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
+    if backend is None:
+        return opt, model, opt.step
+    return (opt, torch.compile(model, backend=backend, options=options),
+            torch.compile(opt.step, backend=backend, options=optimizer_options))
+
+
 def make_step(model, backend: str | None, x, y, foreach: bool | None = None, loss=loss_fn, lr: float = 1e-4,
               options: dict | None = None, optimizer_options: dict | None = None):
     """A training step closure for one contender (backend None: eager). foreach None is
     torch's default, which on CPU is the single-tensor AdamW. `options`: the backend's, for the
     model; `optimizer_options`: for the optimizer step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
-    if backend is None:
-        forward, opt_step = model, opt.step
-    else:
-        forward = torch.compile(model, backend=backend, options=options)
-        opt_step = torch.compile(opt.step, backend=backend, options=optimizer_options)
+    opt, forward, opt_step = _compiled_parts(model, backend, foreach, lr, options, optimizer_options)
 
     def step():
         value = loss(forward(x), y)
@@ -115,12 +121,7 @@ PHASES = ("forward", "loss", "backward", "optimizer", "zero_grad")
 def make_phased_step(model, backend: str | None, x, y, foreach: bool | None = None, loss=loss_fn, lr: float = 1e-4):
     """make_step's step, timed phase by phase: `step(times)` appends each phase's seconds, and
     the process's minor page faults during the backward, to the lists in `times`."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
-    if backend is None:
-        forward, opt_step = model, opt.step
-    else:
-        forward = torch.compile(model, backend=backend)
-        opt_step = torch.compile(opt.step, backend=backend)
+    opt, forward, opt_step = _compiled_parts(model, backend, foreach, lr)
     clock = time.perf_counter
 
     def faults():
