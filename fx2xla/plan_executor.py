@@ -94,6 +94,14 @@ class Twin(NamedTuple):
     written_input: int  # the input position the result is written to, or -1 for an output
 
 
+def _launch_and_wait(launch, result: int, bufs):
+    """launch(bufs), returned once the execution has ended: XLA:CPU's client makes every result
+    of one execution ready by the same event, so waiting for `result` waits for all of them."""
+    outs = launch(bufs)
+    outs[result].block_until_ready()
+    return outs
+
+
 class Specialization:
     """One executable and how to call it (one per concrete input signature). Read by reports,
     benches and tests: `exe` (the loaded executable), `lowered` (its LoweredGraph: module text,
@@ -102,7 +110,7 @@ class Specialization:
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
                  "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "kept", "keeps_arrays",
-                 "park", "helped", "in_place", "twinned_in_place", "wait_for_writes", "stages")
+                 "park", "parked_launch", "helped", "in_place", "twinned_in_place", "wait_for_writes", "stages")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
                  lowered=None, sharded_outputs: bool = False, training: bool = False):
@@ -166,6 +174,15 @@ class Specialization:
         # CPU, few-row matmuls: the library's helper threads poll for their splits' parts while a
         # call runs (torch_kernels.run_helped), as it is launched from any thread.
         self.helped = plan.platform == "cpu" and torch_kernels.worth_helping(exe)
+        # What a parked call runs: the launch and, where no result is exported (every result is
+        # written in place: an optimizer step), the wait for the execution too. The workers must
+        # stay parked until the execution ends, not only through its launch: released early,
+        # they spin beside it (an MLP's AdamW step took 9-10 ms so against 7.5 ms without the
+        # spin; docs/benchmarks.md, "Parked until the execution ends").
+        launch = functools.partial(_run_helped, self.launch) if self.helped else self.launch
+        self.parked_launch = launch
+        if self.park and placed is None and not self.stages and self.in_place:
+            self.parked_launch = functools.partial(_launch_and_wait, launch, self.in_place[0][1])
 
 
 class PlanExecutor:
@@ -338,7 +355,7 @@ class PlanExecutor:
 
     @staticmethod
     def _launch_parked(spec: Specialization, bufs):
-        return _run_parked(_run_helped, spec.launch, bufs) if spec.helped else _run_parked(spec.launch, bufs)
+        return _run_parked(spec.parked_launch, bufs)
 
     def _import(self, args, stages: dict | None = None) -> list:
         """The executable's arguments for one call: every passed input's device buffer

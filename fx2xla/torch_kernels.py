@@ -291,6 +291,8 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_help_begin.argtypes = lib.fx2xla_help_end.argtypes = []
         lib.fx2xla_help_begin.restype = lib.fx2xla_help_end.restype = None
         lib.fx2xla_torch_team_running.argtypes = []
+        lib.fx2xla_torch_team_cpu_ns.restype = ctypes.c_int64
+        lib.fx2xla_torch_team_cpu_ns.argtypes = []
         lib.fx2xla_parked_calls.restype = ctypes.c_int64
         lib.fx2xla_set_park_signals.argtypes = [ctypes.c_int]
         lib.fx2xla_signal_parked_calls.restype = ctypes.c_int64
@@ -504,6 +506,13 @@ def worth_helping(exe) -> bool:
 def torch_team_running() -> bool:
     """Whether this is the main thread and a worker of its torch OpenMP team runs right now."""
     return bool(_lib.fx2xla_torch_team_running()) if load()[0] else False
+
+
+def torch_team_cpu_seconds() -> float:
+    """The CPU time the other members of the main thread's torch OpenMP team have run so far
+    (0.0 off the main thread, where torch is not on OpenMP or runs one thread, or where the
+    library is not loaded): it stands still while a call is parked."""
+    return _lib.fx2xla_torch_team_cpu_ns() / 1e9 if load()[0] else 0.0
 
 
 def run_parked(fn, *args):

@@ -1675,6 +1675,22 @@ extern "C" int fx2xla_torch_team_running() {
   return 0;
 }
 
+// The CPU time the other members of the main thread's torch team have run so far, in ns (0 where
+// torch is not on OpenMP, runs one thread, or this is not the main thread): while a call is
+// parked it stands still.
+extern "C" int64_t fx2xla_torch_team_cpu_ns() {
+#if AT_PARALLEL_OPENMP
+  if (!on_main_thread() || omp_in_parallel()) return 0;
+  int threads = at::get_num_threads();
+  if (threads < 2) return 0;
+  int64_t total = 0;
+  for (clockid_t c : current_team(threads).clocks) total += cpu_ns(c);
+  return total;
+#else
+  return 0;
+#endif
+}
+
 std::atomic<int64_t> parked_calls{0};  // fx2xla_parked_calls
 
 // Runs fn(arg) on the calling thread with the other members of its torch team parked until fn
