@@ -177,8 +177,9 @@ class Specialization:
         # What a parked call runs: the launch and, where no result is exported (every result is
         # written in place: an optimizer step), the wait for the execution too. The workers must
         # stay parked until the execution ends, not only through its launch: released early,
-        # they spin beside it (an MLP's AdamW step took 9-10 ms so against 7.5 ms without the
-        # spin; docs/benchmarks.md, "Parked until the execution ends").
+        # they spin beside it (right after eager work, an MLP's AdamW step took 9.3-10.2 ms
+        # parked through its launch, 7.3-7.7 ms parked to its end; docs/benchmarks.md, "Parked
+        # until the execution ends").
         launch = functools.partial(_run_helped, self.launch) if self.helped else self.launch
         self.parked_launch = launch
         if self.park and placed is None and not self.stages and self.in_place:
