@@ -1655,6 +1655,16 @@ bool park_handler_installed() {
          now.sa_handler == park_handler;
 }
 
+#if AT_PARALLEL_OPENMP
+// The main thread's team, whose workers the two functions below watch: null off the main thread,
+// inside a region, or where torch runs one thread.
+Team* watched_team() {
+  if (!on_main_thread() || omp_in_parallel()) return nullptr;
+  int threads = at::get_num_threads();
+  return threads < 2 ? nullptr : &current_team(threads);
+}
+#endif
+
 }  // namespace
 
 // 1 where the calling thread is the process's main thread, outside a parallel region, torch runs
@@ -1662,10 +1672,9 @@ bool park_handler_installed() {
 // two reads, a syscall apart: spinning after a region, or working); else 0.
 extern "C" int fx2xla_torch_team_running() {
 #if AT_PARALLEL_OPENMP
-  if (!on_main_thread() || omp_in_parallel()) return 0;
-  int threads = at::get_num_threads();
-  if (threads < 2) return 0;
-  Team& team = current_team(threads);
+  Team* found = watched_team();
+  if (!found) return 0;
+  Team& team = *found;
   std::vector<int64_t> before;
   before.reserve(team.clocks.size());
   for (clockid_t c : team.clocks) before.push_back(cpu_ns(c));
@@ -1680,11 +1689,10 @@ extern "C" int fx2xla_torch_team_running() {
 // parked it stands still.
 extern "C" int64_t fx2xla_torch_team_cpu_ns() {
 #if AT_PARALLEL_OPENMP
-  if (!on_main_thread() || omp_in_parallel()) return 0;
-  int threads = at::get_num_threads();
-  if (threads < 2) return 0;
+  Team* team = watched_team();
+  if (!team) return 0;
   int64_t total = 0;
-  for (clockid_t c : current_team(threads).clocks) total += cpu_ns(c);
+  for (clockid_t c : team->clocks) total += cpu_ns(c);
   return total;
 #else
   return 0;
