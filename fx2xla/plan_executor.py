@@ -94,14 +94,6 @@ class Twin(NamedTuple):
     written_input: int  # the input position the result is written to, or -1 for an output
 
 
-def _launch_and_wait(launch, result: int, bufs):
-    """launch(bufs), returned once the execution has ended: XLA:CPU's client makes every result
-    of one execution ready by the same event, so waiting for `result` waits for all of them."""
-    outs = launch(bufs)
-    outs[result].block_until_ready()
-    return outs
-
-
 class Specialization:
     """One executable and how to call it (one per concrete input signature). Read by reports,
     benches and tests: `exe` (the loaded executable), `lowered` (its LoweredGraph: module text,
@@ -110,7 +102,7 @@ class Specialization:
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
                  "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "kept", "keeps_arrays",
-                 "park", "parked_launch", "helped", "in_place", "twinned_in_place", "wait_for_writes", "stages")
+                 "park", "parked_wait", "helped", "in_place", "twinned_in_place", "wait_for_writes", "stages")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
                  lowered=None, sharded_outputs: bool = False, training: bool = False):
@@ -174,16 +166,15 @@ class Specialization:
         # CPU, few-row matmuls: the library's helper threads poll for their splits' parts while a
         # call runs (torch_kernels.run_helped), as it is launched from any thread.
         self.helped = plan.platform == "cpu" and torch_kernels.worth_helping(exe)
-        # What a parked call runs: the launch and, where no result is exported (every result is
-        # written in place: an optimizer step), the wait for the execution too. The workers must
-        # stay parked until the execution ends, not only through its launch: released early,
-        # they spin beside it (right after eager work, an MLP's AdamW step took 9.3-10.2 ms
-        # parked through its launch, 7.3-7.7 ms parked to its end; docs/benchmarks.md, "Parked
-        # until the execution ends").
-        launch = functools.partial(_run_helped, self.launch) if self.helped else self.launch
-        self.parked_launch = launch
-        if self.park and placed is None and not self.stages and self.in_place:
-            self.parked_launch = functools.partial(_launch_and_wait, launch, self.in_place[0][1])
+        # Parked workers stay parked until the execution ends, not only through its launch:
+        # released early, they spin beside it (right after eager work, an MLP's AdamW step took
+        # 9.3-10.2 ms parked through its launch, 7.3-7.7 ms parked to its end; docs/
+        # benchmarks.md, "Parked until the execution ends"). A call that exports a result returns
+        # only after the execution; one whose every result is written in place (an optimizer
+        # step) exports none, and its parked call waits for `parked_wait`'s result (XLA:CPU's
+        # client makes every result of one execution ready by the same event). None: no wait.
+        self.parked_wait = (self.in_place[0][1] if self.park and placed is None and not self.stages and self.in_place
+                            else None)
 
 
 class PlanExecutor:
@@ -356,7 +347,16 @@ class PlanExecutor:
 
     @staticmethod
     def _launch_parked(spec: Specialization, bufs):
-        return _run_parked(spec.parked_launch, bufs)
+        if spec.parked_wait is None:
+            return _run_parked(PlanExecutor._launch, spec, bufs)
+        return _run_parked(PlanExecutor._launch_and_wait, spec, bufs)
+
+    @staticmethod
+    def _launch_and_wait(spec: Specialization, bufs):
+        """The launch, returned once the execution has ended (spec.parked_wait's result ready)."""
+        outs = PlanExecutor._launch(spec, bufs)
+        outs[spec.parked_wait].block_until_ready()
+        return outs
 
     def _import(self, args, stages: dict | None = None) -> list:
         """The executable's arguments for one call: every passed input's device buffer
