@@ -28,6 +28,9 @@ False} (torch's math decomposition of attention instead of fx2xla's rule on the 
 False} (each weight read as torch holds it, [out, in], instead of a copy laid out [in, out]); `wl`
 (the same models): fx2xla ÷ fx2xla with options={"linear_weight_lhs": False} (matmuls of 4-64 rows
 as x . W^T instead of (W . x^T)^T; the models at 512 rows compute the same program either way).
+`ww` (bf16/float16 models with nn.Linear): fx2xla ÷ fx2xla with
+options={"widened_linear_weights": False} (each weight read in its own dtype by XLA:CPU's dot,
+which converts it to float32 on every call, instead of a float32 copy made once).
 `rc` (bf16/float16 models with convolutions): fx2xla ÷ fx2xla with torch's convolutions computed
 the other way (fx2xla.torch_kernels.reduced_convolutions): in the dtype where this CPU widens them
 to float32 (no bf16/float16 instructions), widened where it has them.
@@ -273,6 +276,11 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
             rhs = torch.compile(model, backend="fx2xla", fullgraph=True, options={"linear_weight_lhs": False})
             rhs(*args)
             contenders["fx2xla_weight_rhs"] = rhs
+        if dtype in (torch.bfloat16, torch.float16) and has_linear(model):
+            # nn.Linear weights read in their own dtype, not through float32 copies
+            narrow = torch.compile(model, backend="fx2xla", fullgraph=True, options={"widened_linear_weights": False})
+            narrow(*args)
+            contenders["fx2xla_not_widened"] = narrow
         if has_attention(model):
             # torch's math decomposition of attention instead of fx2xla's rule on the one op
             decomposed = torch.compile(model, backend="fx2xla", fullgraph=True, options={"attention_op": False})
@@ -305,6 +313,8 @@ def bench_model(case, rounds: int, dtype: torch.dtype) -> dict:
         res["linear_layout_ratio"] = med["fx2xla"] / med["fx2xla_linear_as_is"]
     if "fx2xla_weight_rhs" in med:
         res["weight_lhs_ratio"] = med["fx2xla"] / med["fx2xla_weight_rhs"]
+    if "fx2xla_not_widened" in med:
+        res["widened_weights_ratio"] = med["fx2xla"] / med["fx2xla_not_widened"]
     if "fx2xla_decomposed_attention" in med:
         res["attention_op_ratio"] = med["fx2xla"] / med["fx2xla_decomposed_attention"]
     res["index_checks"] = checks
@@ -331,7 +341,7 @@ def main() -> None:
         e = o["embedding_lookup"]
         print(f"  index checks on an 8-id embedding lookup: {e['delta_s'] * 1e6:+.1f} us per call "
               f"({fmt_time(e['checked_s'])} checked vs {fmt_time(e['unchecked_s'])}; ratio {e['ratio']:.3f})")
-    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'b2b/e':>6s} {'b2b/i':>6s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'ip':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s} {'wl':>5s} {'rc':>5s}"
+    header = f"\n{'model':12s} {'eager':>11s} {'inductor':>11s} {'fx2xla':>11s} {'fx/eager':>9s} {'fx/ind':>7s} {'ind/eager':>9s} {'1st fx2xla':>11s} {'1st ind':>10s} {'max|err|':>9s} {'b2b/e':>6s} {'b2b/i':>6s} {'chk':>5s} {'tk':>5s} {'sl':>5s} {'pk':>5s} {'ip':>5s} {'cl':>5s} {'at':>5s} {'lw':>5s} {'wl':>5s} {'ww':>5s} {'rc':>5s}"
     print(header)
     for dt_name in a.dtypes.split(","):
         dtype = getattr(torch, dt_name)
@@ -355,7 +365,8 @@ def main() -> None:
                   f"{r.get('in_place_writes_ratio', float('nan')):5.2f} "
                   f"{r.get('channels_last_ratio', float('nan')):5.2f} "
                   f"{r.get('attention_op_ratio', float('nan')):5.2f} {r.get('linear_layout_ratio', float('nan')):5.2f} "
-                  f"{r.get('weight_lhs_ratio', float('nan')):5.2f} {r.get('reduced_convolutions_ratio', float('nan')):5.2f}")
+                  f"{r.get('weight_lhs_ratio', float('nan')):5.2f} {r.get('widened_weights_ratio', float('nan')):5.2f} "
+                  f"{r.get('reduced_convolutions_ratio', float('nan')):5.2f}")
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")
 

@@ -21,7 +21,7 @@ from .compiled_graph import CompiledGraph, static_input_indices
 from .decompositions import attention_op_table, decomposition_table
 from .distributed import process_share
 from .errors import InvalidInputError
-from .lowering.linalg import check_linear_layout
+from .lowering.linalg import check_linear_layout, check_widened_option
 from .metrics import counters, live_graphs
 from .offload import note_forward, parse_offload, plan_offload
 from .partition import partitioned_graph, unsupported_nodes
@@ -82,6 +82,12 @@ OPTIONS = {
                           "transposed weight (nn.Linear's) as (W . x^T)^T, the weight as the dot's left operand, "
                           "which XLA:CPU's dot runs faster at those rows; their weights stay as torch holds them "
                           "(not laid out [in, out]); False: x . W^T"),
+    "widened_linear_weights": (True, "on the CPU, inference graphs import bf16 and float16 weights that only "
+                               "matmuls of 16 rows or more read (nn.Linear's, Conv1D's) as float32 copies, once "
+                               "while unchanged, and multiply those: XLA:CPU's half-precision dot converts the "
+                               "weight to float32 on every call (each copy takes twice its weight's memory), up to "
+                               "1 GiB of copies per graph; \"always\": every such weight; False: the dot reads the "
+                               "weights as torch holds them"),
     "merge_linears": (True, "on the CPU, inference graphs multiply one activation of 2-64 rows by the float32 "
                       "nn.Linear weights that read it (q/k/v projections, gate and up) in one matmul, against "
                       "the weights concatenated once per update in torch (the copy takes those weights' memory "
@@ -102,6 +108,7 @@ def _check_options(options: dict | None) -> dict:
         if not isinstance(opts[name], bool):
             raise ValueError(f"fx2xla: option {name}={opts[name]!r}; expected True or False")
     check_linear_layout(opts["transposed_linear_weights"], "fx2xla: option ")
+    check_widened_option(opts["widened_linear_weights"], "fx2xla: option ")
     if opts["fallback"] not in ("eager", "error"):
         raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
     if opts["partitioner"] not in ("min_cut", "default"):
@@ -218,6 +225,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                 linear_weights_kn=options["transposed_linear_weights"],
                 merge_linears=options["merge_linears"], training=kind != "inference",
                 linear_weight_lhs=options["linear_weight_lhs"],
+                widened_linear_weights=options["widened_linear_weights"],
             ),
             static_input_indices(len(example_inputs)),
         )
@@ -235,7 +243,8 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
                              relaid_weights=kind == "inference" and options.get("_steady_weights", True),
                              linear_weights_kn=options["transposed_linear_weights"],
                              merge_linears=options["merge_linears"], training=kind != "inference",
-                             linear_weight_lhs=options["linear_weight_lhs"])
+                             linear_weight_lhs=options["linear_weight_lhs"],
+                             widened_linear_weights=options["widened_linear_weights"])
     if saved is not None:
         saved[1].extend(compiled.output_strides())
     if kind == "forward" and offload is not None:

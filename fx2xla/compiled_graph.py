@@ -95,7 +95,7 @@ class CompiledGraph:
                  input_names: list[str] | None = None, torch_kernels=True, saved_outputs=frozenset(),
                  channels_last: bool = True, relaid_weights: bool = False,
                  linear_weights_kn: bool | str = True, merge_linears: bool = False, training: bool = False,
-                 linear_weight_lhs: bool = False):
+                 linear_weight_lhs: bool = False, widened_linear_weights: bool | str = False):
         """`offload`: host offloading (offload.py): (input positions, output positions) whose
         values live in host memory, or None. `solution`: auto-sharding's, kept as
         `auto_sharding` for reports. `input_names`: the user's names of the inputs (`L['x']`),
@@ -109,6 +109,9 @@ class CompiledGraph:
         `linear_weight_lhs` (the option of that name): a CPU inference graph's float32 matmuls
         of 4-64 rows against a transposed weight compute (W . x^T)^T (lowering/linalg.py); it
         copies no weight, so it applies to weights that are inference tensors too.
+        `widened_linear_weights` (the option of that name: True, False or "always"): with
+        `relaid_weights`, a CPU inference graph's bf16/float16 nn.Linear weights read by matmuls
+        of many rows are imported as float32 copies (plan.build_plan).
         `training`: a forward or backward graph, whose returned results the next graph reads
         (kept as twins on the CPU too: plan_executor.twin_results)."""
         # In the instance dict: AOTAutograd wraps backward compilers' results with
@@ -144,7 +147,9 @@ class CompiledGraph:
                                       and "few_rows_matmul" in _torch_kernels.kinds(torch_kernels)
                                       and _torch_kernels.available("few_rows_matmul"),
                                       device.platform == "cpu" and "elementwise" in self._lowered_kernels
-                                      and _torch_kernels.available("elementwise"))
+                                      and _torch_kernels.available("elementwise"),
+                                      widened_weights=(widened_linear_weights if relaid_weights and not training
+                                                       and device.platform == "cpu" else False))
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:

@@ -50,6 +50,10 @@ class InputKind(_Named):
     # copied in `perm` order when imported, and permuted back in the graph: a resident
     # convolution weight of an inference graph, kept channels-last (lowering/channels_last.py)
     RELAID = "relaid"
+    # imported as a float32 copy, once while unchanged: a resident bf16/float16 weight that only
+    # matmuls of many rows read (nn.Linear's, Conv1D's), which multiply the copy (lowering/linalg.py:
+    # widened_weights); the graph sees the weight's own dtype, rounded back exactly
+    WIDENED = "widened"
     SYMINT = "symint"  # a size: specialises the executable, not passed
 
 
@@ -380,7 +384,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                bumps: frozenset[int] = frozenset(), saved: frozenset[int] = frozenset(),
                channels_last: bool = True, relaid_weights: bool = False, pinned_weights: bool = False,
                linear_weights_kn: bool | str = False, linear_weight_lhs: bool = False,
-               few_row_kernel: bool = False, elementwise_regions: bool = False) -> GraphPlan:
+               few_row_kernel: bool = False, elementwise_regions: bool = False,
+               widened_weights: bool | str = False) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -407,7 +412,11 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     library's few-row matmul instead (`lowering.linalg.few_row_matmuls`; the same graphs, where
     the library may run), the weight as torch holds it. `elementwise_regions`: float32 elementwise
     ops that write several results run in one pass each (`lowering.regions.find_regions`; CPU
-    graphs on one device, without host offloading, where the library may run)."""
+    graphs on one device, without host offloading, where the library may run). `widened_weights`:
+    resident bf16/float16 weights that only matmuls of many rows read, as their right operand
+    (nn.Linear's, transformers' Conv1D's), are imported as float32 copies, once while unchanged
+    (`lowering.linalg.widened_weights`; CPU inference graphs on one device), up to
+    `lowering.linalg.WIDEN_MAX_BYTES` of copies; "always": all of them."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -436,6 +445,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     cpu_single = mesh_id is None and device.platform == "cpu"
     few_rows = _linalg.few_row_matmuls(gm) if few_row_kernel and cpu_single else frozenset()
     weight_lhs = (_linalg.weight_lhs_matmuls(gm) - few_rows if linear_weight_lhs and cpu_single else frozenset())
+    wide = (_linalg.widened_weights(gm, example_inputs, None if widened_weights == "always" else _linalg.WIDEN_MAX_BYTES)
+            if widened_weights and cpu_single else frozenset())
     kn = (_linalg.kn_weights(gm, example_inputs, always=linear_weights_kn == "always", weight_lhs=weight_lhs | few_rows)
           if linear_weights_kn and mesh_id is None else frozenset())
     inputs = []
@@ -471,6 +482,9 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
         elif steady and node in kn and layout.kind is InputKind.TENSOR:
             # nn.Linear's weight laid out [in, out] once: XLA:CPU's float32 dot is faster so.
             layout = InputPlan(InputKind.RELAID, (1, 0))
+        elif steady and node in wide and layout.kind is InputKind.TENSOR and i not in host_inputs:
+            # XLA:CPU's half-precision dot would convert the weight to float32 on every call.
+            layout = InputPlan(InputKind.WIDENED)
         # A donated buffer is consumed by each call: never kept resident.
         inputs.append(InputPlan(layout.kind, layout.perm, ex.device, _move(ex.device, device, torch_device),
                                 resident=i in resident and not donated, passed=i not in skipped,

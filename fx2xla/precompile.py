@@ -123,7 +123,8 @@ class PrecompiledGraph(SerializableCallable):
                               channels_last=options.get("channels_last", True), relaid_weights=True,
                               linear_weights_kn=options.get("transposed_linear_weights", True),
                               merge_linears=options.get("merge_linears", True),
-                              linear_weight_lhs=options.get("linear_weight_lhs", True))
+                              linear_weight_lhs=options.get("linear_weight_lhs", True),
+                              widened_linear_weights=options.get("widened_linear_weights", True))
         return cls(graph, options)
 
 
@@ -133,7 +134,8 @@ def precompiled(graph, options: dict) -> PrecompiledGraph:
     return PrecompiledGraph(graph, {**kept, "channels_last": options.get("channels_last", True),
                                     "transposed_linear_weights": options.get("transposed_linear_weights", True),
                                     "merge_linears": options.get("merge_linears", True),
-                                    "linear_weight_lhs": options.get("linear_weight_lhs", True)})
+                                    "linear_weight_lhs": options.get("linear_weight_lhs", True),
+                                    "widened_linear_weights": options.get("widened_linear_weights", True)})
 
 
 def refused() -> Fx2XlaError:

@@ -16,6 +16,7 @@ from ..errors import InvalidInputError, LoweringError, UnsupportedOpError
 from .dtypes import to_jax_dtype
 from .checks import CheckVerdict, RuntimeChecks
 from . import channels_last, memory
+from . import linalg as _linalg
 from . import regions as _regions
 from ..layouts import inverse
 from ..plan import GraphPlan, OutputPlan
@@ -143,7 +144,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         shape = tuple(real.shape) if concrete_args is not None else concrete_shape(ex.shape, sizes)
         if plan_in.kind in ("permuted", "relaid"):
             shape = tuple(shape[d] for d in plan_in.perm)
-        dtype = to_jax_dtype(ex.dtype)
+        dtype = np.dtype(np.float32) if plan_in.kind == "widened" else to_jax_dtype(ex.dtype)
         avals.append(jax.ShapeDtypeStruct(shape, dtype))
         arg_shapes.append((shape, dtype))
     for node, _ in plan.concats:
@@ -160,6 +161,7 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
 
     def trace(*arrays):
         env: dict[torch.fx.Node, Any] = {}
+        wide = {}  # a widened weight's placeholder -> its float32 copy
         it = iter(arrays)
         for node, plan_in, ex in zip(placeholders, plan.inputs, example_inputs):
             if plan_in.kind == "symint":
@@ -168,6 +170,9 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
                 a = next(it)
                 if plan_in.memory_kind is not None:  # host offloading: XLA brings it to the device
                     a = memory.to_device(a)
+                if plan_in.kind == "widened":  # its matmuls read the copy; anything else, the weight
+                    wide[node] = a
+                    a = a.astype(to_jax_dtype(ex.dtype))
                 env[node] = jnp.transpose(a, inverse(plan_in.perm)) if plan_in.kind in ("permuted", "relaid") else a
         for node, _ in plan.concats:
             env[node] = next(it)
@@ -175,7 +180,8 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         _bind_constants(plan.constants, env)
         checks = RuntimeChecks() if check_indices else None
         run_nodes(gm, gm.graph.nodes, env, sizes, seed, checks, pinned, reads, plan.channels_last.nodes,
-                  plan.weight_lhs, plan.few_rows, plan.regions)
+                  plan.weight_lhs, plan.few_rows, plan.regions,
+                  {u: wide[w] for u, w in _linalg.widened_matmuls(gm, wide).items()})
         results = []
         for r in plan.results:
             value = env[r.node]
@@ -258,7 +264,8 @@ def spmd_shardings(plan: GraphPlan) -> dict:
 
 
 def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=None, pinned=None,
-              reads=None, laid=frozenset(), weight_lhs=frozenset(), few_rows=frozenset(), regions=()) -> dict:
+              reads=None, laid=frozenset(), weight_lhs=frozenset(), few_rows=frozenset(), regions=(),
+              wide=None) -> dict:
     """Evaluate `nodes` (call_function / get_attr nodes of `gm`, in order) with their rules, on
     the traced jax values in `env` (updated and returned). Placeholders and the output node are
     skipped: the caller binds the first and reads the second. `seed` is the per-call int64 seed
@@ -270,7 +277,9 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
     is in torch's layout all the same. `weight_lhs`: the matmuls computed with their weight as
     the dot's left operand (GraphPlan.weight_lhs); `few_rows`: those in the kernel library's
     few-row matmul (GraphPlan.few_rows). `regions`: elementwise regions (GraphPlan.regions),
-    computed at their last node, by the kernel library's handler or else op by op."""
+    computed at their last node, by the kernel library's handler or else op by op. `wide`:
+    matmul node -> the float32 copy of its widened weight (InputKind.WIDENED), which it
+    multiplies instead."""
     region_of = {n: r for r in regions for n in r.nodes}
     for index, node in enumerate(nodes):
         if node.op in ("placeholder", "output") or node in env:  # bound by the caller
@@ -281,7 +290,8 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
                 continue
             values = _regions.lower(region, env)
             if values is None:
-                run_nodes(gm, region.nodes, env, sizes, seed, checks, pinned, reads, laid, weight_lhs, few_rows)
+                run_nodes(gm, region.nodes, env, sizes, seed, checks, pinned, reads, laid, weight_lhs, few_rows,
+                          wide=wide)
             else:
                 env.update(zip(region.outputs, values))
             continue
@@ -309,7 +319,7 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
         nhwc = node in laid
         ctx = LoweringContext(node, sizes, seed if (rule.draws(node) or rule.subgraphs) else None, index, gm,
                               env if rule.subgraphs or rule.reads_values else None, checks, nhwc,
-                              node in weight_lhs, node in few_rows)
+                              node in weight_lhs, node in few_rows, wide.get(node) if wide else None)
         try:
             if nhwc:
                 out = channels_last.lower(rule, ctx, list(args), dict(kwargs),

@@ -117,6 +117,8 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
             return out
         if (ctx.weight_lhs or ctx.few_rows) and n == 2 and ca == 1:
             return _weight_on_the_left(a, b)
+    if ctx.wide_weight is not None and n == 2:  # b's float32 copy, in b's layout: x widened, exactly
+        return dot(a.astype(jnp.float32), ctx.wide_weight, ((ca,), (cb,)))
     if n == 2 and (out := _torch_matmul(ctx, a, b, ca, cb)) is not None:
         return out
     batch = tuple(range(n - 2))
@@ -299,6 +301,83 @@ def kn_weights(gm, example_inputs, always: bool = False, weight_lhs: frozenset =
         if ok and (always or dot_layout.prefer_kn(rows, ex.shape[1], ex.shape[0])):
             found.add(node)
     return frozenset(found)
+
+
+# Rows from which CPU inference graphs multiply a bf16/float16 weight through a float32 copy of it
+# (InputKind.WIDENED, option widened_linear_weights). XLA:CPU has no half-precision GEMM: its bf16
+# dot converts the weight to float32 in a pass of its own on every call, then runs the float32
+# dot. The copy, made once while the weight is unchanged, skips that pass: on a 2-core Emerald
+# Rapids (which has bf16 instructions), 32 x 1024 . 1024 x 4096 took 0.70x the time, 512 rows
+# 0.55x, 16 rows 0.90x; at 2-12 rows XLA's dot converts as it goes, and the copy (twice the bytes
+# to read) took 0.98-1.49x (docs/benchmarks.md, "bf16 weights widened once").
+WIDEN_MIN_ROWS = 16
+# The float32 copies one graph may make (bytes, in the graph's input order), unless the option says
+# "always": each costs twice its weight's memory on top of the weight, which for a large model in
+# bf16 would exceed what its user has room for.
+WIDEN_MAX_BYTES = 1 << 30
+
+
+def _widened_reads(node) -> list | None:
+    """The mm/addmm nodes that read placeholder `node` as their right operand, directly (a
+    weight stored [in, out], transformers' Conv1D) or through one 2-D transpose (nn.Linear's
+    [out, in]), where those are all its reads; else None."""
+    reads = []
+    for t in node.users:
+        if swaps_2d(t) and t.args[0] is node and t.users:
+            users, operand = list(t.users), t
+        else:
+            users, operand = [t], node
+        for u in users:
+            rhs, lhs = _LINEAR_OPERANDS.get(u.target, (None, None))
+            if rhs is None or u.args[rhs] is not operand or operand in u.args[:rhs]:
+                return None
+            reads.append(u)
+    return reads or None
+
+
+def widened_weights(gm, example_inputs, max_bytes: int | None = WIDEN_MAX_BYTES) -> frozenset:
+    """Placeholders of `gm` (a CPU inference graph) holding a 2-D bf16/float16 weight that only
+    matmuls of WIDEN_MIN_ROWS rows or more read, as their right operand (`_widened_reads`): the
+    plan imports them as float32 copies (InputKind.WIDENED), once while unchanged, and those
+    matmuls multiply the copy (`_matmul`, LoweringContext.wide_weight). A symbolic row count
+    counts at the size it was traced at. In input order, a weight whose copy would take the
+    copies past `max_bytes` is left as it is (None: no limit)."""
+    import torch
+
+    found, total = set(), 0
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, ex in zip(placeholders, example_inputs):
+        if not (isinstance(ex, torch.Tensor) and ex.dim() == 2 and ex.dtype in (torch.bfloat16, torch.float16)
+                and ex.is_contiguous() and not any(isinstance(s, torch.SymInt) for s in ex.shape)
+                and ex.numel() > 0):
+            continue
+        reads = _widened_reads(node)
+        if reads is None:
+            continue
+        for u in reads:
+            x = u.args[_LINEAR_OPERANDS[u.target][1]].meta.get("val")
+            if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == ex.dtype
+                    and _size_hint(x.shape[0]) >= WIDEN_MIN_ROWS):
+                break
+        else:
+            size = 4 * ex.numel()
+            if max_bytes is None or total + size <= max_bytes:
+                found.add(node)
+                total += size
+    return frozenset(found)
+
+
+def check_widened_option(value, where: str) -> None:
+    """`widened_linear_weights` is True, False or "always"; anything else is a ValueError naming
+    `where` it was given."""
+    if not isinstance(value, bool) and value != "always":
+        raise ValueError(f"{where}widened_linear_weights={value!r}; expected True, False or 'always'")
+
+
+def widened_matmuls(gm, widened) -> dict:
+    """The matmul nodes that read each placeholder of `widened` (widened_weights), each mapped to
+    that placeholder."""
+    return {u: node for node in widened for u in _widened_reads(node) or ()}
 
 
 def _size_hint(size) -> int:

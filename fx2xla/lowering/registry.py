@@ -232,6 +232,9 @@ class LoweringContext:
     # A matmul the plan sends to the kernel library's few-row matmul (GraphPlan.few_rows); where
     # the module may not call the library, it is computed as a weight_lhs one.
     few_rows: bool = False
+    # A bf16/float16 matmul whose weight the plan imports as a float32 copy (InputKind.WIDENED):
+    # that copy, which the rule multiplies instead of the weight (None for other nodes).
+    wide_weight: Any = None
 
     def check_index(self, index, size: int, *, negative: bool, dim: int | None = None,
                     what: str = "index") -> None:

@@ -47,7 +47,7 @@ def fresh():
     torch._dynamo.reset()
 
 
-def _new_graphs(before):
+def new_graphs(before):
     return [g for g in live_graphs if id(g) not in before]
 
 
@@ -63,7 +63,7 @@ def run(model, *args, **options):
                              options={"linear_weight_lhs": False, "torch_kernels": NO_FEW_ROWS, **options})
     with torch.no_grad():
         out = compiled(*args)
-    return out, _new_graphs(before), compiled
+    return out, new_graphs(before), compiled
 
 
 @pytest.mark.parametrize("shape", [(8, 64), (32, 64), (2, 5, 64)], ids=["8x64", "32x64", "2x5x64"])
@@ -145,8 +145,8 @@ def test_training_graphs_keep_their_weights():
     before = {id(g) for g in live_graphs}
     torch.compile(model, backend="fx2xla")(x).sum().backward()
     ref(x).sum().backward()
-    assert laid_count(_new_graphs(before)) == 0
-    assert not any(g.plan.weight_lhs for g in _new_graphs(before))
+    assert laid_count(new_graphs(before)) == 0
+    assert not any(g.plan.weight_lhs for g in new_graphs(before))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
 
@@ -181,8 +181,8 @@ def test_dynamic_batch():
         for batch in (2, 5, 9, 40):
             x = torch.randn(batch, 32)
             torch.testing.assert_close(compiled(x), model(x), **TOL)
-    assert laid_count(_new_graphs(before)) == 2
-    assert not any(g.plan.weight_lhs for g in _new_graphs(before))
+    assert laid_count(new_graphs(before)) == 2
+    assert not any(g.plan.weight_lhs for g in new_graphs(before))
 
 
 def test_llama_forward():
@@ -243,5 +243,5 @@ def test_weights_created_under_inference_mode_stay_as_they_are():
             out = torch.compile(model, backend="fx2xla",
                                 options={"linear_weight_lhs": False, "torch_kernels": NO_FEW_ROWS})(x)
             torch.testing.assert_close(out, model(x), **TOL)
-        graphs = _new_graphs(before)
+        graphs = new_graphs(before)
         assert sum(p.kind is InputKind.RELAID for g in graphs for p in g.plan.inputs) == relaid
