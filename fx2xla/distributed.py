@@ -27,7 +27,8 @@ bounds it:
   `--xla_cpu_collective_timeout_seconds` (XLA's default: 1800 s), then raises a
   `jax.errors.JaxRuntimeError` ("Gloo all-reduce failed ... Connection reset by peer") in the
   waiting thread. `collective_timeout_s=` sets that flag (in XLA_FLAGS, read once when the
-  backend starts; CPU collectives only).
+  backend starts; CPU collectives only). A collective already reading from the peer when it is
+  killed fails at once with that error instead.
 - jax's coordination service marks a process dead after `heartbeat_timeout_s` without heartbeats
   and then terminates the processes still running: a C++ fatal error (SIGABRT, exit status 134)
   whose message lists the dead task ids. When process 0 dies, the others lose the service itself
@@ -46,7 +47,9 @@ or crashed process's kernel closes it at once; its peer sees it close without th
 `shutdown()` (or a normal exit) sends, and every process writes to stderr which process is gone
 (its process id, host and pid) and exits with `EXIT_CODE`, within a few milliseconds. A process
 whose program ends in an uncaught exception exits at once after the traceback (status 1), so the
-others report it instead of waiting. When process 0 itself is killed, the watchdog races jax's
+others report it instead of waiting; where that exception is a jax runtime error (a collective
+that failed as a peer died), it first gives its watchdog up to a second to see the peer go, and
+then exits as above, naming it, with `EXIT_CODE`. When process 0 itself is killed, the watchdog races jax's
 own termination of the others: jax logs its fatal error first and may end the process (SIGABRT)
 before the watchdog's message. The watchdog cannot see a process that hangs with its socket open,
 or a host that vanishes without closing it: `heartbeat_timeout_s` and `collective_timeout_s`
@@ -80,6 +83,12 @@ EXIT_CODE = 75
 # Seconds process 0 waits, after telling the others which process is gone, for them to print it
 # before it exits (its exit takes jax's coordination service down, which terminates the others).
 _GRACE_S = 2.0
+# Seconds a process leaving on an uncaught jax runtime error waits for its watchdog: a collective
+# reading from a peer that was just killed fails at once (gloo: "Connection reset by peer"), and
+# that error can reach the program before the watchdog has seen the same peer's connection close.
+# The watchdog then names the peer and exits with EXIT_CODE (in milliseconds) instead of the
+# process leaving with status 1 on the symptom.
+_PEER_NEWS_S = 1.0
 
 
 class DistributedError(Fx2XlaError):
@@ -109,7 +118,7 @@ class _State:
     store = None  # the TCPStore that agreed the port; process 0 may be hosting it
     watchdog: _Watchdog | None = None
     hooks_installed = False
-    uncaught_exception = False
+    uncaught_exception: BaseException | None = None
 
 
 _state = _State()
@@ -523,7 +532,7 @@ def _join_timed_out(request: _Request, address: str) -> None:
 
 def _noting_uncaught(previous):
     def excepthook(*exc_info):
-        _state.uncaught_exception = True
+        _state.uncaught_exception = exc_info[1]
         previous(*exc_info)
 
     return excepthook
@@ -532,9 +541,13 @@ def _noting_uncaught(previous):
 def _at_exit() -> None:
     if _state.request is None:
         return
-    if _state.uncaught_exception and _state.request.num_processes > 1:
+    if _state.uncaught_exception is not None and _state.request.num_processes > 1:
         # jax's exit handler would wait in its shutdown barrier for peers that wait for this one.
         if _state.watchdog is not None:
+            import jax
+
+            if isinstance(_state.uncaught_exception, jax.errors.JaxRuntimeError):
+                _state.watchdog.await_peer_news(_PEER_NEWS_S)
             _state.watchdog.leave_on_error()
         _die("", 1)
     if _state.watchdog is not None:
@@ -588,6 +601,13 @@ class _Watchdog:
                 pass
         else:
             self._wake(b"s")
+
+    def await_peer_news(self, seconds: float) -> None:
+        """Give the watchdog thread `seconds` to see a peer's connection close: it reports that
+        process and ends this one with EXIT_CODE (os._exit), so this returns only if no peer is
+        gone (or process 0 said goodbye meanwhile)."""
+        if self._thread is not None:
+            self._thread.join(seconds)
 
     def leave_on_error(self) -> None:
         """This process is exiting on an uncaught exception: process 0 tells the others first

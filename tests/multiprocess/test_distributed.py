@@ -138,6 +138,30 @@ def test_killed_peer_is_named_and_the_survivor_exits(tmp_path):
         group.kill_leftovers()
 
 
+def test_collective_error_before_the_watchdog_names_the_peer(tmp_path):
+    """A collective reading from a peer as it is killed fails at once ("Gloo AllGather failed ...
+    Connection reset by peer"), and that error can end the program before the watchdog sees the
+    peer's connection close (fresh-clone CI saw it once: the survivor exited with status 1). The
+    worker makes that order certain: process 0's program ends on such a jax runtime error, and
+    process 1 is killed 0.2 s later. Process 0 still exits with EXIT_CODE, naming process 1,
+    after the error's traceback, within 5 s of the kill."""
+    port = free_port()
+    group = Group(tmp_path, [explicit("raise", port, i) for i in (0, 1)], clean_env())
+    try:
+        assert group.wait(1) == -9, group.output(1)
+        killed_at = time.monotonic()
+        code = group.wait(0, timeout=60)
+        elapsed = time.monotonic() - killed_at
+        out, err = group.output(0)
+        assert code == distributed.EXIT_CODE, (out, err)
+        assert "JaxRuntimeError" in err and "Connection reset by peer" in err, err
+        victim = f"process 1 of 2 (host {socket.gethostname()}, pid {group.procs[1].pid}) is gone"
+        assert victim in err and f"pid {group.procs[0].pid}) exits now" in err, err
+        assert elapsed < 5, elapsed
+    finally:
+        group.kill_leftovers()
+
+
 def test_public_mode_killed_peer_raises_after_the_collective_timeout(tmp_path):
     # No private jax, so no watchdog: the collective waiting for the dead peer raises after
     # collective_timeout_s, and the survivor exits at once instead of waiting in jax's shutdown.

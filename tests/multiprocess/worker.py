@@ -2,13 +2,17 @@
 
 Modes: `reduce` (join, check the global mesh, a cross-process sum, barriers; prints a RESULT
 line of JSON), `kill` (join, then loop on a cross-process sum; process --victim SIGKILLs itself
-after --iterations), `join` (join a group whose other process never comes)."""
+after --iterations), `join` (join a group whose other process never comes), `raise` (join, meet
+at a barrier; then process 0's program ends on the jax runtime error a collective raises when
+its peer is killed, and process 1 SIGKILLs itself 0.2 s later: the error comes first, as a
+collective reading from the peer when it dies can make it)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -17,7 +21,7 @@ from fx2xla import distributed
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["reduce", "kill", "join"])
+    p.add_argument("mode", choices=["reduce", "kill", "join", "raise"])
     p.add_argument("--address")  # omitted: torchrun's environment
     p.add_argument("--n", type=int)
     p.add_argument("--pid", type=int)
@@ -42,6 +46,13 @@ def main():
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("p"))
     rows = full.shape[0] // n
     x = jax.make_array_from_process_local_data(sharding, full[me * rows:(me + 1) * rows], full.shape)
+
+    if a.mode == "raise":
+        distributed.barrier("ready", timeout_s=60)
+        if me == 0:
+            raise jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: Read error: Connection reset by peer")
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     if a.mode == "kill":
         for i in range(1_000_000):
