@@ -21,7 +21,7 @@ from .compiled_graph import CompiledGraph, static_input_indices
 from .decompositions import attention_op_table, decomposition_table
 from .distributed import process_share
 from .errors import InvalidInputError
-from .lowering.linalg import check_linear_layout, check_widened_option
+from .lowering.linalg import check_linear_layout
 from .metrics import counters, live_graphs
 from .offload import note_forward, parse_offload, plan_offload
 from .partition import partitioned_graph, unsupported_nodes
@@ -108,7 +108,7 @@ def _check_options(options: dict | None) -> dict:
         if not isinstance(opts[name], bool):
             raise ValueError(f"fx2xla: option {name}={opts[name]!r}; expected True or False")
     check_linear_layout(opts["transposed_linear_weights"], "fx2xla: option ")
-    check_widened_option(opts["widened_linear_weights"], "fx2xla: option ")
+    check_linear_layout(opts["widened_linear_weights"], "fx2xla: option ", "widened_linear_weights")
     if opts["fallback"] not in ("eager", "error"):
         raise ValueError(f"fx2xla: option fallback={opts['fallback']!r}; expected 'eager' or 'error'")
     if opts["partitioner"] not in ("min_cut", "default"):

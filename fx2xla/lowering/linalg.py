@@ -256,11 +256,12 @@ def swaps_2d(node) -> bool:
     return True
 
 
-def check_linear_layout(value, where: str) -> None:
-    """`transposed_linear_weights` (torch.compile's option, fx2xla.export's argument) is True,
-    False or "always"; anything else is a ValueError naming `where` it was given."""
+def check_linear_layout(value, where: str, name: str = "transposed_linear_weights") -> None:
+    """Option `name` (`transposed_linear_weights`: torch.compile's option and fx2xla.export's
+    argument; `widened_linear_weights`) is True, False or "always"; anything else is a
+    ValueError naming `where` it was given."""
     if not isinstance(value, bool) and value != "always":
-        raise ValueError(f"{where}transposed_linear_weights={value!r}; expected True, False or 'always'")
+        raise ValueError(f"{where}{name}={value!r}; expected True, False or 'always'")
 
 
 def kn_weights(gm, example_inputs, always: bool = False, weight_lhs: frozenset = frozenset()) -> frozenset:
@@ -365,13 +366,6 @@ def widened_weights(gm, example_inputs, max_bytes: int | None = WIDEN_MAX_BYTES)
                 found.add(node)
                 total += size
     return frozenset(found)
-
-
-def check_widened_option(value, where: str) -> None:
-    """`widened_linear_weights` is True, False or "always"; anything else is a ValueError naming
-    `where` it was given."""
-    if not isinstance(value, bool) and value != "always":
-        raise ValueError(f"{where}widened_linear_weights={value!r}; expected True, False or 'always'")
 
 
 def widened_matmuls(gm, widened) -> dict:
