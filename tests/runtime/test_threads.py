@@ -215,3 +215,27 @@ def test_recording_waits_for_paused_calls_and_new_calls_run_recorded():
     assert _jax.tracebacks_enabled()
     with make_recording(True)():  # the public form: nothing to wait for
         assert _jax.tracebacks_enabled()
+
+
+def test_warmed_up_in_the_served_mode_many_threads_make_no_graph():
+    """Dynamo itself retraces once per thread when several threads miss its cache at once (its
+    compile lock is taken after the miss; pytorch/pytorch#123177), and with fullgraph=True the
+    thread past its recompile limit raises. Warmed up under the threads' grad mode, as
+    docs/serving.md advises, twelve threads of a fullgraph model make no new graph, none raises,
+    and each result equals the single-threaded one exactly."""
+    torch._dynamo.reset()
+    model = _Wrapped(_mlp())
+    compiled = torch.compile(model, backend="fx2xla", fullgraph=True)
+    inputs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    with torch.no_grad():
+        expected = [compiled(x) for x in inputs]
+        torch.testing.assert_close(expected[0], model(inputs[0]), rtol=1e-4, atol=1e-5)
+    graphs = fx2xla.metrics()["graphs"]
+
+    def work(i):
+        with torch.no_grad():
+            for _ in range(10):
+                assert torch.equal(compiled(inputs[i]), expected[i])
+
+    _run_threads(work, n=12)
+    assert fx2xla.metrics()["graphs"] == graphs
