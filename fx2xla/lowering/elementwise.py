@@ -323,7 +323,13 @@ READ_MIN_ELEMENTS = 1 << 15
 def _broadcast_reader(ctx, y) -> bool:
     """Whether, on one CPU device, the node's real floating result reaches (through ops of its
     own size: views, casts, scales) an op of at least BROADCAST_READ_FACTOR times and
-    READ_MIN_ELEMENTS elements, all sizes static."""
+    READ_MIN_ELEMENTS elements, all sizes static.
+
+    A matmul counts as well, though it reads its operand as a buffer: in an MLP's backward the
+    weight gradient g^T . gelu'(h) g is far larger than h, and so GELU's erf and exp each get a
+    loop of their own. XLA runs those loops beside the first products, off the critical path.
+    Fused into the loop after g . W, the backward took 1.06-1.16x the time on a 2-core Emerald
+    Rapids (docs/benchmarks.md, "The MLP training step on the Emerald Rapids")."""
     from .registry import current_platform
 
     # (Not under SPMD: the predicate would read one shard's element across the mesh.)
