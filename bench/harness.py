@@ -94,15 +94,15 @@ def _medians(contenders: dict[str, Callable], args: tuple, rounds: int, calls: i
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def _under(fn: Callable, setting: str) -> Callable:
-    """`fn` with the process-wide fx2xla.torch_kernels `setting(False)` for each call: the same
+def _under(fn: Callable, setting: str, on: bool = False) -> Callable:
+    """`fn` with the process-wide fx2xla.torch_kernels `setting(on)` for each call: the same
     executable, so interleaving it with `fn` compares only that setting."""
     from fx2xla import torch_kernels
 
     context = getattr(torch_kernels, setting)
 
     def call(*args):
-        with context(False):
+        with context(on):
             return fn(*args)
     return call
 
@@ -110,6 +110,12 @@ def _under(fn: Callable, setting: str) -> Callable:
 def unsliced(fn: Callable) -> Callable:
     """`fn` with torch's convolution kernels run on whole batches (batch_slicing(False))."""
     return _under(fn, "batch_slicing")
+
+
+def served(fn: Callable) -> Callable:
+    """`fn` with the main thread serving the matmul and convolution handlers' work on torch's
+    team (serving(True), opt-in), not sliced on XLA's threads."""
+    return _under(fn, "serving", True)
 
 
 def unpacked(fn: Callable) -> Callable:

@@ -14,7 +14,9 @@ column `tk` is fx2xla ÷ that) and the same fx2xla step with torch's kernels on 
 options={"channels_last": False} (batch norm, ReLU and pooling on NCHW values: `cl` is fx2xla ÷
 that), for every model fx2xla with XLA's own matmuls, not torch's gemm (options={"torch_kernels": every
 kind but "matmul"}: the column `mm` is fx2xla ÷ that) and with the optimizer's updates in XLA's
-loops, not in one compiled loop per parameter (every kind but "elementwise": the column `ew`),
+loops, not in one compiled loop per parameter (every kind but "elementwise": the column `ew`), and
+the same fx2xla step with the main thread serving torch's kernels (fx2xla.torch_kernels.
+serving(True), opt-in: the handlers' work whole on torch's team; the column `sv` is that ÷ fx2xla),
 |dloss1| = |fx2xla - eager| first-step loss (rounding only without dropout; with dropout the
 random bits differ), and the 1-minute load average after timing (above the core count, other
 processes are skewing the figures). With `--phases`, eager, Inductor and fx2xla also run steps
@@ -45,7 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import fmt_time, interleaved_medians, timed_call, unsliced, write_json  # noqa: E402
+from harness import fmt_time, interleaved_medians, served, timed_call, unsliced, write_json  # noqa: E402
 
 import fx2xla  # noqa: E402
 from fx2xla.testing import LogitsOnly, SmallCNN, gpt2, mlp, token_ids  # noqa: E402
@@ -223,6 +225,8 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None, phases: bool
         res["foreach"] = opt.defaults.get("foreach")
     before = fx2xla.metrics()
     res["load_average_1min_before"] = os.getloadavg()[0]  # other processes skew every contender
+    # the same fx2xla step with the main thread serving the handlers' work on torch's team
+    steps["fx2xla_served"] = served(steps["fx2xla"])
     if name == "cnn":  # the same fx2xla step with torch's kernels on whole batches
         steps["fx2xla_unsliced"] = unsliced(steps["fx2xla"])
     med = interleaved_medians(steps, (), rounds=rounds, budget_s=120)
@@ -237,6 +241,7 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None, phases: bool
     res["in_place_ratio"] = med["fx2xla"] / med["fx2xla_not_in_place"]
     res["torch_matmuls_ratio"] = med["fx2xla"] / med["fx2xla_xla_matmuls"]
     res["region_loops_ratio"] = med["fx2xla"] / med["fx2xla_xla_loops"]
+    res["serving_ratio"] = med["fx2xla_served"] / med["fx2xla"]
     if "fx2xla_xla_kernels" in med:
         res["torch_kernels_ratio"] = med["fx2xla"] / med["fx2xla_xla_kernels"]
     if "fx2xla_unsliced" in med:
@@ -284,6 +289,8 @@ def main() -> None:
         print(f"{'':15s} mm (fx2xla ÷ fx2xla with XLA's own matmuls): {r['torch_matmuls_ratio']:.2f}")
         print(f"{'':15s} ew (fx2xla ÷ fx2xla with the optimizer's updates in XLA's loops): "
               f"{r['region_loops_ratio']:.2f}")
+        print(f"{'':15s} sv (fx2xla serving torch's kernels from the main thread ÷ fx2xla): "
+              f"{r['serving_ratio']:.2f}")
         if "torch_kernels_ratio" in r:
             print(f"{'':15s} tk (fx2xla ÷ fx2xla with XLA's own convolutions): {r['torch_kernels_ratio']:.2f}")
         if "batch_slicing_ratio" in r:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import threading
 import time
 import weakref
 from typing import Any, NamedTuple
@@ -26,7 +27,7 @@ from . import sharded_call, torch_kernels
 from .errors import IndexOutOfRangeError
 from .plan import GraphPlan, InputKind, Move, OutputKind, OutputPlan, orders_after_torch
 from .runtime.client import device_of
-from .runtime.executor import make_launcher, make_recording, make_traceback_pause
+from .runtime.executor import make_launcher, make_recording, make_served_launcher, make_traceback_pause
 from .runtime import host_memory
 from .runtime import inplace as _inplace
 from .runtime import twins as _twins
@@ -34,6 +35,8 @@ from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_
 
 _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
 _twin_of, _twins_waiting = _twins.twin, _twins.waiting
+_get_ident, _MAIN_THREAD = threading.get_ident, threading.main_thread().ident
+_serving = torch_kernels._serving
 _team_running, _run_parked, _run_helped = (torch_kernels.torch_team_running, torch_kernels.run_parked,
                                            torch_kernels.run_helped)
 _recording = make_recording()
@@ -102,7 +105,7 @@ class Specialization:
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
                  "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "kept", "keeps_arrays",
-                 "park", "parked_wait", "helped", "in_place", "twinned_in_place", "wait_for_writes", "stages")
+                 "park", "parked_wait", "helped", "served", "in_place", "twinned_in_place", "wait_for_writes", "stages")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
                  lowered=None, sharded_outputs: bool = False, training: bool = False):
@@ -125,9 +128,14 @@ class Specialization:
             if self.kept or self.in_place:
                 exports = keeping_exports(plan, exports, self.kept, bool(checks), {r for _, r in self.in_place})
             self.launch = make_launcher(exe, exports)  # bufs -> every result as a torch tensor
+            # CPU: a call from the main thread serves the torch work the handlers post, on torch's
+            # own team (torch_kernels, "Serving"); from any other thread it runs as launched.
+            self.served = (make_served_launcher(exe, exports, torch_kernels.serve_hooks())
+                           if plan.platform == "cpu" and torch_kernels.worth_serving(exe) else None)
         else:
             self.launch, twins, self.keeps_arrays = placed
             self.twins = tuple(Twin(r, i) for r, i in twins)
+            self.served = None
         self.out_plans = outputs
         self.plain_outputs = all(p.kind is OutputKind.TENSOR and p.inv_perm is None and p.stride is None
                                  and not p.views for p in outputs)
@@ -322,11 +330,19 @@ class PlanExecutor:
                                        for j in spec.concat_outputs}}
         if type(args) is list:
             args.clear()  # boxed convention: drop our references to the inputs early
-        if self._timed:  # parked calls included
+        if self._timed:  # parked and served calls included
             t0 = time.perf_counter()
-            outs = self._launch_parked(spec, bufs) if spec.park and _team_running() else self._launch(spec, bufs)
+            if spec.served is not None and _serving[0] and _get_ident() == _MAIN_THREAD:
+                outs = spec.served(bufs)
+            elif spec.park and _team_running():
+                outs = self._launch_parked(spec, bufs)
+            else:
+                outs = self._launch(spec, bufs)
             results = self._finish(spec, outs, held)
             self.execute_seconds += time.perf_counter() - t0  # export waits for the results
+        elif spec.served is not None and _serving[0] and _get_ident() == _MAIN_THREAD:
+            outs = spec.served(bufs)
+            results = outs if spec.direct else self._finish(spec, outs, held)
         elif spec.park and _team_running():
             outs = self._launch_parked(spec, bufs)
             results = outs if spec.direct else self._finish(spec, outs, held)

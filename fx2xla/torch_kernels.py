@@ -313,11 +313,19 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_torch_kernels_packed_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_kernels_written_in_place.restype = ctypes.c_int64
         lib.fx2xla_torch_kernels_set_in_place.argtypes = [ctypes.c_int]
+        lib.fx2xla_serve_begin.argtypes = lib.fx2xla_serve_end.argtypes = []
+        lib.fx2xla_serve_begin.restype = lib.fx2xla_serve_end.restype = None
+        lib.fx2xla_serve_until_ended.argtypes = lib.fx2xla_serve_ended.argtypes = []
+        lib.fx2xla_serve_until_ended.restype = lib.fx2xla_serve_ended.restype = None
+        lib.fx2xla_torch_kernels_set_serving.argtypes = [ctypes.c_int]
+        lib.fx2xla_served_calls.restype = ctypes.c_int64
     except (OSError, AttributeError) as e:
         return False, f"{path} did not load: {e}"
     _lib = lib
     if os.environ.get("FX2XLA_PARK_SIGNALS", "").strip().lower() in ("0", "off", "false", "no"):
         lib.fx2xla_set_park_signals(0)
+    _serving[0] = serving_on()
+    lib.fx2xla_torch_kernels_set_serving(int(_serving[0]))
     return True, str(path)
 
 
@@ -486,6 +494,54 @@ def calls_handlers(exe, targets=TARGETS) -> bool:
     except Exception:  # noqa: BLE001  no HLO to read (a deserialized executable may have none)
         return False
     return any(f'custom_call_target="{t}"' in text for t in targets)
+
+
+# Serving (csrc/torch_kernels.cc, "Serving"): a main-thread call of an executable that calls
+# these handlers runs their work on torch's own team, whole, while its execution lasts.
+SERVED_TARGETS = ("fx2xla_torch_matmul", "fx2xla_torch_convolution", "fx2xla_torch_convolution_backward")
+
+
+def serving_on() -> bool:
+    """FX2XLA_SERVE_TORCH_KERNELS=1 (or on/true/yes), read when the library loads: serving starts
+    on (set_serving changes it later). Opt-in: see docs/usage.md."""
+    return os.environ.get("FX2XLA_SERVE_TORCH_KERNELS", "").strip().lower() in ("1", "on", "true", "yes")
+
+
+def worth_serving(exe) -> bool:
+    """Whether main-thread calls of `exe` (a single-device CPU executable) may serve its
+    handlers' work on torch's team, while serving is on: the library is loaded and the program
+    calls the matmul or a convolution handler. Decided once per executable."""
+    return load()[0] and calls_handlers(exe, SERVED_TARGETS)
+
+
+def serve_hooks():
+    """(begin, serve_until_ended, ended, end) of the library's server, for runtime.executor's
+    served launcher."""
+    return _lib.fx2xla_serve_begin, _lib.fx2xla_serve_until_ended, _lib.fx2xla_serve_ended, _lib.fx2xla_serve_end
+
+
+_serving = [False]  # set_serving's setting, read by the executor on each main-thread call
+
+
+def set_serving(on: bool) -> bool:
+    """Process-wide: whether main-thread calls serve their handlers' work on torch's team (off
+    unless FX2XLA_SERVE_TORCH_KERNELS=1). Off, the handlers run as on any other thread. Returns
+    the previous setting (False where the library is not loaded: nothing serves)."""
+    if not load()[0]:
+        return False
+    _serving[0] = bool(on)
+    return bool(_lib.fx2xla_torch_kernels_set_serving(int(bool(on))))
+
+
+def serving(on: bool):
+    """set_serving(on) for a block."""
+    return _scoped(set_serving, on)
+
+
+def served_calls() -> int:
+    """How many handler calls a serving main thread ran in this process (0 where the library is
+    not loaded)."""
+    return int(_lib.fx2xla_served_calls()) if load()[0] else 0
 
 
 def helping_on() -> bool:

@@ -400,6 +400,79 @@ def _traceback_switch(public):
     return private or _public_traceback_pause()
 
 
+class _Waiter:
+    """One daemon thread that waits for the result handed to it (`watch`) to be ready, then
+    calls `ended()`: it ends a serving main thread's wait (make_served_launcher) without that
+    thread polling. Started at the first served call."""
+
+    def __init__(self, ended):
+        import queue
+
+        self._ended = ended
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def watch(self, array) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="fx2xla-serve-waiter", daemon=True)
+                    self._thread.start()
+        self._queue.put(array)
+
+    def _run(self) -> None:
+        while True:
+            array = self._queue.get()
+            try:
+                array.block_until_ready()
+            except Exception:  # noqa: BLE001  the execution's error is raised at the call, by its export
+                pass
+            finally:
+                del array
+                self._ended()
+
+
+def make_served_launcher(exe, export, hooks):
+    """`launch(bufs) -> list of torch.Tensor` for a call from the main thread of a CPU
+    executable whose custom calls post torch work to the kernel library's server
+    (fx2xla/torch_kernels.py, "Serving"): `hooks` is its (begin, serve_until_ended, ended,
+    end). It launches, serves what the execution posts until the waiter thread sees its results
+    ready, then hands every output back as make_launcher's does. One event makes every result
+    of a CPU execution ready, so the first result stands for all."""
+    begin, serve_until_ended, ended, end = hooks
+    waiter = _served_waiter(ended)
+    execute = exe.execute
+    exports = None
+
+    def launch_served(bufs: list) -> list:
+        nonlocal exports
+        begin()
+        try:
+            outs = execute(bufs)
+            if outs:
+                waiter.watch(outs[0])
+                serve_until_ended()
+        finally:
+            end()  # work still posted is run before it returns
+        if exports is None:
+            exports = [export] * len(outs) if callable(export) else export
+        return [e(o) for e, o in zip(exports, outs)]
+
+    return launch_served
+
+
+_waiters: dict = {}
+
+
+def _served_waiter(ended) -> _Waiter:
+    """The process's one waiter for the server whose `ended` this is."""
+    w = _waiters.get(id(ended))
+    if w is None:
+        w = _waiters.setdefault(id(ended), _Waiter(ended))
+    return w
+
+
 def make_launcher(exe, export=None, public: bool | None = None):
     """`launch(bufs) -> list of torch.Tensor`: execute a single-device executable on PJRT
     buffers and hand every output back with `export` (default: `handoff.export_array`), or

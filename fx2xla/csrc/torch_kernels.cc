@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <limits>
@@ -108,7 +109,8 @@ ffi::Error guarded(const char* what, F&& body) {
 // OpenMP waits actively for milliseconds after each region) on the cores XLA's next fusions need.
 // Where the batch has several samples, the handlers instead cut it into one slice per thread of
 // XLA's intra-op pool and run each slice single-threaded on XLA's own threads: no OpenMP team is
-// ever started from an XLA thread.
+// ever started from an XLA thread. (Where the main thread serves its execution, the matmul and
+// convolution handlers hand it their whole work instead: "Serving", below.)
 
 // torch single-threaded on this thread for the scope (OpenMP's thread-count setting is per
 // thread); restored after, since the caller may be a thread torch uses itself. torch sets each
@@ -328,6 +330,110 @@ void run_split(int64_t parts, ffi::ThreadPool& pool, const std::function<void(in
   state->cv.wait(lock, [&] { return state->finished.load(std::memory_order_acquire) == parts; });
   if (state->error) std::rethrow_exception(state->error);
 }
+
+// Serving. The handlers above run torch's kernels on XLA's threads, one single-threaded slice
+// each, while torch's own team (the main thread and its OpenMP workers, which eager and Inductor
+// run on) sits parked or idle. A call from the main thread of an executable that calls the matmul
+// or convolution handler instead serves them for the length of its execution
+// (plan_executor: Specialization.served): it launches, then runs every product or convolution
+// the handlers post here, whole, on torch's team, until the execution's results are ready. A
+// handler posts where a server is active and waits for its work to be done; otherwise it runs as
+// before. The main thread owns torch's team, so only it serves; work posted by other threads'
+// executions meanwhile is served too. Work still queued when serving ends is run by the server
+// before it leaves, so a handler that posted never waits on nobody. The state is never
+// destroyed: a handler may be waiting on it while the process exits.
+struct Served {
+  const std::function<void()>* work = nullptr;
+  bool done = false;  // guarded by Server::mu
+  std::exception_ptr error;
+};
+struct Server {
+  std::mutex mu;
+  std::condition_variable posted, finished;
+  std::deque<Served*> queue;  // guarded by mu
+  bool active = false;        // guarded by mu
+  bool ended = false;         // the served execution's results are ready; guarded by mu
+  pthread_t thread{};         // the serving thread while active; guarded by mu
+};
+Server& server = *new Server;
+std::atomic<bool> serving{false};  // fx2xla_torch_kernels_set_serving (torch_kernels.serving_on)
+std::atomic<int64_t> served_calls{0};  // fx2xla_served_calls
+
+// Runs the queue's first item, unlocked; `lock` holds server.mu on entry and on return.
+void serve_one(std::unique_lock<std::mutex>& lock) {
+  Served* item = server.queue.front();
+  server.queue.pop_front();
+  lock.unlock();
+  try {
+    c10::impl::ExcludeDispatchKeyGuard plain(skipped_layers());
+    (*item->work)();
+  } catch (...) {
+    item->error = std::current_exception();
+  }
+  served_calls.fetch_add(1, std::memory_order_relaxed);
+  lock.lock();
+  item->done = true;
+  server.finished.notify_all();
+}
+
+// `work` run by the server, its exception rethrown here; false (nothing run) where none serves.
+// PJRT may run a small execution's thunks on the launching thread itself: a handler called on
+// the serving thread runs its work there and then, on the team it owns.
+bool run_served(const std::function<void()>& work) {
+  if (!serving.load(std::memory_order_relaxed)) return false;
+  Served item;
+  item.work = &work;
+  std::unique_lock<std::mutex> lock(server.mu);
+  if (!server.active) return false;
+  if (pthread_equal(server.thread, pthread_self())) {
+    lock.unlock();
+    work();
+    served_calls.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  server.queue.push_back(&item);
+  server.posted.notify_one();
+  server.finished.wait(lock, [&] { return item.done; });
+  if (item.error) std::rethrow_exception(item.error);
+  return true;
+}
+
+}  // namespace
+
+extern "C" void fx2xla_serve_begin() {
+  std::lock_guard<std::mutex> lock(server.mu);
+  server.active = true;
+  server.ended = false;
+  server.thread = pthread_self();
+}
+
+// Runs what is posted until fx2xla_serve_ended is called (by the thread that waits for the
+// execution's results), sleeping in between. The GIL is released around it (ctypes).
+extern "C" void fx2xla_serve_until_ended() {
+  std::unique_lock<std::mutex> lock(server.mu);
+  for (;;) {
+    server.posted.wait(lock, [] { return server.ended || !server.queue.empty(); });
+    while (!server.queue.empty()) serve_one(lock);
+    if (server.ended) return;
+  }
+}
+
+extern "C" void fx2xla_serve_ended() {
+  std::lock_guard<std::mutex> lock(server.mu);
+  server.ended = true;
+  server.posted.notify_all();
+}
+
+extern "C" void fx2xla_serve_end() {
+  std::unique_lock<std::mutex> lock(server.mu);
+  server.active = false;
+  while (!server.queue.empty()) serve_one(lock);
+}
+
+extern "C" int fx2xla_torch_kernels_set_serving(int on) { return serving.exchange(on != 0); }
+extern "C" int64_t fx2xla_served_calls() { return served_calls.load(); }
+
+namespace {
 
 // [begin, end) of slice i of n samples cut into `parts`.
 std::pair<int64_t, int64_t> slice_bounds(int64_t i, int64_t n, int64_t parts) {
@@ -550,6 +656,7 @@ ffi::Error Convolution(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       os.copy_(at::convolution(xs, plain_weight(), b, ints(stride), ints(padding), ints(dilation), transposed != 0,
                                ints(output_padding), groups));
     };
+    if (run_served([&] { conv(xt, ot); })) return;
     int64_t n = xt.size(0), parts = slices(n, pool);
     if (parts == 1) return conv(xt, ot);
     run_split(parts, pool, [&](int64_t i) {
@@ -583,13 +690,14 @@ ffi::Error ConvolutionBackward(ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::A
           ints(output_padding), groups, {input_mask != 0, weight_mask != 0, false});
       return std::make_pair(gx, gw);
     };
-    int64_t n = xt.size(0), parts = slices(n, pool);
-    if (parts == 1) {
+    auto whole = [&] {
       auto [gx, gw] = backward(gt, xt);
       if (input_mask) dxt.copy_(gx);
       if (weight_mask) dwt.copy_(gw);
-      return;
-    }
+    };
+    if (run_served(whole)) return;
+    int64_t n = xt.size(0), parts = slices(n, pool);
+    if (parts == 1) return whole();
     std::vector<at::Tensor> weight_grads(parts);
     run_split(parts, pool, [&](int64_t i) {
       auto [lo, hi] = slice_bounds(i, n, parts);
@@ -1075,7 +1183,8 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
 // training graphs"). Columns of c (and b) are cut into one slice per usable thread of XLA's pool,
 // each a single-threaded gemm on its own thread (no OpenMP or MKL team started from XLA's
 // threads: see "Batch splitting"), written in place: a column slice of a row-major matrix is a
-// matrix with a leading dimension, which MKL takes as it is.
+// matrix with a leading dimension, which MKL takes as it is. Where the main thread serves (see
+// "Serving"), the product runs there whole, on torch's team: eager's own call.
 
 std::atomic<int64_t> matmul_calls{0};  // fx2xla_torch_matmul_calls
 
@@ -1104,6 +1213,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
     if (transpose_a) at_ = at_.t();
     if (transpose_b) bt = bt.t();
     if (m == 0 || n == 0) return;
+    if (run_served([&] { at::mm_out(ct, at_, bt); })) return;
     int64_t threads = std::min(pool.num_threads(), usable_cores());
     int64_t groups = (n + kMatmulColumnGroup - 1) / kMatmulColumnGroup;
     int64_t parts = m * n * k >= kMatmulSplitMacs ? std::min(threads, groups) : 1;

@@ -615,13 +615,18 @@ def _executables(path) -> dict:
         return json.load(f)["variants"][0]["executables"]
 
 
+def _handled() -> int:
+    """Convolution handler calls so far: served by the main thread, or cut into slices."""
+    return fx2xla.torch_kernels.sliced_calls() + fx2xla.torch_kernels.served_calls()
+
+
 @pytest.mark.skipif(not fx2xla.torch_kernels.available("convolution"), reason=fx2xla.torch_kernels.status())
 def test_convolutions_run_torch_kernels_where_the_library_runs(tmp_path, monkeypatch):
     """Exported on a CPU with the kernel library, a package holds two executables: one with
     torch's convolutions as custom calls (keyed by the library's build) and the plain one, and
     records the convolution weights channels-last and pinned, as a compiled CPU inference graph
-    has them. Loaded here, the model runs torch's convolutions (handler calls counted; batch 8 is
-    cut into slices) with both weights pinned for them to pack and matches eager (float32 rtol 1e-4, atol 1e-5) and torch.compile's result (rtol
+    has them. Loaded here, the model runs torch's convolutions (handler calls counted: served
+    whole by the main thread, or cut into slices) with both weights pinned for them to pack and matches eager (float32 rtol 1e-4, atol 1e-5) and torch.compile's result (rtol
     1e-6, atol 1e-6); loaded with FX2XLA_TORCH_KERNELS=0, it runs the plain executable (no
     handler call, nothing compiled) with the same results. Exported without the library, the
     package holds the plain executable only. A dynamic batch lowers new sizes with the library
@@ -640,18 +645,18 @@ def test_convolutions_run_torch_kernels_where_the_library_runs(tmp_path, monkeyp
     assert len(weights) == 2 and all(p["kind"] == "relaid" and p["pinned"] for p in weights), weights
     run = fx2xla.load(path)
     gc.collect()  # earlier tests' executors in reference cycles unpin now, not during the call
-    before, pinned = torch_kernels.sliced_calls(), torch_kernels.packing_counts()["pinned"]
+    before, pinned = _handled(), torch_kernels.packing_counts()["pinned"]
     out = run(x)
-    assert torch_kernels.sliced_calls() - before == 2 and not run.compiled_from_module
+    assert _handled() - before == 2 and not run.compiled_from_module
     assert torch_kernels.packing_counts()["pinned"] - pinned == 2  # for torch's convolution to pack
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out, compiled, rtol=1e-6, atol=1e-6)
 
     monkeypatch.setenv("FX2XLA_TORCH_KERNELS", "0")
     plain = fx2xla.load(path)
-    before = torch_kernels.sliced_calls()
+    before = _handled()
     out = plain(x)
-    assert torch_kernels.sliced_calls() == before and not plain.compiled_from_module
+    assert _handled() == before and not plain.compiled_from_module
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     assert len(_executables(fx2xla.export(model, (x,), str(tmp_path / "plain")))) == 1
     monkeypatch.delenv("FX2XLA_TORCH_KERNELS")
@@ -659,9 +664,9 @@ def test_convolutions_run_torch_kernels_where_the_library_runs(tmp_path, monkeyp
     batch = torch.export.Dim("batch", min=2, max=32)
     run = fx2xla.load(fx2xla.export(model, (x,), str(tmp_path / "dynamic"), dynamic_shapes=({0: batch},)))
     x6 = torch.randn(6, 3, 16, 16)
-    before = torch_kernels.sliced_calls()
+    before = _handled()
     out = run(x6)
-    assert torch_kernels.sliced_calls() - before == 2 and run.compiled_from_module
+    assert _handled() - before == 2 and run.compiled_from_module
     with torch.no_grad():
         torch.testing.assert_close(out, model(x6), rtol=1e-4, atol=1e-5)
 
@@ -677,8 +682,9 @@ def test_a_fresh_process_runs_torch_convolutions_from_a_package(tmp_path):
         expected = model(x)
     path = fx2xla.export(model, (x,), str(tmp_path / "cnn"))
     out, report = _load_in_fresh_process(tmp_path, path, x, "{'compiles': m['compiles'], "
-                                         "'sliced': torch_kernels.sliced_calls(), 'from_module': run.compiled_from_module}")
-    assert report == {"compiles": 0, "sliced": 2, "from_module": False}
+                                         "'handled': torch_kernels.sliced_calls() + torch_kernels.served_calls(), "
+                                         "'from_module': run.compiled_from_module}")
+    assert report == {"compiles": 0, "handled": 2, "from_module": False}
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 

@@ -56,6 +56,15 @@ def _reduced_in_torch():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _handlers_own_paths():
+    # Serving (opt-in: tests/lowering/test_served_torch_kernels.py) would run the main thread's handler work
+    # whole on torch's team. These tests hold the handlers' own paths to eager (slices, packs per
+    # slice shape): serving is off here, whatever FX2XLA_SERVE_TORCH_KERNELS says.
+    with torch_kernels.serving(False):
+        yield
+
+
 def compiled_modules(fn, *args, **options) -> tuple[object, list[str]]:
     """fn compiled with fx2xla (and `options`), called on args: (result, the StableHLO of each
     new graph)."""
