@@ -462,15 +462,16 @@ def make_served_launcher(exe, export, hooks):
     return launch_served
 
 
-_waiters: dict = {}
+_waiter: list = []  # the process's one waiter: only the main thread serves
+_waiter_lock = threading.Lock()
 
 
 def _served_waiter(ended) -> _Waiter:
-    """The process's one waiter for the server whose `ended` this is."""
-    w = _waiters.get(id(ended))
-    if w is None:
-        w = _waiters.setdefault(id(ended), _Waiter(ended))
-    return w
+    """The process's waiter for the kernel library's server (whose `ended` this is)."""
+    with _waiter_lock:
+        if not _waiter:
+            _waiter.append(_Waiter(ended))
+        return _waiter[0]
 
 
 def make_launcher(exe, export=None, public: bool | None = None):
