@@ -94,7 +94,7 @@ def _medians(contenders: dict[str, Callable], args: tuple, rounds: int, calls: i
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def _under(fn: Callable, setting: str, on: bool = False) -> Callable:
+def _under(fn: Callable, setting: str, on: bool | str = False) -> Callable:
     """`fn` with the process-wide fx2xla.torch_kernels `setting(on)` for each call: the same
     executable, so interleaving it with `fn` compares only that setting."""
     from fx2xla import torch_kernels
@@ -112,10 +112,11 @@ def unsliced(fn: Callable) -> Callable:
     return _under(fn, "batch_slicing")
 
 
-def served(fn: Callable) -> Callable:
+def served(fn: Callable, how: bool | str = True) -> Callable:
     """`fn` with the main thread serving the matmul and convolution handlers' work on torch's
-    team (serving(True), opt-in), not sliced on XLA's threads."""
-    return _under(fn, "serving", True)
+    team (serving(True)), not sliced on XLA's threads; `how="auto"`: each executable serves or
+    not as its first main-thread calls found faster."""
+    return _under(fn, "serving", how)
 
 
 def unpacked(fn: Callable) -> Callable:

@@ -16,7 +16,10 @@ that), for every model fx2xla with XLA's own matmuls, not torch's gemm (options=
 kind but "matmul"}: the column `mm` is fx2xla ÷ that) and with the optimizer's updates in XLA's
 loops, not in one compiled loop per parameter (every kind but "elementwise": the column `ew`), and
 the same fx2xla step with the main thread serving torch's kernels (fx2xla.torch_kernels.
-serving(True), opt-in: the handlers' work whole on torch's team; the column `sv` is that ÷ fx2xla),
+serving(True), opt-in: the handlers' work whole on torch's team; the column `sv` is that ÷ fx2xla)
+and with each executable choosing from its first main-thread calls whether to serve
+(serving("auto"); its trials run before the timed rounds; `au` is that ÷ fx2xla, with how many
+executables chose serving),
 |dloss1| = |fx2xla - eager| first-step loss (rounding only without dropout; with dropout the
 random bits differ), and the 1-minute load average after timing (above the core count, other
 processes are skewing the figures). With `--phases`, eager, Inductor and fx2xla also run steps
@@ -50,6 +53,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import fmt_time, interleaved_medians, served, timed_call, unsliced, write_json  # noqa: E402
 
 import fx2xla  # noqa: E402
+from fx2xla.plan_executor import SERVE_TRIAL_ROUNDS  # noqa: E402
 from fx2xla.testing import LogitsOnly, SmallCNN, gpt2, mlp, token_ids  # noqa: E402
 
 
@@ -227,6 +231,14 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None, phases: bool
     res["load_average_1min_before"] = os.getloadavg()[0]  # other processes skew every contender
     # the same fx2xla step with the main thread serving the handlers' work on torch's team
     steps["fx2xla_served"] = served(steps["fx2xla"])
+    # the same step with each executable's serving chosen by its first main-thread calls
+    steps["fx2xla_auto"] = served(steps["fx2xla"], "auto")
+    trial = fx2xla.metrics()
+    for _ in range(2 * (SERVE_TRIAL_ROUNDS + 1)):  # the trials end before the timed rounds
+        steps["fx2xla_auto"]()
+    chose = fx2xla.metrics()
+    res["serving_chosen"] = chose["serving_chosen"] - trial["serving_chosen"]
+    res["serving_declined"] = chose["serving_declined"] - trial["serving_declined"]
     if name == "cnn":  # the same fx2xla step with torch's kernels on whole batches
         steps["fx2xla_unsliced"] = unsliced(steps["fx2xla"])
     med = interleaved_medians(steps, (), rounds=rounds, budget_s=120)
@@ -242,6 +254,8 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None, phases: bool
     res["torch_matmuls_ratio"] = med["fx2xla"] / med["fx2xla_xla_matmuls"]
     res["region_loops_ratio"] = med["fx2xla"] / med["fx2xla_xla_loops"]
     res["serving_ratio"] = med["fx2xla_served"] / med["fx2xla"]
+    res["serving_auto_ratio"] = med["fx2xla_auto"] / med["fx2xla"]
+    res["fx2xla_auto_vs_inductor"] = med["fx2xla_auto"] / med["inductor"]
     if "fx2xla_xla_kernels" in med:
         res["torch_kernels_ratio"] = med["fx2xla"] / med["fx2xla_xla_kernels"]
     if "fx2xla_unsliced" in med:
@@ -291,6 +305,9 @@ def main() -> None:
               f"{r['region_loops_ratio']:.2f}")
         print(f"{'':15s} sv (fx2xla serving torch's kernels from the main thread ÷ fx2xla): "
               f"{r['serving_ratio']:.2f}")
+        print(f"{'':15s} au (fx2xla choosing per executable whether to serve ÷ fx2xla): "
+              f"{r['serving_auto_ratio']:.2f} ({r['fx2xla_auto_vs_inductor']:.2f}x Inductor; "
+              f"{r['serving_chosen']} executables serve, {r['serving_declined']} do not)")
         if "torch_kernels_ratio" in r:
             print(f"{'':15s} tk (fx2xla ÷ fx2xla with XLA's own convolutions): {r['torch_kernels_ratio']:.2f}")
         if "batch_slicing_ratio" in r:

@@ -16,6 +16,9 @@ class Counters:
     fallback_ops: int = 0  # op nodes that run eagerly between XLA subgraphs
     pass_seconds: dict = field(default_factory=dict)  # graph pass name -> seconds (passes/)
     scan_folds: int = 0  # runs of repeated layers folded into one loop
+    # set_serving("auto") trials ended: executables that serve their main-thread calls / do not
+    serving_chosen: int = 0
+    serving_declined: int = 0
 
 
 counters = Counters()

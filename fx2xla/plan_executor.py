@@ -25,6 +25,7 @@ import torch
 
 from . import sharded_call, torch_kernels
 from .errors import IndexOutOfRangeError
+from .metrics import counters
 from .plan import GraphPlan, InputKind, Move, OutputKind, OutputPlan, orders_after_torch
 from .runtime.client import device_of
 from .runtime.executor import make_launcher, make_recording, make_served_launcher, make_traceback_pause
@@ -36,7 +37,7 @@ from .runtime.handoff import aligned, make_exporter, make_importer, make_stream_
 _pause_tracebacks, _resume_tracebacks = make_traceback_pause()
 _twin_of, _twins_waiting = _twins.twin, _twins.waiting
 _get_ident, _MAIN_THREAD = threading.get_ident, threading.main_thread().ident
-_serving = torch_kernels._serving
+_serving, _SERVE_ON = torch_kernels._serving, torch_kernels.SERVE_ON
 _team_running, _run_parked, _run_helped = (torch_kernels.torch_team_running, torch_kernels.run_parked,
                                            torch_kernels.run_helped)
 _recording = make_recording()
@@ -105,7 +106,7 @@ class Specialization:
 
     __slots__ = ("exe", "launch", "lowered", "out_plans", "plain_outputs", "input_outputs", "concat_outputs",
                  "mutations", "num_outputs", "checks", "raise_failed", "direct", "twins", "kept", "keeps_arrays",
-                 "park", "parked_wait", "helped", "served", "in_place", "twinned_in_place", "wait_for_writes", "stages")
+                 "park", "parked_wait", "helped", "served", "serve_trial", "in_place", "twinned_in_place", "wait_for_writes", "stages")
 
     def __init__(self, exe, plan: GraphPlan, outputs: list[OutputPlan], checks: tuple, result_shapes, *,
                  lowered=None, sharded_outputs: bool = False, training: bool = False):
@@ -136,6 +137,8 @@ class Specialization:
             self.launch, twins, self.keeps_arrays = placed
             self.twins = tuple(Twin(r, i) for r, i in twins)
             self.served = None
+        # set_serving("auto"): this executable's first main-thread calls time it both ways.
+        self.serve_trial = ServeTrial() if self.served is not None else None
         self.out_plans = outputs
         self.plain_outputs = all(p.kind is OutputKind.TENSOR and p.inv_perm is None and p.stride is None
                                  and not p.views for p in outputs)
@@ -183,6 +186,54 @@ class Specialization:
         # client makes every result of one execution ready by the same event). None: no wait.
         self.parked_wait = (self.in_place[0][1] if self.park and placed is None and not self.stages and self.in_place
                             else None)
+
+
+class ServeTrial:
+    """set_serving("auto") for one executable that may serve (Specialization.served): its first
+    main-thread calls alternate between serving and not, one untimed call each, then
+    SERVE_TRIAL_ROUNDS timed calls each, from launch until every result is ready; from then on
+    every main-thread call goes the way whose fastest call was faster (`choice`). Serving wins
+    where the handlers' work dominates the execution (an MLP's training step) and loses where
+    many products, each run whole on the main thread, would otherwise run beside XLA's own loops
+    (a GPT-2's; docs/benchmarks.md, "Serving chosen per executable"). Only the main thread
+    calls it, so it needs no lock."""
+
+    __slots__ = ("calls", "seconds", "choice")
+
+    def __init__(self):
+        self.calls = 0
+        self.seconds: tuple[list[float], list[float]] = ([], [])  # (not served, served)
+        self.choice: bool | None = None  # None while timing
+
+    def launch(self, spec: Specialization, bufs):
+        choice = self.choice
+        if choice is not None:
+            return spec.served(bufs) if choice else PlanExecutor._launch_unserved(spec, bufs)
+        served = self.calls % 2 == 1
+        self.calls += 1
+        t0 = time.perf_counter()
+        if served:
+            outs = spec.served(bufs)  # returns once the execution has ended
+        else:
+            outs = PlanExecutor._launch_unserved(spec, bufs)
+            for o in outs:  # a result written in place leaves unexported: wait for it here
+                if type(o) is not torch.Tensor:
+                    o.block_until_ready()
+                    break
+        elapsed = time.perf_counter() - t0
+        if self.calls > 2:  # each way's first call is not timed
+            times = self.seconds[served]
+            times.append(elapsed)
+            if len(times) >= SERVE_TRIAL_ROUNDS and served:
+                self.choice = min(self.seconds[1]) < min(self.seconds[0])
+                if self.choice:
+                    counters.serving_chosen += 1
+                else:
+                    counters.serving_declined += 1
+        return outs
+
+
+SERVE_TRIAL_ROUNDS = 3
 
 
 class PlanExecutor:
@@ -333,7 +384,7 @@ class PlanExecutor:
         if self._timed:  # parked and served calls included
             t0 = time.perf_counter()
             if spec.served is not None and _serving[0] and _get_ident() == _MAIN_THREAD:
-                outs = spec.served(bufs)
+                outs = spec.served(bufs) if _serving[0] == _SERVE_ON else spec.serve_trial.launch(spec, bufs)
             elif spec.park and _team_running():
                 outs = self._launch_parked(spec, bufs)
             else:
@@ -341,7 +392,7 @@ class PlanExecutor:
             results = self._finish(spec, outs, held)
             self.execute_seconds += time.perf_counter() - t0  # export waits for the results
         elif spec.served is not None and _serving[0] and _get_ident() == _MAIN_THREAD:
-            outs = spec.served(bufs)
+            outs = spec.served(bufs) if _serving[0] == _SERVE_ON else spec.serve_trial.launch(spec, bufs)
             results = outs if spec.direct else self._finish(spec, outs, held)
         elif spec.park and _team_running():
             outs = self._launch_parked(spec, bufs)
@@ -360,6 +411,13 @@ class PlanExecutor:
     @staticmethod
     def _launch(spec: Specialization, bufs):
         return _run_helped(spec.launch, bufs) if spec.helped else spec.launch(bufs)
+
+    @staticmethod
+    def _launch_unserved(spec: Specialization, bufs):
+        """A launch as a call that does not serve makes it (parked where torch's team runs)."""
+        if spec.park and _team_running():
+            return PlanExecutor._launch_parked(spec, bufs)
+        return PlanExecutor._launch(spec, bufs)
 
     @staticmethod
     def _launch_parked(spec: Specialization, bufs):

@@ -271,6 +271,7 @@ def load() -> tuple[bool, str]:
 
 
 def _load() -> tuple[bool, str]:
+    serve = _serve_mode(serving_setting())  # a bad setting raises before anything is registered
     path = library_path()
     if path is None:
         return False, ("not built for this torch and jaxlib: run `python -m fx2xla kernels build` "
@@ -324,8 +325,8 @@ def _load() -> tuple[bool, str]:
     _lib = lib
     if os.environ.get("FX2XLA_PARK_SIGNALS", "").strip().lower() in ("0", "off", "false", "no"):
         lib.fx2xla_set_park_signals(0)
-    _serving[0] = serving_on()
-    lib.fx2xla_torch_kernels_set_serving(int(_serving[0]))
+    _serving[0] = serve
+    lib.fx2xla_torch_kernels_set_serving(int(_serving[0] != SERVE_OFF))
     return True, str(path)
 
 
@@ -501,10 +502,33 @@ def calls_handlers(exe, targets=TARGETS) -> bool:
 SERVED_TARGETS = ("fx2xla_torch_matmul", "fx2xla_torch_convolution", "fx2xla_torch_convolution_backward")
 
 
-def serving_on() -> bool:
-    """FX2XLA_SERVE_TORCH_KERNELS=1 (or on/true/yes), read when the library loads: serving starts
-    on (set_serving changes it later). Opt-in: see docs/usage.md."""
-    return os.environ.get("FX2XLA_SERVE_TORCH_KERNELS", "").strip().lower() in ("1", "on", "true", "yes")
+SERVE_OFF, SERVE_ON, SERVE_AUTO = 0, 1, 2  # _serving[0]: set_serving's setting as the executor reads it
+_SERVE_NAMES = {SERVE_OFF: False, SERVE_ON: True, SERVE_AUTO: "auto"}
+
+
+def _serve_mode(on) -> int:
+    if isinstance(on, str):
+        v = on.strip().lower()
+        if v == "auto":
+            return SERVE_AUTO
+        if v in ("1", "on", "true", "yes"):
+            return SERVE_ON
+        if v in ("", "0", "off", "false", "no"):
+            return SERVE_OFF
+        raise ValueError(f"fx2xla: serving must be True, False or 'auto', not {on!r}")
+    return SERVE_ON if on else SERVE_OFF
+
+
+def serving_setting() -> bool | str:
+    """FX2XLA_SERVE_TORCH_KERNELS, read when the library loads: 1 (or on/true/yes) serves every
+    main-thread call of an executable that calls the handlers, `auto` times each such
+    executable both ways over its first main-thread calls and keeps the faster, 0 (or unset)
+    serves none. set_serving changes it later. See docs/usage.md."""
+    raw = os.environ.get("FX2XLA_SERVE_TORCH_KERNELS", "")
+    try:
+        return _SERVE_NAMES[_serve_mode(raw)]
+    except ValueError:
+        raise ValueError(f"fx2xla: FX2XLA_SERVE_TORCH_KERNELS must be 0, 1 or auto, not {raw!r}") from None
 
 
 def worth_serving(exe) -> bool:
@@ -520,20 +544,25 @@ def serve_hooks():
     return _lib.fx2xla_serve_begin, _lib.fx2xla_serve_until_ended, _lib.fx2xla_serve_ended, _lib.fx2xla_serve_end
 
 
-_serving = [False]  # set_serving's setting, read by the executor on each main-thread call
+_serving = [SERVE_OFF]  # set_serving's setting, read by the executor on each main-thread call
 
 
-def set_serving(on: bool) -> bool:
-    """Process-wide: whether main-thread calls serve their handlers' work on torch's team (off
-    unless FX2XLA_SERVE_TORCH_KERNELS=1). Off, the handlers run as on any other thread. Returns
-    the previous setting (False where the library is not loaded: nothing serves)."""
+def set_serving(on) -> bool | str:
+    """Process-wide: whether main-thread calls serve their handlers' work on torch's team: True
+    (every such call), "auto" (each executable's first main-thread calls time it served and
+    not, then it keeps the faster; plan_executor.ServeTrial) or False (off unless
+    FX2XLA_SERVE_TORCH_KERNELS says otherwise). Off, the handlers run as on any other thread.
+    Returns the previous setting (False where the library is not loaded: nothing serves)."""
+    mode = _serve_mode(on)
     if not load()[0]:
         return False
-    _serving[0] = bool(on)
-    return bool(_lib.fx2xla_torch_kernels_set_serving(int(bool(on))))
+    previous = _SERVE_NAMES[_serving[0]]
+    _serving[0] = mode
+    _lib.fx2xla_torch_kernels_set_serving(int(mode != SERVE_OFF))
+    return previous
 
 
-def serving(on: bool):
+def serving(on):
     """set_serving(on) for a block."""
     return _scoped(set_serving, on)
 

@@ -15,7 +15,13 @@ switch it on. What these tests hold it to, against eager at conftest's float32 t
   every one is served and the result is eager's;
 - calls from other threads are not served, and while the main thread serves, four other threads
   calling the same model get their own inputs' results on every call;
-- FX2XLA_SERVE_TORCH_KERNELS=1, read when the library loads, serves; unset or 0 serves nothing."""
+- FX2XLA_SERVE_TORCH_KERNELS=1, read when the library loads, serves; unset or 0 serves nothing;
+  `auto` serves from the second main-thread call; any other value is refused by name;
+- serving "auto" (plan_executor.ServeTrial): an MLP training step's forward and backward each
+  alternate served and unserved main-thread calls, the first of each way untimed, then
+  SERVE_TRIAL_ROUNDS timed each, and choose; every step, trial or not, has eager's loss and
+  gradients; after the choice each step serves exactly the handler calls of the executables
+  that chose serving; calls from other threads neither serve nor count in the trial."""
 from __future__ import annotations
 
 import copy
@@ -30,6 +36,8 @@ import torch
 
 import fx2xla
 from fx2xla import torch_kernels
+from fx2xla.metrics import live_graphs
+from fx2xla.plan_executor import SERVE_TRIAL_ROUNDS
 from fx2xla.testing import SmallCNN
 
 from tests.conftest import tolerance
@@ -203,15 +211,127 @@ def test_off_with_the_environment_variable():
         from fx2xla.testing import SmallCNN
         model = SmallCNN().eval()
         x = torch.randn(8, 3, 32, 32)
+        compiled = torch.compile(model, backend="fx2xla")
         with torch.no_grad():
-            out = torch.compile(model, backend="fx2xla")(x)
-            torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+            for _ in range(2):
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
         print("served", torch_kernels.served_calls())
     """)
-    for value, served in ((None, 0), ("0", 0), ("1", 3)):
+    # two calls of three convolutions; "auto" times the first call unserved, the second served
+    for value, served in ((None, 0), ("0", 0), ("1", 6), ("auto", 3)):
         env = {k: v for k, v in os.environ.items() if k != "FX2XLA_SERVE_TORCH_KERNELS"}
         if value is not None:
             env["FX2XLA_SERVE_TORCH_KERNELS"] = value
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"served {served}" in out.stdout
+    env = {**os.environ, "FX2XLA_SERVE_TORCH_KERNELS": "sometimes"}
+    out = subprocess.run([sys.executable, "-c", "from fx2xla import torch_kernels; torch_kernels.load()"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "FX2XLA_SERVE_TORCH_KERNELS must be 0, 1 or auto, not 'sometimes'" in out.stderr
+
+
+def test_set_serving_takes_true_false_or_auto_and_gives_the_previous_back():
+    assert torch_kernels.set_serving("auto") is True  # the fixture's setting
+    with torch_kernels.serving(False):
+        assert torch_kernels.set_serving(True) is False
+    assert torch_kernels.set_serving(True) == "auto"  # the block gave "auto" back
+    with pytest.raises(ValueError, match="serving must be True, False or 'auto', not 'always'"):
+        torch_kernels.set_serving("always")
+
+
+def _handler_calls(spec) -> int:
+    """The matmul handler's call sites in `spec`'s optimized program (none is in a loop here)."""
+    text = "\n".join(m.to_string() for m in spec.exe.hlo_modules())
+    return text.count('custom_call_target="fx2xla_torch_matmul"')
+
+
+def test_auto_times_each_executable_both_ways_then_keeps_its_choice():
+    trial_steps = 2 * (SERVE_TRIAL_ROUNDS + 1)
+    torch._dynamo.reset()  # graphs of their own, whose trials start here
+    torch.manual_seed(0)
+    before_graphs = set(map(id, live_graphs))
+    with torch_kernels.serving("auto"):
+        served_in_trial = _train_step(MLP(), _inputs((32, 256)), steps=trial_steps)
+        graphs = [g for g in live_graphs if id(g) not in before_graphs and g.static is not None
+                  and g.static.serve_trial is not None]
+        assert len(graphs) == 2  # the forward and the backward
+        for g in graphs:
+            trial = g.static.serve_trial
+            assert trial.calls == trial_steps
+            assert [len(t) for t in trial.seconds] == [SERVE_TRIAL_ROUNDS] * 2
+            assert trial.choice == (min(trial.seconds[1]) < min(trial.seconds[0]))
+        handler_calls = sorted(_handler_calls(g.static) for g in graphs)
+        assert handler_calls == [2, 3]  # the forward's two matmuls, the backward's three
+        # the served half of the trial: every call of each way but the untimed first
+        assert served_in_trial == sum(handler_calls) * (SERVE_TRIAL_ROUNDS + 1)
+
+
+def test_auto_after_its_trial_serves_what_it_chose():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(model, backend="fx2xla")
+    before_graphs = set(map(id, live_graphs))
+    x = torch.randn(32, 256)
+    with torch_kernels.serving("auto"):
+        for _ in range(2 * (SERVE_TRIAL_ROUNDS + 1)):
+            compiled(x).sum().backward()
+        graphs = [g for g in live_graphs if id(g) not in before_graphs and g.static is not None
+                  and g.static.serve_trial is not None]
+        assert len(graphs) == 2 and all(g.static.serve_trial.choice is not None for g in graphs)
+        per_step = sum(_handler_calls(g.static) for g in graphs if g.static.serve_trial.choice)
+        model.zero_grad(set_to_none=True)
+        before = torch_kernels.served_calls()
+        loss = compiled(x).square().mean()
+        loss.backward()
+        assert torch_kernels.served_calls() - before == per_step
+    twin = copy.deepcopy(model)
+    twin.zero_grad(set_to_none=True)
+    ref = twin(x).square().mean()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, **TOL)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+
+
+def test_auto_counts_only_main_thread_calls():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    compiled = torch.compile(model, backend="fx2xla")
+    x = torch.randn(8, 3, 32, 32)
+    before_graphs = set(map(id, live_graphs))
+    with torch.no_grad():
+        want = model(x)
+    got = []
+
+    def work():
+        with torch.no_grad():
+            for _ in range(3):
+                got.append(compiled(x))
+
+    with torch_kernels.serving("auto"):
+        first = threading.Thread(target=work)  # compiles, alone (threads that miss Dynamo's cache at once each trace)
+        first.start()
+        first.join(timeout=600)
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        assert not any(t.is_alive() for t in [first, *threads]), "a thread hung"
+        (graph,) = [g for g in live_graphs if id(g) not in before_graphs and g.static is not None
+                    and g.static.serve_trial is not None]
+        assert graph.static.serve_trial.calls == 0 and graph.static.serve_trial.choice is None
+        before = torch_kernels.served_calls()
+        with torch.no_grad():
+            got.append(compiled(x))  # the trial's first call: not served
+            assert torch_kernels.served_calls() == before
+            got.append(compiled(x))  # its second: served
+            assert torch_kernels.served_calls() - before == 3
+        assert graph.static.serve_trial.calls == 2
+    assert len(got) == 11
+    for out in got:
+        torch.testing.assert_close(out, want, **TOL)
