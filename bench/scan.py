@@ -15,7 +15,10 @@ folds) and off (unrolled):
   marked    the same with `fx2xla.scan_layers(model)` marking the model's layer stack instead
             of editing GPT2Block (one region per layer class, arguments passed flat)
   latency   steady-state median per call, folded and unrolled interleaved in rounds (the
-            order alternates between rounds)
+            order alternates between rounds), with a third contender, folded with the
+            torch_kernels kind "stacked_matmul" off (`copied`: each iteration copies its layer's
+            weights out of the stacks for XLA's dots, instead of torch's gemm reading them in
+            place)
 The disk cache is off, so every compile is real. With matplotlib installed (`make bench`
 installs it) a PNG of compile time and latency against depth is written next to the JSON.
 
@@ -48,7 +51,8 @@ def _backend_seconds() -> float:
     return sum(m["pass_seconds"].values()) + m["lower_seconds"] + m["compile_seconds"]
 
 
-def measure(layers: int, fold: bool, ids, train: bool, region: bool = False, marked: bool = False):
+def measure(layers: int, fold: bool, ids, train: bool, region: bool = False, marked: bool = False,
+            copied: bool = False):
     import transformers.models.gpt2.modeling_gpt2 as modeling_gpt2
 
     block = modeling_gpt2.GPT2Block
@@ -56,12 +60,12 @@ def measure(layers: int, fold: bool, ids, train: bool, region: bool = False, mar
     if region:
         block.forward = torch.compiler.nested_compile_region(forward)
     try:
-        return _measure(layers, fold, ids, train, marked)
+        return _measure(layers, fold, ids, train, marked, copied)
     finally:
         block.forward = forward
 
 
-def _measure(layers: int, fold: bool, ids, train: bool, marked: bool = False):
+def _measure(layers: int, fold: bool, ids, train: bool, marked: bool = False, copied: bool = False):
     # Every compile is real: the region variant lowers to the very module the plain folded
     # one does, which the in-memory executable cache would otherwise hand back.
     executable_cache.clear()
@@ -71,7 +75,10 @@ def _measure(layers: int, fold: bool, ids, train: bool, marked: bool = False):
     if marked:
         fx2xla.scan_layers(model)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fx2xla", fullgraph=True, options={"scan_folding": fold, "scan_min_layers": 2})
+    options = {"scan_folding": fold, "scan_min_layers": 2}
+    if copied:  # each iteration copies its layer's weights out of the stacks for XLA's dots
+        options["torch_kernels"] = [k for k in fx2xla.torch_kernels.KINDS if k != "stacked_matmul"]
+    compiled = torch.compile(model, backend="fx2xla", fullgraph=True, options=options)
 
     def step(x):
         if not train:
@@ -143,7 +150,7 @@ def main(argv=None) -> int:
     print(f"GPT-2 hidden 256, batch {args.batch} x seq {args.seq}, {mode}; fx2xla folded vs unrolled")
     header = (f"{'layers':>6} | {'backend fold':>12} {'backend unroll':>14} {'ratio':>6} | "
               f"{'first fold':>10} {'first unroll':>12} {'first region':>12} {'first marked':>12} | {'frontend fold':>13} "
-              f"{'frontend unroll':>15} | {'lat fold':>10} {'lat unroll':>10} {'fold/unroll':>11}")
+              f"{'frontend unroll':>15} | {'lat fold':>10} {'lat unroll':>10} {'fold/unroll':>11} {'copied/unroll':>13}")
     print(header)
     # Warm-up (imports, PJRT client, Dynamo's and jax's first-use costs), not measured.
     measure(2, True, ids, args.train)
@@ -164,21 +171,22 @@ def main(argv=None) -> int:
                                             for rs in runs.values())
         assert folded["folded"] == region["folded"] == marked["folded"] == 1 and unrolled["folded"] == 0, (
             folded["folded"], region["folded"], marked["folded"], unrolled["folded"])
-        lat = interleaved_medians({"fold": folded["step"], "unroll": unrolled["step"]}, (ids,),
-                                  rounds=args.rounds, budget_s=90)
+        copied = measure(n, True, ids, args.train, copied=True)
+        lat = interleaved_medians({"fold": folded["step"], "unroll": unrolled["step"], "copied": copied["step"]},
+                                  (ids,), rounds=args.rounds, budget_s=90)
         row = {"layers": n, **{f"{k}_fold": folded[k] for k in ("backend", "first", "frontend")},
                **{f"{k}_unroll": unrolled[k] for k in ("backend", "first", "frontend")},
                "first_region": region["first"], "frontend_region": region["frontend"],
                "first_marked": marked["first"], "frontend_marked": marked["frontend"],
-               "latency_fold": lat["fold"], "latency_unroll": lat["unroll"]}
+               "latency_fold": lat["fold"], "latency_unroll": lat["unroll"], "latency_fold_copied": lat["copied"]}
         rows.append(row)
         print(f"{n:>6} | {fmt_time(row['backend_fold']):>12} {fmt_time(row['backend_unroll']):>14} "
               f"{row['backend_unroll'] / row['backend_fold']:>6.2f} | {fmt_time(row['first_fold']):>10} "
               f"{fmt_time(row['first_unroll']):>12} {fmt_time(row['first_region']):>12} "
               f"{fmt_time(row['first_marked']):>12} | "
               f"{fmt_time(row['frontend_fold']):>13} {fmt_time(row['frontend_unroll']):>15} | "
-              f"{fmt_time(lat['fold']):>10} {fmt_time(lat['unroll']):>10} {lat['fold'] / lat['unroll']:>11.2f}",
-              flush=True)
+              f"{fmt_time(lat['fold']):>10} {fmt_time(lat['unroll']):>10} {lat['fold'] / lat['unroll']:>11.2f} "
+              f"{lat['copied'] / lat['unroll']:>13.2f}", flush=True)
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
         print(f"folded backend compile, {last['layers']} vs {first['layers']} layers: "

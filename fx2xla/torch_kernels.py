@@ -24,6 +24,9 @@ results are the kernel's bit for bit (lowering/nn.py `_torch_attention` says whe
 `fx2xla_torch_matmul` runs torch's gemm (MKL's on x86) for the large float32 and float64 matmuls
 of training graphs, where XLA:CPU's dots of a training step's shapes took up to 2.2x its time; its
 output's columns are cut across XLA's threads (lowering/linalg.py: TORCH_MATMUL_MACS).
+`fx2xla_torch_matmul_indexed` does the same for one layer's weight in a folded loop's body,
+reading it in place from the stacked weights at the iteration's index, where XLA would copy
+the slice out first (lowering/linalg.py: STACKED_MATMUL_MACS).
 
 The library also holds four kernels of fx2xla's own. `fx2xla_skinny_matmul`: bf16 matmuls of one
 row (decode steps at batch 1), for which XLA:CPU converts every weight to float32 on each call
@@ -73,15 +76,18 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_kernels.cc"
 # The FFI handlers the library exports, each registered for XLA:CPU under its own name.
 TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward", "fx2xla_torch_attention",
            "fx2xla_skinny_matmul", "fx2xla_few_rows_matmul", "fx2xla_decode_attention", "fx2xla_torch_matmul",
-           "fx2xla_elementwise")
+           "fx2xla_elementwise", "fx2xla_torch_matmul_indexed")
 # torch dtypes the handlers take (the FFI element types they map to torch's).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # The kinds of custom call lowering may use (option torch_kernels): torch's convolutions, torch's
 # flash attention (below), torch's gemm in training graphs (lowering/linalg.py), and the library's
 # own skinny bf16 matmul, few-row float32 matmul (below; lowering/linalg.py), float32 decode
-# attention (lowering/nn.py) and elementwise regions (lowering/regions.py).
-KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul", "decode_attention", "matmul", "elementwise")
+# attention (lowering/nn.py) and elementwise regions (lowering/regions.py); `stacked_matmul`:
+# torch's gemm on one layer's weight of a folded loop, read in place from the stacked weights,
+# in every graph (lowering/control_flow.py, lowering/linalg.py: _stacked_matmul).
+KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul", "decode_attention", "matmul", "elementwise",
+         "stacked_matmul")
 # Kinds only training graphs (forward, backward) lower to, whatever the option says: torch's gemm,
 # which in inference graphs was slower than XLA's dots fused with their neighbours
 # (lowering/linalg.py: TORCH_MATMUL_MACS).
@@ -303,6 +309,7 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_few_rows_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_decode_attention_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_matmul_calls.restype = ctypes.c_int64
+        lib.fx2xla_torch_matmul_indexed_calls.restype = ctypes.c_int64
         lib.fx2xla_elementwise_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_attention_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_kernels_hold_mkl.restype = ctypes.c_int
@@ -499,7 +506,8 @@ def calls_handlers(exe, targets=TARGETS) -> bool:
 
 # Serving (csrc/torch_kernels.cc, "Serving"): a main-thread call of an executable that calls
 # these handlers runs their work on torch's own team, whole, while its execution lasts.
-SERVED_TARGETS = ("fx2xla_torch_matmul", "fx2xla_torch_convolution", "fx2xla_torch_convolution_backward")
+SERVED_TARGETS = ("fx2xla_torch_matmul", "fx2xla_torch_convolution", "fx2xla_torch_convolution_backward",
+                  "fx2xla_torch_matmul_indexed")
 
 
 SERVE_OFF, SERVE_ON, SERVE_AUTO = 0, 1, 2  # _serving[0]: set_serving's setting as the executor reads it
@@ -840,6 +848,12 @@ def matmul_calls() -> int:
     """How many torch matmul handler calls ran in this process (0 where the library is not
     loaded)."""
     return int(_lib.fx2xla_torch_matmul_calls()) if load()[0] else 0
+
+
+def indexed_matmul_calls() -> int:
+    """How many torch matmul handler calls on one layer's weight of a folded loop, read in place
+    (`fx2xla_torch_matmul_indexed`), ran in this process (0 where the library is not loaded)."""
+    return int(_lib.fx2xla_torch_matmul_indexed_calls()) if load()[0] else 0
 
 
 def elementwise_calls() -> int:

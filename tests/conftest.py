@@ -53,6 +53,15 @@ def tolerance(dtype: torch.dtype, scale: float = 1.0) -> dict:
     return {k: v * scale for k, v in tol.items()}
 
 
+def assert_loss_and_grads_close(loss, ref, model, twin, dtype: torch.dtype = torch.float32) -> None:
+    """A compiled step's `loss` and `model`'s gradients against eager's `ref` and `twin`'s, at
+    `dtype`'s tolerance (each gradient named on failure)."""
+    tol = tolerance(dtype)
+    torch.testing.assert_close(loss, ref, **tol)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
+
+
 def calls_in_threads(fn, inputs, calls: int) -> dict:
     """`fn(inputs[i])` `calls` times in each of len(inputs) threads at once, under no_grad:
     {i: [each result]}. The first exception of any thread is raised here."""

@@ -1194,6 +1194,28 @@ constexpr int64_t kMatmulSplitMacs = 1 << 20;
 // Slices hold whole groups of this many columns (one AVX-512 register of floats).
 constexpr int64_t kMatmulColumnGroup = 16;
 
+// c = a . b (2-D views): served whole where the main thread serves, else its columns cut across
+// XLA's threads, each slice a single-threaded gemm.
+void torch_mm_into(ffi::ThreadPool& pool, at::Tensor& ct, const at::Tensor& at_, const at::Tensor& bt) {
+  int64_t m = at_.size(0), k = at_.size(1), n = bt.size(1);
+  if (m == 0 || n == 0) return;
+  if (run_served([&] { at::mm_out(ct, at_, bt); })) return;
+  int64_t threads = std::min(pool.num_threads(), usable_cores());
+  int64_t groups = (n + kMatmulColumnGroup - 1) / kMatmulColumnGroup;
+  int64_t parts = m * n * k >= kMatmulSplitMacs ? std::min(threads, groups) : 1;
+  if (parts <= 1) {
+    SingleThreaded one;
+    at::mm_out(ct, at_, bt);
+    return;
+  }
+  run_split(parts, pool, [&](int64_t i) {
+    auto [lo, hi] = slice_bounds(i, groups, parts);
+    lo *= kMatmulColumnGroup, hi = std::min(hi * kMatmulColumnGroup, n);
+    at::Tensor cs = ct.slice(1, lo, hi);
+    at::mm_out(cs, at_, bt.slice(1, lo, hi));
+  });
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
                   int64_t transpose_a, int64_t transpose_b) {
   auto dtype = torch_dtype(a.element_type());
@@ -1212,22 +1234,41 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
     at::Tensor at_ = as_tensor(a, *dtype), bt = as_tensor(b, *dtype), ct = as_tensor(*c, *dtype);
     if (transpose_a) at_ = at_.t();
     if (transpose_b) bt = bt.t();
-    if (m == 0 || n == 0) return;
-    if (run_served([&] { at::mm_out(ct, at_, bt); })) return;
-    int64_t threads = std::min(pool.num_threads(), usable_cores());
-    int64_t groups = (n + kMatmulColumnGroup - 1) / kMatmulColumnGroup;
-    int64_t parts = m * n * k >= kMatmulSplitMacs ? std::min(threads, groups) : 1;
-    if (parts <= 1) {
-      SingleThreaded one;
-      at::mm_out(ct, at_, bt);
-      return;
-    }
-    run_split(parts, pool, [&](int64_t i) {
-      auto [lo, hi] = slice_bounds(i, groups, parts);
-      lo *= kMatmulColumnGroup, hi = std::min(hi * kMatmulColumnGroup, n);
-      at::Tensor cs = ct.slice(1, lo, hi);
-      at::mm_out(cs, at_, bt.slice(1, lo, hi));
-    });
+    torch_mm_into(pool, ct, at_, bt);
+  });
+}
+
+// torch's matmul of one layer's weight in a folded loop: c[M, N] = a[M, K] . op(stack[index]),
+// stack [L, R, C], op a transpose where transpose_b is 1. A loop body that reads its layer's
+// weight as a slice of the stacked weights would otherwise copy the slice out on every
+// iteration (XLA:CPU's dot takes no dynamic slice in place): at batch 1 x 128 a folded GPT-2
+// spent 1.1-1.3x the time of the unrolled one, the copies being the difference
+// (docs/benchmarks.md, "Folded layers' weights read in place"). Here the gemm reads the layer's
+// weight where it lies. The index is clamped into [0, L) as XLA's dynamic slice clamps it.
+
+std::atomic<int64_t> indexed_matmul_calls{0};  // fx2xla_torch_matmul_indexed_calls
+
+ffi::Error MatmulIndexed(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer stack, ffi::AnyBuffer index,
+                         ffi::Result<ffi::AnyBuffer> c, int64_t transpose_b) {
+  auto dtype = torch_dtype(a.element_type());
+  if (!dtype || (*dtype != at::kFloat && *dtype != at::kDouble) || stack.element_type() != a.element_type() ||
+      c->element_type() != a.element_type())
+    return ffi::Error::InvalidArgument("fx2xla_torch_matmul_indexed: a, stack and c must be float32 or float64, all one");
+  if (index.element_type() != ffi::DataType::S32 || index.element_count() != 1)
+    return ffi::Error::InvalidArgument("fx2xla_torch_matmul_indexed: the index must be one int32");
+  auto ad = a.dimensions(), sd = stack.dimensions(), cd = c->dimensions();
+  if (ad.size() != 2 || sd.size() != 3 || cd.size() != 2 || sd[0] < 1)
+    return ffi::Error::InvalidArgument("fx2xla_torch_matmul_indexed: a and c must be matrices, stack a non-empty stack of them");
+  int64_t m = ad[0], k = ad[1], n = transpose_b ? sd[1] : sd[2];
+  if ((transpose_b ? sd[2] : sd[1]) != k || cd[0] != m || cd[1] != n)
+    return ffi::Error::InvalidArgument("fx2xla_torch_matmul_indexed: shapes do not chain");
+  int64_t layer = std::clamp<int64_t>(*static_cast<const int32_t*>(index.untyped_data()), 0, sd[0] - 1);
+  indexed_matmul_calls.fetch_add(1, std::memory_order_relaxed);
+  return guarded("torch matmul (indexed)", [&] {
+    at::Tensor bt = as_tensor(stack, *dtype).select(0, layer);
+    if (transpose_b) bt = bt.t();
+    at::Tensor ct = as_tensor(*c, *dtype);
+    torch_mm_into(pool, ct, as_tensor(a, *dtype), bt);
   });
 }
 
@@ -1535,6 +1576,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_matmul, Matmul,
 
 // How many torch matmul calls ran so far, in this process.
 extern "C" int64_t fx2xla_torch_matmul_calls() { return matmul_calls.load(); }
+
+// a . op(stack[index]): one layer's weight of a folded loop read in place; transpose_b is 1 where
+// the stack holds each weight [N, K] (nn.Linear's), 0 where [K, N].
+XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_matmul_indexed, MatmulIndexed,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("transpose_b"));
+
+// How many indexed torch matmul calls ran so far, in this process.
+extern "C" int64_t fx2xla_torch_matmul_indexed_calls() { return indexed_matmul_calls.load(); }
 
 // Float32 elementwise regions (lowering/regions.py): the `vectors` inputs of the region's size,
 // then its scalar inputs (one element each); `kernel`, the path of the region's compiled loop.

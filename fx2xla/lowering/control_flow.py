@@ -13,6 +13,8 @@ import torch
 import torch.fx
 from jax import lax
 
+from .. import torch_kernels
+from . import linalg as _linalg
 from .checks import first_failure, no_failure
 from .dtypes import to_jax_dtype
 from .graph import run_nodes
@@ -121,17 +123,33 @@ def _scan(ctx, body, init, xs, additional_inputs):
 
     placeholders = _placeholders(body)
     known = _hoist_invariants(ctx, body, dict(zip(placeholders[len(placeholders) - len(extra):], extra)), None)
+    # Stacked inputs that only matmuls read (a folded layer's weights): not sliced by the scan;
+    # each iteration's matmuls read its layer's weight in place (linalg._stacked_matmul), and
+    # the slice made for any other reader is dead code where none is left.
+    per_step = placeholders[n_carry:n_carry + len(xs)]
+    stacks = {}
+    if ctx.platform == "cpu" and not ctx.spmd and torch_kernels.available("stacked_matmul"):
+        reads = _linalg.stacked_matmul_reads(per_step)
+        stacks = {k: xs[k] for k, p in enumerate(per_step) if p in reads}
+    scanned = [x for k, x in enumerate(xs) if k not in stacks]
 
     def step(state, x):
         carry, code = state
         i, x = x
+        sliced = iter(x)
+        x = [lax.dynamic_index_in_dim(stacks[k], i, keepdims=False) if k in stacks else next(sliced)
+             for k in range(len(per_step))]
         body_key = None if key is None else jax.random.fold_in(key, i)
         inner = _nested(ctx)
-        outs = _run_subgraph(ctx, body, [*carry, *x, *extra], body_key, known, inner)
+        token = _linalg.STACKED.set({per_step[k]: (s, i) for k, s in stacks.items()} or None)
+        try:
+            outs = _run_subgraph(ctx, body, [*carry, *x, *extra], body_key, known, inner)
+        finally:
+            _linalg.STACKED.reset(token)
         new = [_like(o, c) for o, c in zip(outs[:n_carry], carry)]
         return (new, _merge_code(code, inner)), outs[n_carry:]
 
-    (carry, code), ys = lax.scan(step, (init, no_failure()), (jnp.arange(length, dtype=jnp.int32), xs),
+    (carry, code), ys = lax.scan(step, (init, no_failure()), (jnp.arange(length, dtype=jnp.int32), scanned),
                                  length=length, reverse=reverse)
     if ctx.checks is not None:
         ctx.checks.add_code(code)

@@ -21,6 +21,8 @@ only the dtype the dot hands back (`dot_result_dtype`):
 """
 from __future__ import annotations
 
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +110,8 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
     """a @ b over the last two dims (leading dims batched); args `lhs`/`rhs` of the node."""
     _same_dtypes(ctx, lhs, rhs)
     n = a.ndim
+    if n == 2 and (out := _stacked_matmul(ctx, a, lhs, rhs)) is not None:
+        return out
     ca, cb = n - 1, n - 2
     if _is_transposed(ctx, lhs):  # a = X^T: contract X's row dim instead
         a, ca = jnp.swapaxes(a, -1, -2), n - 2
@@ -155,6 +159,94 @@ def _torch_matmul(ctx, a, b, ca: int, cb: int):
         a, b, transpose_a=np.int64(ca == 0), transpose_b=np.int64(cb == 1))
 
 
+# One layer's weight in a folded loop's body (lowering/control_flow.py: _scan) is a slice of the
+# stacked weights, and XLA:CPU's dot reads no dynamic slice in place: each iteration copied its
+# layer's weights out of the stacks, which left a folded GPT-2 1.1-1.3x slower than unrolled at
+# batch 1 x 128 on the CPU (docs/benchmarks.md, "Folded layers' weights read in place"). Where
+# the body reads a stacked input only as matmuls' right operand (directly, or through one 2-D
+# transpose: nn.Linear's), those matmuls of TORCH_MATMUL_MACS or more multiply-adds run torch's
+# gemm on the weight where it lies in the stack (`fx2xla_torch_matmul_indexed`, option
+# torch_kernels kind "stacked_matmul"), from STACKED_MATMUL_MACS multiply-adds on. Smaller ones
+# (a LLaMA's q/k/v/o projections at 128 rows: 4-8 M) still copy their slice for XLA's dot, which
+# fused with its neighbours was faster there: with every product of 4 M or more in torch's gemm
+# a folded 12-layer LLaMA took 1.12x the unrolled time, against 1.04 with this threshold (GPT-2:
+# 0.93 either way; docs/benchmarks.md). _scan sets STACKED to {body placeholder: (stack,
+# iteration index)} while it traces the body.
+STACKED: contextvars.ContextVar = contextvars.ContextVar("fx2xla_stacked_weights", default=None)
+STACKED_MATMUL_MACS = 1 << 24
+
+
+def _swaps_2d_or_copy(node) -> bool:
+    """swaps_2d, or its functional copy (permute_copy [1, 0], t_copy, transpose_copy), which a
+    loop body traced by AOTAutograd holds instead of the view."""
+    if node.op == "call_function" and node.target in _TRANSPOSE_COPIES:
+        if node.target is aten.permute_copy.default:
+            return list(node.args[1]) == [1, 0]
+        if node.target is aten.transpose_copy.int:
+            return {d % 2 for d in node.args[1:3]} == {0, 1}
+        return True
+    return swaps_2d(node)
+
+
+def _reads_as_weight(reader, operand) -> bool:
+    rhs, _ = _LINEAR_OPERANDS.get(reader.target, (None, None))
+    return rhs is not None and reader.args[rhs] is operand and operand not in reader.args[:rhs]
+
+
+def stacked_matmul_reads(placeholders) -> frozenset:
+    """The placeholders (a scan body's per-iteration inputs) that some matmul (mm, addmm) reads
+    as its 2-D float32/float64 right operand, directly or through one 2-D transpose: those
+    matmuls may read the iteration's slice in place. Other readers read the slice as before."""
+    import torch
+
+    found = set()
+    for p in placeholders:
+        v = p.meta.get("val")
+        if not (isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype in (torch.float32, torch.float64)
+                and not any(isinstance(s, torch.SymInt) for s in v.shape)):
+            continue
+        for u in p.users:
+            if _reads_as_weight(u, p) or (_swaps_2d_or_copy(u) and u.args[0] is p
+                                          and any(_reads_as_weight(r, u) for r in u.users)):
+                found.add(p)
+                break
+    return frozenset(found)
+
+
+def _stacked_matmul(ctx, a, lhs: int, rhs: int):
+    """a . op(stack[i]) in the kernel library's indexed torch matmul, where node arg `rhs` is (a
+    2-D transpose of) a stacked input of the loop body being traced (STACKED); else None (another
+    operand, a transposed `a`, a small product, the library off or not built)."""
+    import torch
+
+    from .. import torch_kernels
+
+    stacked = STACKED.get()
+    if not stacked:
+        return None
+    node = ctx.node.args[rhs]
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node in stacked:
+        source, transpose_b = node, False
+    elif _swaps_2d_or_copy(node) and node.args[0] in stacked:
+        source, transpose_b = node.args[0], True
+    else:
+        return None
+    stack, index = stacked[source]
+    if (ctx.spmd or _is_transposed(ctx, lhs) or a.dtype != stack.dtype
+            or not torch_kernels.available("stacked_matmul")):
+        return None
+    m, k = a.shape
+    rows, cols = stack.shape[1:]
+    n = rows if transpose_b else cols
+    if (cols if transpose_b else rows) != k or m * n * k < STACKED_MATMUL_MACS:
+        return None
+    out = jax.ShapeDtypeStruct((m, n), a.dtype)
+    return jax.ffi.ffi_call("fx2xla_torch_matmul_indexed", out, vmap_method="sequential")(
+        a, stack, jnp.asarray(index, jnp.int32).reshape(()), transpose_b=np.int64(transpose_b))
+
+
 # Rows of the float32 matmuls x[M, K] @ W.T (W [N, K], as nn.Linear holds it) that CPU inference
 # graphs compute as (W . x^T)^T (the plan's `weight_lhs`, option linear_weight_lhs). With the
 # weight as the dot's left operand, XLA:CPU's dot (YNNPACK) streams it as the wide operand of the
@@ -172,6 +264,8 @@ def _weight_on_the_left(x, w):
     xt = lax.optimization_barrier(jnp.swapaxes(x, 0, 1))
     return jnp.swapaxes(lax.optimization_barrier(dot(w, xt, ((1,), (0,)))), 0, 1)
 
+
+_TRANSPOSE_COPIES = (aten.permute_copy.default, aten.t_copy.default, aten.transpose_copy.int)
 
 # The operand positions (right, left) of the matmuls nn.Linear lowers to.
 _LINEAR_OPERANDS = {aten.mm.default: (1, 0), aten.addmm.default: (2, 1)}

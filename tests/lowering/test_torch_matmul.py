@@ -34,7 +34,7 @@ from fx2xla import torch_kernels
 from fx2xla.lowering.linalg import TORCH_MATMUL_MACS
 from fx2xla.metrics import live_graphs
 
-from tests.conftest import calls_in_threads, tolerance
+from tests.conftest import assert_loss_and_grads_close, calls_in_threads, tolerance
 
 TARGET = "@fx2xla_torch_matmul("
 WITHOUT = [k for k in torch_kernels.KINDS if k != "matmul"]
@@ -147,10 +147,7 @@ def _step(options):
     made = torch_kernels.matmul_calls() - calls
     ref = twin(x).square().mean()
     ref.backward()
-    tol = tolerance(torch.float32)
-    torch.testing.assert_close(loss, ref, **tol)
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
+    assert_loss_and_grads_close(loss, ref, model, twin)
     return _texts(before), made
 
 
