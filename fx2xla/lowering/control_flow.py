@@ -123,9 +123,10 @@ def _scan(ctx, body, init, xs, additional_inputs):
 
     placeholders = _placeholders(body)
     known = _hoist_invariants(ctx, body, dict(zip(placeholders[len(placeholders) - len(extra):], extra)), None)
-    # Stacked inputs that only matmuls read (a folded layer's weights): not sliced by the scan;
-    # each iteration's matmuls read its layer's weight in place (linalg._stacked_matmul), and
-    # the slice made for any other reader is dead code where none is left.
+    # Stacked inputs that matmuls read as their right operand (a folded layer's weights, a
+    # backward's saved activations): not sliced by the scan; those matmuls read the iteration's
+    # slice where it lies (linalg._stacked_matmul). The slice made for their other readers, if
+    # any, is what the scan made before, and dead code where none is left.
     per_step = placeholders[n_carry:n_carry + len(xs)]
     stacks = {}
     if ctx.platform == "cpu" and not ctx.spmd and torch_kernels.available("stacked_matmul"):

@@ -162,11 +162,11 @@ def _torch_matmul(ctx, a, b, ca: int, cb: int):
 # One layer's weight in a folded loop's body (lowering/control_flow.py: _scan) is a slice of the
 # stacked weights, and XLA:CPU's dot reads no dynamic slice in place: each iteration copied its
 # layer's weights out of the stacks, which left a folded GPT-2 1.1-1.3x slower than unrolled at
-# batch 1 x 128 on the CPU (docs/benchmarks.md, "Folded layers' weights read in place"). Where
-# the body reads a stacked input only as matmuls' right operand (directly, or through one 2-D
-# transpose: nn.Linear's), those matmuls of TORCH_MATMUL_MACS or more multiply-adds run torch's
-# gemm on the weight where it lies in the stack (`fx2xla_torch_matmul_indexed`, option
-# torch_kernels kind "stacked_matmul"), from STACKED_MATMUL_MACS multiply-adds on. Smaller ones
+# batch 1 x 128 on the CPU (docs/benchmarks.md, "Folded layers' weights read in place"). A
+# matmul of the body whose right operand is a stacked input (directly, or through one 2-D
+# transpose: nn.Linear's) runs torch's gemm on that slice where it lies in the stack
+# (`fx2xla_torch_matmul_indexed`, option torch_kernels kind "stacked_matmul"), from
+# STACKED_MATMUL_MACS multiply-adds on. Smaller ones
 # (a LLaMA's q/k/v/o projections at 128 rows: 4-8 M) still copy their slice for XLA's dot, which
 # fused with its neighbours was faster there: with every product of 4 M or more in torch's gemm
 # a folded 12-layer LLaMA took 1.12x the unrolled time, against 1.04 with this threshold (GPT-2:
