@@ -16,6 +16,8 @@ of XLA copying the slice out on every iteration. What these tests hold it to:
 - float64 runs the same route, at float64's tolerance;
 - with the option's kind "stacked_matmul" left out, small products, or bf16 weights, nothing is
   indexed and the results are eager's at their dtype's tolerance;
+- four threads calling the folded model at once, ten times each, get exactly the results of
+  their inputs' single-threaded calls;
 - the handler itself clamps the layer index into [0, L), as XLA's dynamic slice does, and
   computes a . stack[i] (or a . stack[i]^T) exactly as numpy's float64 product within float32
   rounding."""
@@ -34,7 +36,7 @@ from fx2xla import torch_kernels
 from fx2xla.lowering.linalg import STACKED_MATMUL_MACS
 from fx2xla.metrics import live_graphs
 
-from tests.conftest import assert_loss_and_grads_close, tolerance
+from tests.conftest import assert_loss_and_grads_close, calls_in_threads, tolerance
 
 pytestmark = pytest.mark.skipif(not torch_kernels.available("matmul"), reason=torch_kernels.status())
 
@@ -123,6 +125,22 @@ def test_folded_training_reads_weights_in_place_forward_and_backward():
     # forward: x . fc.weight^T and h . w; backward: g . (saved w^T), g' . fc.weight and
     # g'^T . (saved x), per layer
     assert calls == 5 * LAYERS
+
+
+def test_many_threads_get_their_own_results():
+    torch.manual_seed(0)
+    model = Stack().eval()
+    compiled = _compile(model)
+    inputs = [torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    with torch.no_grad(), torch_kernels.serving(False):  # sliced, as in the other threads
+        alone = [compiled(x) for x in inputs]
+        torch.testing.assert_close(alone[0], model(inputs[0]), **tolerance(torch.float32))
+    before = torch_kernels.indexed_matmul_calls()
+    results = calls_in_threads(compiled, inputs, calls=10)
+    assert torch_kernels.indexed_matmul_calls() - before == 4 * 10 * 2 * LAYERS
+    for i, outs in results.items():
+        for out in outs:
+            assert torch.equal(out, alone[i])
 
 
 def test_float64_takes_the_same_route():
