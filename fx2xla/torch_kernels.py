@@ -26,7 +26,9 @@ of training graphs, where XLA:CPU's dots of a training step's shapes took up to 
 output's columns are cut across XLA's threads (lowering/linalg.py: TORCH_MATMUL_MACS).
 `fx2xla_torch_matmul_indexed` does the same for one layer's weight in a folded loop's body,
 reading it in place from the stacked weights at the iteration's index, where XLA would copy
-the slice out first (lowering/linalg.py: STACKED_MATMUL_MACS).
+the slice out first (lowering/linalg.py: STACKED_MATMUL_MACS). `fx2xla_uninitialized` hands
+XLA a buffer it leaves unfilled, for a folded loop's stacked outputs, which the loop writes
+slice by slice (lowering/control_flow.py: _scan_into_buffers).
 
 The library also holds four kernels of fx2xla's own. `fx2xla_skinny_matmul`: bf16 matmuls of one
 row (decode steps at batch 1), for which XLA:CPU converts every weight to float32 on each call
@@ -76,7 +78,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_kernels.cc"
 # The FFI handlers the library exports, each registered for XLA:CPU under its own name.
 TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward", "fx2xla_torch_attention",
            "fx2xla_skinny_matmul", "fx2xla_few_rows_matmul", "fx2xla_decode_attention", "fx2xla_torch_matmul",
-           "fx2xla_elementwise", "fx2xla_torch_matmul_indexed")
+           "fx2xla_elementwise", "fx2xla_torch_matmul_indexed", "fx2xla_uninitialized")
 # torch dtypes the handlers take (the FFI element types they map to torch's).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -85,9 +87,11 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # own skinny bf16 matmul, few-row float32 matmul (below; lowering/linalg.py), float32 decode
 # attention (lowering/nn.py) and elementwise regions (lowering/regions.py); `stacked_matmul`:
 # torch's gemm on one layer's weight of a folded loop, read in place from the stacked weights,
-# in every graph (lowering/control_flow.py, lowering/linalg.py: _stacked_matmul).
+# in every graph (lowering/control_flow.py, lowering/linalg.py: _stacked_matmul); `scan_outputs`:
+# a folded loop's stacked per-iteration outputs written into buffers not zero-filled first
+# (lowering/control_flow.py: _scan).
 KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul", "decode_attention", "matmul", "elementwise",
-         "stacked_matmul")
+         "stacked_matmul", "scan_outputs")
 # Kinds only training graphs (forward, backward) lower to, whatever the option says: torch's gemm,
 # which in inference graphs was slower than XLA's dots fused with their neighbours
 # (lowering/linalg.py: TORCH_MATMUL_MACS).

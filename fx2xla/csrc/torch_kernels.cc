@@ -1577,6 +1577,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_matmul, Matmul,
 // How many torch matmul calls ran so far, in this process.
 extern "C" int64_t fx2xla_torch_matmul_calls() { return matmul_calls.load(); }
 
+// A buffer for a folded loop's stacked per-iteration outputs, left as XLA allocated it: every
+// element is written by the loop, one iteration's slice each (lowering/control_flow.py), so the
+// zero fill jax's scan starts from (a broadcast over the whole stack) would only be overwritten.
+ffi::Error Uninitialized(ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_uninitialized, Uninitialized, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
+
 // a . op(stack[index]): one layer's weight of a folded loop read in place; transpose_b is 1 where
 // the stack holds each weight [N, K] (nn.Linear's), 0 where [K, N].
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_matmul_indexed, MatmulIndexed,

@@ -150,13 +150,48 @@ def _scan(ctx, body, init, xs, additional_inputs):
         new = [_like(o, c) for o, c in zip(outs[:n_carry], carry)]
         return (new, _merge_code(code, inner)), outs[n_carry:]
 
-    (carry, code), ys = lax.scan(step, (init, no_failure()), (jnp.arange(length, dtype=jnp.int32), scanned),
-                                 length=length, reverse=reverse)
+    if ctx.platform == "cpu" and not ctx.spmd and torch_kernels.available("scan_outputs"):
+        carry, code, ys = _scan_into_buffers(step, init, scanned, length, reverse)
+    else:
+        (carry, code), ys = lax.scan(step, (init, no_failure()), (jnp.arange(length, dtype=jnp.int32), scanned),
+                                     length=length, reverse=reverse)
     if ctx.checks is not None:
         ctx.checks.add_code(code)
     if reverse:  # torch's ys are in scan order: flipped (a flip of them back then cancels out)
         ys = [lax.rev(y, (0,)) for y in ys]
     return [*carry, *ys]
+
+
+def _scan_into_buffers(step, init, xs, length: int, reverse: bool):
+    """lax.scan(step, (init, no_failure()), (arange(length), xs), reverse=reverse) as a loop that
+    writes each iteration's outputs into stacks the kernel library's `fx2xla_uninitialized`
+    allocates and leaves unfilled: every element is written, slice i by iteration i. jax's scan
+    zero-fills its output stacks first, a pass over all of them (a folded GPT-2 24-layer training
+    step's saved activations and gradients; docs/benchmarks.md, "Loop outputs not zero-filled").
+    The body is traced once, by make_jaxpr, and run in the loop as that jaxpr."""
+    from jax.extend.core import jaxpr_as_fun
+
+    def spec(a):
+        return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+
+    args = ((list(init), no_failure()), (jnp.int32(0), [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]))
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*jax.tree.map(spec, args))
+    body = jaxpr_as_fun(closed)
+    out_tree = jax.tree.structure(out_shape)
+    y_shapes = out_shape[1]
+    stacks = [jax.ffi.ffi_call("fx2xla_uninitialized", jax.ShapeDtypeStruct((length, *y.shape), y.dtype))()
+              for y in y_shapes]
+
+    def run(t, state):
+        carry, code, stacks = state
+        t = lax.convert_element_type(t, jnp.int32)  # the traced body takes an int32 index
+        i = (length - 1 - t) if reverse else t
+        x = [lax.dynamic_index_in_dim(v, i, keepdims=False) for v in xs]
+        (carry, code), ys = jax.tree.unflatten(out_tree, body(*jax.tree.leaves(((carry, code), (i, x)))))
+        stacks = [lax.dynamic_update_index_in_dim(s, y, i, 0) for s, y in zip(stacks, ys)]
+        return carry, code, stacks
+
+    return lax.fori_loop(0, length, run, (list(init), no_failure(), stacks))
 
 
 def _unflipped(ctx, xs_nodes):
