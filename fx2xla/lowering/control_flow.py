@@ -171,6 +171,8 @@ def _scan_into_buffers(step, init, xs, length: int, reverse: bool):
     The body is traced once, by make_jaxpr, and run in the loop as that jaxpr."""
     from jax.extend.core import jaxpr_as_fun
 
+    init = [_like(v, jnp.asarray(v)) for v in init]  # strongly typed, as the body returns them
+
     def spec(a):
         return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
 
