@@ -384,15 +384,13 @@ class PlanExecutor:
         if self._timed:  # parked and served calls included
             t0 = time.perf_counter()
             if spec.served is not None and _serving[0] and _get_ident() == _MAIN_THREAD:
-                outs = spec.served(bufs) if _serving[0] == _SERVE_ON else spec.serve_trial.launch(spec, bufs)
-            elif spec.park and _team_running():
-                outs = self._launch_parked(spec, bufs)
+                outs = self._launch_served(spec, bufs)
             else:
-                outs = self._launch(spec, bufs)
+                outs = self._launch_unserved(spec, bufs)
             results = self._finish(spec, outs, held)
             self.execute_seconds += time.perf_counter() - t0  # export waits for the results
         elif spec.served is not None and _serving[0] and _get_ident() == _MAIN_THREAD:
-            outs = spec.served(bufs) if _serving[0] == _SERVE_ON else spec.serve_trial.launch(spec, bufs)
+            outs = self._launch_served(spec, bufs)
             results = outs if spec.direct else self._finish(spec, outs, held)
         elif spec.park and _team_running():
             outs = self._launch_parked(spec, bufs)
@@ -411,6 +409,11 @@ class PlanExecutor:
     @staticmethod
     def _launch(spec: Specialization, bufs):
         return _run_helped(spec.launch, bufs) if spec.helped else spec.launch(bufs)
+
+    @staticmethod
+    def _launch_served(spec: Specialization, bufs):
+        """A main-thread launch while serving is on: served, or as its trial decides ("auto")."""
+        return spec.served(bufs) if _serving[0] == _SERVE_ON else spec.serve_trial.launch(spec, bufs)
 
     @staticmethod
     def _launch_unserved(spec: Specialization, bufs):

@@ -15,7 +15,7 @@ from jax import lax
 
 from .. import torch_kernels
 from . import linalg as _linalg
-from .checks import first_failure, no_failure
+from .checks import CODE_DTYPE, first_failure, no_failure
 from .dtypes import to_jax_dtype
 from .graph import run_nodes
 from .registry import PYTHON_OPS, base_key, lowering_for, register_lowering
@@ -128,8 +128,9 @@ def _scan(ctx, body, init, xs, additional_inputs):
     # slice where it lies (linalg._stacked_matmul). The slice made for their other readers, if
     # any, is what the scan made before, and dead code where none is left.
     per_step = placeholders[n_carry:n_carry + len(xs)]
+    cpu_single = ctx.platform == "cpu" and not ctx.spmd
     stacks = {}
-    if ctx.platform == "cpu" and not ctx.spmd and torch_kernels.available("stacked_matmul"):
+    if cpu_single and torch_kernels.available("stacked_matmul"):
         reads = _linalg.stacked_matmul_reads(per_step)
         stacks = {k: xs[k] for k, p in enumerate(per_step) if p in reads}
     scanned = [x for k, x in enumerate(xs) if k not in stacks]
@@ -150,7 +151,7 @@ def _scan(ctx, body, init, xs, additional_inputs):
         new = [_like(o, c) for o, c in zip(outs[:n_carry], carry)]
         return (new, _merge_code(code, inner)), outs[n_carry:]
 
-    if ctx.platform == "cpu" and not ctx.spmd and torch_kernels.available("scan_outputs"):
+    if cpu_single and torch_kernels.available("scan_outputs"):
         carry, code, ys = _scan_into_buffers(step, init, scanned, length, reverse)
     else:
         (carry, code), ys = lax.scan(step, (init, no_failure()), (jnp.arange(length, dtype=jnp.int32), scanned),
@@ -172,12 +173,10 @@ def _scan_into_buffers(step, init, xs, length: int, reverse: bool):
     from jax.extend.core import jaxpr_as_fun
 
     init = [_like(v, jnp.asarray(v)) for v in init]  # strongly typed, as the body returns them
-
-    def spec(a):
-        return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
-
-    args = ((list(init), no_failure()), (jnp.int32(0), [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]))
-    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*jax.tree.map(spec, args))
+    carry_specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in init]
+    x_specs = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
+    code_spec, index_spec = jax.ShapeDtypeStruct((), CODE_DTYPE), jax.ShapeDtypeStruct((), jnp.int32)
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)((carry_specs, code_spec), (index_spec, x_specs))
     body = jaxpr_as_fun(closed)
     out_tree = jax.tree.structure(out_shape)
     y_shapes = out_shape[1]
@@ -193,7 +192,7 @@ def _scan_into_buffers(step, init, xs, length: int, reverse: bool):
         stacks = [lax.dynamic_update_index_in_dim(s, y, i, 0) for s, y in zip(stacks, ys)]
         return carry, code, stacks
 
-    return lax.fori_loop(0, length, run, (list(init), no_failure(), stacks))
+    return lax.fori_loop(0, length, run, (init, no_failure(), stacks))
 
 
 def _unflipped(ctx, xs_nodes):

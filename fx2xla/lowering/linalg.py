@@ -216,10 +216,9 @@ def stacked_matmul_reads(placeholders) -> frozenset:
 def _stacked_matmul(ctx, a, lhs: int, rhs: int):
     """a . op(stack[i]) in the kernel library's indexed torch matmul, where node arg `rhs` is (a
     2-D transpose of) a stacked input of the loop body being traced (STACKED); else None (another
-    operand, a transposed `a`, a small product, the library off or not built)."""
+    operand, a transposed `a`, a small product). _scan sets STACKED only where the route may run
+    (the CPU, one device, the kind allowed and the library loaded)."""
     import torch
-
-    from .. import torch_kernels
 
     stacked = STACKED.get()
     if not stacked:
@@ -234,8 +233,7 @@ def _stacked_matmul(ctx, a, lhs: int, rhs: int):
     else:
         return None
     stack, index = stacked[source]
-    if (ctx.spmd or _is_transposed(ctx, lhs) or a.dtype != stack.dtype
-            or not torch_kernels.available("stacked_matmul")):
+    if _is_transposed(ctx, lhs) or a.dtype != stack.dtype:
         return None
     m, k = a.shape
     rows, cols = stack.shape[1:]
