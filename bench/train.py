@@ -13,7 +13,9 @@ column `tk` is fx2xla ÷ that) and the same fx2xla step with torch's kernels on 
 (fx2xla.torch_kernels.batch_slicing(False); the column `sl` is fx2xla ÷ that) and with
 options={"channels_last": False} (batch norm, ReLU and pooling on NCHW values: `cl` is fx2xla ÷
 that), for every model fx2xla with XLA's own matmuls, not torch's gemm (options={"torch_kernels": every
-kind but "matmul"}: the column `mm` is fx2xla ÷ that) and with the optimizer's updates in XLA's
+kind but "matmul"}: the column `mm` is fx2xla ÷ that), with float32 matmuls of 4-64 rows against
+nn.Linear's weight computed as x . W^T instead of (W . x^T)^T (options={"linear_weight_lhs": False}:
+the column `wl`), and with the optimizer's updates in XLA's
 loops, not in one compiled loop per parameter (every kind but "elementwise": the column `ew`), and
 the same fx2xla step with the main thread serving torch's kernels (fx2xla.torch_kernels.
 serving(True), opt-in: the handlers' work whole on torch's team; the column `sv` is that ÷ fx2xla)
@@ -27,6 +29,10 @@ timed phase by phase (forward, loss, backward, optimizer step, zero_grad: fresh 
 interleaved), with the minor page faults of the process during each backward: medians per phase;
 and how many parts fx2xla's handlers split their work into in those steps, and how many of those
 another thread ran (`torch_kernels.split_parts`).
+Eager, Inductor, fx2xla and fx2xla without the weight on the left (`wl`) are also timed back to
+back, as a training loop runs them (harness.back_to_back_medians: in each round one untimed
+step each, then five in a row, timed). There the parameters, gradients and moments stay in the
+caches from the step before, where each single interleaved step finds nine other contenders'.
 Raw numbers go to bench/results/train.json.
 """
 from __future__ import annotations
@@ -50,7 +56,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import fmt_time, interleaved_medians, served, timed_call, unsliced, write_json  # noqa: E402
+from harness import (back_to_back_medians, fmt_time, interleaved_medians, served, timed_call, unsliced,  # noqa: E402
+                     write_json)
 
 import fx2xla  # noqa: E402
 from fx2xla.plan_executor import SERVE_TRIAL_ROUNDS  # noqa: E402
@@ -154,6 +161,11 @@ def make_phased_step(model, backend: str | None, x, y, foreach: bool | None = No
     return step
 
 
+# Contenders also timed back to back (harness.back_to_back_medians), and steps per timed run.
+BACK_TO_BACK = ("eager", "inductor", "fx2xla", "fx2xla_weight_rhs")
+BACK_TO_BACK_STEPS = 5
+
+
 def phase_medians(model, x, y, foreach: bool | None, rounds: int, steps_per_round: int = 5) -> dict:
     """Per contender (eager, Inductor, fx2xla), the median of each phase's seconds and of the
     backward's page faults, over `rounds` interleaved rounds of `steps_per_round` steps (each
@@ -203,6 +215,8 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None, phases: bool
     # matmuls in XLA's dots, not torch's gemm (every other kernel kind kept)
     contenders.append(("fx2xla_xla_matmuls", "fx2xla",
                        {"torch_kernels": [k for k in fx2xla.torch_kernels.KINDS if k != "matmul"]}, {}))
+    # matmuls of 4-64 rows as x . W^T (torch's gemm or XLA's dot), not with the weight on the left
+    contenders.append(("fx2xla_weight_rhs", "fx2xla", {"linear_weight_lhs": False}, {}))
     # elementwise regions (the optimizer's updates) in XLA's loops, one per result
     contenders.append(("fx2xla_xla_loops", "fx2xla",
                        {"torch_kernels": [k for k in fx2xla.torch_kernels.KINDS if k != "elementwise"]}, {}))
@@ -242,6 +256,11 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None, phases: bool
     if name == "cnn":  # the same fx2xla step with torch's kernels on whole batches
         steps["fx2xla_unsliced"] = unsliced(steps["fx2xla"])
     med = interleaved_medians(steps, (), rounds=rounds, budget_s=120)
+    # A training loop runs one model's steps back to back, its parameters, gradients and moments
+    # still in the caches from the step before; a single step after nine other contenders' finds
+    # them in memory.
+    b2b = back_to_back_medians({k: steps[k] for k in BACK_TO_BACK}, (), rounds=rounds, calls=BACK_TO_BACK_STEPS,
+                               budget_s=120)
     res["load_average_1min_after"] = os.getloadavg()[0]
     after = fx2xla.metrics()
     res.update({f"{k}_s": v for k, v in med.items()})
@@ -253,6 +272,11 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None, phases: bool
     res["in_place_ratio"] = med["fx2xla"] / med["fx2xla_not_in_place"]
     res["torch_matmuls_ratio"] = med["fx2xla"] / med["fx2xla_xla_matmuls"]
     res["region_loops_ratio"] = med["fx2xla"] / med["fx2xla_xla_loops"]
+    res["weight_lhs_ratio"] = med["fx2xla"] / med["fx2xla_weight_rhs"]
+    res.update({f"{k}_back_to_back_s": v for k, v in b2b.items()})
+    res["back_to_back_fx2xla_vs_eager"] = b2b["fx2xla"] / b2b["eager"]
+    res["back_to_back_fx2xla_vs_inductor"] = b2b["fx2xla"] / b2b["inductor"]
+    res["back_to_back_weight_lhs_ratio"] = b2b["fx2xla"] / b2b["fx2xla_weight_rhs"]
     res["serving_ratio"] = med["fx2xla_served"] / med["fx2xla"]
     res["serving_auto_ratio"] = med["fx2xla_auto"] / med["fx2xla"]
     res["fx2xla_auto_vs_inductor"] = med["fx2xla_auto"] / med["inductor"]
@@ -299,10 +323,16 @@ def main() -> None:
               f"{fmt_time(r['eager_first_step_s'])} {fmt_time(r['inductor_first_step_s'])} "
               f"{fmt_time(r['fx2xla_first_step_s'])} {r['first_loss_abs_diff_vs_eager']:9.2e} "
               f"{r['load_average_1min_after']:5.1f}")
+        print(f"{'':15s} back to back (a training loop's steps, {BACK_TO_BACK_STEPS} in a row): eager "
+              f"{fmt_time(r['eager_back_to_back_s'])}, Inductor {fmt_time(r['inductor_back_to_back_s'])}, fx2xla "
+              f"{fmt_time(r['fx2xla_back_to_back_s'])}: fx2xla ÷ eager {r['back_to_back_fx2xla_vs_eager']:.2f}, "
+              f"÷ Inductor {r['back_to_back_fx2xla_vs_inductor']:.2f}; wl {r['back_to_back_weight_lhs_ratio']:.2f}")
         print(f"{'':15s} ip (fx2xla ÷ fx2xla writing parameters and moments to new buffers): {r['in_place_ratio']:.2f}")
         print(f"{'':15s} mm (fx2xla ÷ fx2xla with XLA's own matmuls): {r['torch_matmuls_ratio']:.2f}")
         print(f"{'':15s} ew (fx2xla ÷ fx2xla with the optimizer's updates in XLA's loops): "
               f"{r['region_loops_ratio']:.2f}")
+        print(f"{'':15s} wl (fx2xla ÷ fx2xla computing matmuls of 4-64 rows as x . W^T): "
+              f"{r['weight_lhs_ratio']:.2f}")
         print(f"{'':15s} sv (fx2xla serving torch's kernels from the main thread ÷ fx2xla): "
               f"{r['serving_ratio']:.2f}")
         print(f"{'':15s} au (fx2xla choosing per executable whether to serve ÷ fx2xla): "

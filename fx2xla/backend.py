@@ -78,10 +78,10 @@ OPTIONS = {
                                   "larger ones where a dot of their shape, timed once per machine, takes at most "
                                   "0.85 of the time (the copy takes those weights' memory again); \"always\": every "
                                   "such weight; False: they are read as torch holds them"),
-    "linear_weight_lhs": (True, "on the CPU, inference graphs compute float32 matmuls of 4-64 rows against a "
-                          "transposed weight (nn.Linear's) as (W . x^T)^T, the weight as the dot's left operand, "
-                          "which XLA:CPU's dot runs faster at those rows; their weights stay as torch holds them "
-                          "(not laid out [in, out]); False: x . W^T"),
+    "linear_weight_lhs": (True, "on the CPU, graphs (inference and training) compute float32 matmuls of 4-64 "
+                          "rows against a transposed weight (nn.Linear's) as (W . x^T)^T, the weight as the dot's "
+                          "left operand, which XLA:CPU's dot runs faster at those rows; their weights stay as "
+                          "torch holds them (not laid out [in, out]); False: x . W^T"),
     "widened_linear_weights": (True, "on the CPU, inference graphs import bf16 and float16 weights that only "
                                "matmuls of 16 rows or more read (nn.Linear's, Conv1D's) as float32 copies, once "
                                "while unchanged, and multiply those: XLA:CPU's half-precision dot converts the "

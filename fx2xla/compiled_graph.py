@@ -106,9 +106,10 @@ class CompiledGraph:
         option transposed_linear_weights) float32 nn.Linear weights laid out [in, out] on the CPU
         (plan.build_plan); with `merge_linears` (the option of that name) too, the linears of a CPU
         inference graph that read one activation are one matmul (lowering/merge_linears.py).
-        `linear_weight_lhs` (the option of that name): a CPU inference graph's float32 matmuls
-        of 4-64 rows against a transposed weight compute (W . x^T)^T (lowering/linalg.py); it
-        copies no weight, so it applies to weights that are inference tensors too.
+        `linear_weight_lhs` (the option of that name): a CPU graph's float32 matmuls of 4-64 rows
+        against a transposed weight compute (W . x^T)^T (lowering/linalg.py), in inference and
+        training graphs alike; it copies no weight, so it applies to weights that change every
+        step and to inference tensors too.
         `widened_linear_weights` (the option of that name: True, False or "always"): with
         `relaid_weights`, a CPU inference graph's bf16/float16 nn.Linear weights read by matmuls
         of many rows are imported as float32 copies (plan.build_plan).
@@ -142,7 +143,7 @@ class CompiledGraph:
                                       channels_last and relaid_weights
                                       and "convolution" in _torch_kernels.kinds(torch_kernels),
                                       linear_weights_kn if relaid_weights and device.platform == "cpu" else False,
-                                      linear_weight_lhs and not training and device.platform == "cpu",
+                                      linear_weight_lhs and device.platform == "cpu",
                                       not training and device.platform == "cpu"
                                       and "few_rows_matmul" in _torch_kernels.kinds(torch_kernels)
                                       and _torch_kernels.available("few_rows_matmul"),

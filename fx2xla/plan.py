@@ -407,7 +407,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     (`lowering.linalg.kn_weights`), "always": all of them (callers ask for it in CPU inference
     graphs and packages exported on a CPU; never over a mesh). `linear_weight_lhs`: float32
     matmuls of 4-64 rows against such a weight compute (W . x^T)^T, the weight as torch holds it
-    (`lowering.linalg.weight_lhs_matmuls`; CPU inference graphs, never over a mesh).
+    (`lowering.linalg.weight_lhs_matmuls`; CPU graphs, inference and training, never over a mesh).
     `few_row_kernel`: float32 matmuls of 2-8 rows against such a weight run in the kernel
     library's few-row matmul instead (`lowering.linalg.few_row_matmuls`; the same graphs, where
     the library may run), the weight as torch holds it. `elementwise_regions`: float32 elementwise

@@ -137,7 +137,8 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
 # the whole step 0.82x the time with them (docs/benchmarks.md, "torch's matmuls in training
 # graphs"). Inference graphs keep XLA's dots (torch_kernels.TRAINING_ONLY): at 512 rows
 # BERT and LLaMA 4L took 1.19x and 1.13x the time with torch's, GPT-2 0.90x. Smaller products
-# stay XLA's, which fuses them with their neighbours.
+# stay XLA's, which fuses them with their neighbours, and so do the forward's matmuls of 4-64 rows
+# against a transposed weight, computed with the weight on the dot's left (WEIGHT_LHS_ROWS).
 TORCH_MATMUL_MACS = 1 << 22
 
 
@@ -245,13 +246,16 @@ def _stacked_matmul(ctx, a, lhs: int, rhs: int):
         a, stack, jnp.asarray(index, jnp.int32).reshape(()), transpose_b=np.int64(transpose_b))
 
 
-# Rows of the float32 matmuls x[M, K] @ W.T (W [N, K], as nn.Linear holds it) that CPU inference
-# graphs compute as (W . x^T)^T (the plan's `weight_lhs`, option linear_weight_lhs). With the
-# weight as the dot's left operand, XLA:CPU's dot (YNNPACK) streams it as the wide operand of the
-# product instead of packing it as the narrow one. On the AVX2 EPYC, a stack of Linear layers at 4
-# to 64 rows took 0.34-0.71 of the time of either other form with its 32 MiB of weights read from
-# memory, 0.62-1.07 with 5.4 MiB in cache (docs/benchmarks.md, "Weights on the left of a few-row
-# matmul"); 2 rows are faster with W laid out [in, out], 1 and 128 rows gain nothing.
+# Rows of the float32 matmuls x[M, K] @ W.T (W [N, K], as nn.Linear holds it) that CPU graphs,
+# inference and training, compute as (W . x^T)^T (the plan's `weight_lhs`, option
+# linear_weight_lhs). With the weight as the dot's left operand, XLA:CPU's dot (YNNPACK) streams it
+# as the wide operand of the product instead of packing it as the narrow one. On the AVX2 EPYC, a
+# stack of Linear layers at 4 to 64 rows took 0.34-0.71 of the time of either other form with its
+# 32 MiB of weights read from memory, 0.62-1.07 with 5.4 MiB in cache (docs/benchmarks.md,
+# "Weights on the left of a few-row matmul"); 2 rows are faster with W laid out [in, out], 1 and
+# 128 rows gain nothing. In training forwards it beat torch's gemm (kind "matmul") too: an MLP's
+# AdamW steps back to back took 0.88x the time on an Emerald Rapids, 0.93-0.95x with 1.5 GiB of
+# weights, gradients and moments read from memory ("The weight on the left in training forwards").
 WEIGHT_LHS_ROWS = (4, 64)
 
 
@@ -270,7 +274,7 @@ _LINEAR_OPERANDS = {aten.mm.default: (1, 0), aten.addmm.default: (2, 1)}
 
 
 def weight_lhs_matmuls(gm, rows=WEIGHT_LHS_ROWS) -> frozenset:
-    """mm/addmm nodes of `gm` (a CPU inference graph) that multiply a float32 activation of
+    """mm/addmm nodes of `gm` (a CPU graph) that multiply a float32 activation of
     `rows` (a [min, max] range, static) rows by a transposed dense float32 2-D tensor
     (nn.Linear's weight, or merge_linears' concatenation of weights): the plan computes them as
     (W . x^T)^T, or with `few_row_matmuls`' rows in the kernel library's few-row matmul."""

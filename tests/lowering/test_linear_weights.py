@@ -9,7 +9,8 @@ faster. What these tests hold it to:
   GEMM); and the same as the option off, at that tolerance;
 - the optimized HLO reads the weight as passed: no transpose is left in the program;
 - weights left as they are: one-row matmuls, bf16, a weight the embedding also reads (tied
-  lm_head), a weight read untransposed, training graphs, the option off;
+  lm_head), a weight read untransposed, training graphs (with and without the weight on the
+  left), the option off;
 - a weight changed in place or replaced is imported again, and results follow eager (also with
   the weight on the left of its matmuls, option linear_weight_lhs);
 - a LLaMA forward matches eager with its projections relaid;
@@ -135,20 +136,22 @@ def test_weights_left_as_they_are(case):
 
 
 def test_training_graphs_keep_their_weights():
-    """A training step reads weights as torch holds them (they change every step), computes its
-    matmuls as x . W^T (no weight on the left, option linear_weight_lhs), and its gradients match
-    eager's."""
-    torch.manual_seed(0)
-    model = mlp(32, 64, 16)
-    ref = copy.deepcopy(model)
-    x = torch.randn(8, 32)
-    before = {id(g) for g in live_graphs}
-    torch.compile(model, backend="fx2xla")(x).sum().backward()
-    ref(x).sum().backward()
-    assert laid_count(new_graphs(before)) == 0
-    assert not any(g.plan.weight_lhs for g in new_graphs(before))
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    """A training step reads weights as torch holds them (they change every step): none is
+    relaid, whether its matmuls put the weight on the left (option linear_weight_lhs, on by
+    default: tests/lowering/test_weight_lhs.py's test_training_steps) or not; gradients match
+    eager's at rtol 1e-4 / atol 1e-5 either way."""
+    for weight_lhs in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = mlp(32, 64, 16)
+        ref = copy.deepcopy(model)
+        x = torch.randn(8, 32)
+        before = {id(g) for g in live_graphs}
+        torch.compile(model, backend="fx2xla", options={"linear_weight_lhs": weight_lhs})(x).sum().backward()
+        ref(x).sum().backward()
+        assert len(new_graphs(before)) == 2 and laid_count(new_graphs(before)) == 0
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("weight_lhs", [False, True], ids=["relaid", "weight_lhs"])

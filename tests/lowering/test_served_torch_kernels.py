@@ -52,6 +52,11 @@ def _serving_on():
         yield
 
 
+# The MLP's batch rows: at 4-64 rows its forward would multiply with the weight on the left of
+# XLA's dot (option linear_weight_lhs) and call no handler.
+ROWS = 128
+
+
 class MLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -94,14 +99,14 @@ def _inputs(shape, seed=0):
 
 def test_training_step_serves_its_matmuls():
     torch.manual_seed(0)
-    served = _train_step(MLP(), _inputs((32, 256)))
+    served = _train_step(MLP(), _inputs((ROWS, 256)))
     assert served == 2 * 5  # the forward's two matmuls, the backward's three, per step
 
 
 def test_serving_off_serves_nothing_with_the_same_results():
     torch.manual_seed(0)
     with torch_kernels.serving(False):
-        served = _train_step(MLP(), _inputs((32, 256)))
+        served = _train_step(MLP(), _inputs((ROWS, 256)))
     assert served == 0
 
 
@@ -253,7 +258,7 @@ def test_auto_times_each_executable_both_ways_then_keeps_its_choice():
     torch.manual_seed(0)
     before_graphs = set(map(id, live_graphs))
     with torch_kernels.serving("auto"):
-        served_in_trial = _train_step(MLP(), _inputs((32, 256)), steps=trial_steps)
+        served_in_trial = _train_step(MLP(), _inputs((ROWS, 256)), steps=trial_steps)
         graphs = [g for g in live_graphs if id(g) not in before_graphs and g.static is not None
                   and g.static.serve_trial is not None]
         assert len(graphs) == 2  # the forward and the backward
@@ -274,7 +279,7 @@ def test_auto_after_its_trial_serves_what_it_chose():
     model = MLP()
     compiled = torch.compile(model, backend="fx2xla")
     before_graphs = set(map(id, live_graphs))
-    x = torch.randn(32, 256)
+    x = torch.randn(ROWS, 256)
     with torch_kernels.serving("auto"):
         for _ in range(2 * (SERVE_TRIAL_ROUNDS + 1)):
             compiled(x).sum().backward()

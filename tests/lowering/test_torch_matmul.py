@@ -12,8 +12,9 @@ XLA's threads. What these tests hold it to:
   that say so;
 - a product that large is cut into slices (where two cores are usable), and four threads calling
   it at once get, on every call, the bits one call gives;
-- an MLP training step (forward, loss, backward) compiled with fx2xla calls it for every large
-  matmul (the forward's 2, the backward's 3: no input gradient for the first layer), and its loss
+- an MLP training step (forward, loss, backward) compiled with fx2xla (option linear_weight_lhs
+  off: at 32 rows its forward's matmuls would be XLA's with the weight on the left) calls it for
+  every large matmul (the forward's 2, the backward's 3: no input gradient for the first layer), and its loss
   and every gradient match eager's within conftest's float32 tolerance; small matmuls and the
   inference graph of the same model (and a package's, which lowers with the same kinds) keep XLA's
   dots; the option torch_kernels without "matmul"
@@ -152,17 +153,24 @@ def _step(options):
 
 
 def test_training_step_calls_torchs_matmul():
-    """The forward's two large matmuls and the backward's three run in the handler, with eager's
-    loss and gradients; the small one stays XLA's."""
+    """With the option linear_weight_lhs off, the forward's two large matmuls and the backward's
+    three run in the handler, with eager's loss and gradients; the small one stays XLA's. With
+    the option on (the default), the forward's two, of 32 rows against nn.Linear's weight, are
+    XLA's dots with the weight on the left (tests/lowering/test_weight_lhs.py) and the
+    backward's three the handler's, with eager's loss and gradients too."""
     assert 32 * 256 * 1024 >= TORCH_MATMUL_MACS > 32 * 256 * 8
-    texts, made = _step(None)
+    texts, made = _step({"linear_weight_lhs": False})
     assert sum(t.count(TARGET) for t in texts) == 5, texts
     assert made == 5
+    torch._dynamo.reset()
+    texts, made = _step(None)
+    assert sum(t.count(TARGET) for t in texts) == 3, texts
+    assert made == 3
 
 
 def test_option_without_matmul_keeps_xlas_dots():
     """torch_kernels without "matmul": no handler calls, eager's results all the same."""
-    texts, made = _step({"torch_kernels": WITHOUT})
+    texts, made = _step({"torch_kernels": WITHOUT, "linear_weight_lhs": False})
     assert not any(TARGET in t for t in texts) and made == 0
 
 

@@ -1,17 +1,19 @@
 """Matmuls of a few rows with the weight on the dot's left (option linear_weight_lhs;
 lowering/linalg.py: weight_lhs_matmuls, _weight_on_the_left; plan.GraphPlan.weight_lhs).
 
-A CPU inference graph computes a float32 matmul x[M, K] @ W.T of 4 to 64 (static) rows, W a
-dense [N, K] tensor (nn.Linear's weight, or merge_linears' concatenation), as (W . x^T)^T, with
-W passed as torch holds it. What these tests hold it to:
+A CPU graph, inference or training, computes a float32 matmul x[M, K] @ W.T of 4 to 64 (static)
+rows, W a dense [N, K] tensor (nn.Linear's weight, or merge_linears' concatenation), as
+(W . x^T)^T, with W passed as torch holds it. What these tests hold it to:
 - results equal eager's at float32 rtol 1e-5 / atol 1e-5 (the dot sums in another order than
   torch's GEMM; logits of a LLaMA at 1e-4), for 2-D and 3-D inputs, with and without bias, at
   4, 8, 10 and 64 rows, and the option off gives the same within that tolerance;
 - the plan lists the matmuls and relays none of their weights; the optimized HLO takes the
   weights [out, in] and computes products laid out [out, rows] (none with the option off);
-- left as x . W^T: 1-3 and 65+ rows, bf16, a transposed activation (a dynamic row count and
-  training graphs: tests/lowering/test_linear_weights.py's test_dynamic_batch and
-  test_training_graphs_keep_their_weights);
+- left as x . W^T: 1-3 and 65+ rows, bf16, a transposed activation (a dynamic row count:
+  tests/lowering/test_linear_weights.py's test_dynamic_batch);
+- training steps (forward, backward and an SGD step, each compiled): the forward's matmuls
+  take it and the backward's none; after three steps the losses and parameters match eager's
+  and the option off's, at rtol 1e-4 / atol 1e-5;
 - LLaMA's merged q/k/v and gate/up matmuls take it too, and its logits match eager's;
 - a model whose parameters are inference tensors takes it too;
 - a bad option value is a clear error.
@@ -21,15 +23,17 @@ the option on and off. Here the kernel library's few-row matmul is off (its help
 would take the matmuls of 4-8 rows (tests/lowering/test_few_rows_matmul.py)."""
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
 import torch
 
+from fx2xla.metrics import live_graphs
 from fx2xla.runtime.executor import optimized_hlo_text
 from fx2xla.testing import llama, mlp
 
-from tests.lowering.test_linear_weights import TOL, fresh, laid_count  # noqa: F401  (fresh: autouse)
+from tests.lowering.test_linear_weights import NO_FEW_ROWS, TOL, fresh, laid_count  # noqa: F401  (fresh: autouse)
 from tests.lowering.test_linear_weights import run as _run
 
 
@@ -152,6 +156,57 @@ def test_llama_merged_linears():
     off, off_graphs, _ = run(logits, ids, linear_weight_lhs=False)
     assert _on_the_left(off_graphs) == 0
     torch.testing.assert_close(out, off, rtol=1e-4, atol=1e-4)
+
+
+def _trained(model, x, y, steps: int, options: dict | None):
+    """`model` trained `steps` SGD steps on (x, y), forward and optimizer step compiled with
+    `options` (eagerly with options None): (losses, the new graphs). SGD moves a parameter by
+    lr x its gradient, so the gradients' rounding stays rounding in the parameters (AdamW's
+    first steps move every parameter by about lr, a near-zero gradient's sign included)."""
+    before = {id(g) for g in live_graphs}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fwd, step = model, opt.step
+    if options is not None:
+        fwd = torch.compile(model, backend="fx2xla", options=options)
+        step = torch.compile(opt.step, backend="fx2xla", options=options)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(fwd(x), y)
+        loss.backward()
+        step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), [g for g in live_graphs if id(g) not in before]
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (32, 64), (64, 64), (2, 5, 64)], ids=["4x64", "32x64", "64x64", "2x5x64"])
+def test_training_steps(shape):
+    """Three SGD steps of an MLP, each graph compiled: the forward graph computes both matmuls
+    with the weight on the left and relays no weight, the backward none (its matmuls read the
+    weight untransposed or multiply two activations); the three losses and the parameters after
+    the last step match eager's at rtol 1e-4 / atol 1e-5, and the option off's (which puts no
+    weight on the left) at that tolerance."""
+    torch.manual_seed(0)
+    model = mlp(64, 256, 48)
+    x, y = torch.randn(*shape), torch.randint(0, 48, shape[:-1])
+    if x.dim() == 3:
+        y = y.reshape(-1)
+        model = torch.nn.Sequential(model, torch.nn.Flatten(0, 1))
+    on_model, off_model = copy.deepcopy(model), copy.deepcopy(model)
+    expected, _ = _trained(model, x, y, 3, options=None)
+    tol = dict(rtol=1e-4, atol=1e-5)
+    on, graphs = _trained(on_model, x, y, 3, options={"torch_kernels": NO_FEW_ROWS})
+    forward = [g for g in graphs if g.training and g.plan.weight_lhs]
+    assert len(forward) == 1 and len(forward[0].plan.weight_lhs) == 2, [len(g.plan.weight_lhs) for g in graphs]
+    assert _on_the_left(graphs) == 2 and laid_count(graphs) == 0
+    torch.testing.assert_close(on, expected, **tol)
+    torch._dynamo.reset()
+    off, off_graphs = _trained(off_model, x, y, 3, options={"torch_kernels": NO_FEW_ROWS, "linear_weight_lhs": False})
+    assert _on_the_left(off_graphs) == 0
+    torch.testing.assert_close(on, off, **tol)
+    for p, q, r in zip(on_model.parameters(), model.parameters(), off_model.parameters()):
+        torch.testing.assert_close(p, q, **tol)
+        torch.testing.assert_close(p, r, **tol)
 
 
 def test_bad_option_value():

@@ -5,8 +5,9 @@ against fx2xla without offloading.
 Tolerances: losses vs eager at rtol 1e-4, atol 1e-5 (float32; measured: 1.4e-6), the one-step
 tolerance of tests/models/test_training.py; parameters and moments after the steps at its
 "trajectory" tolerance (rtol 1e-3, atol 1e-4; measured: 3e-5), with its allowance for Adam's
-sign flips on rounding-noise gradients. Against fx2xla without offloading: bit for bit (the
-memory kinds change where values wait, never the arithmetic).
+sign flips on rounding-noise gradients. Against fx2xla without offloading, its layers folded
+into a loop or not as the case's: bit for bit (the memory kinds change where values wait, never
+the arithmetic).
 """
 from __future__ import annotations
 
@@ -29,10 +30,16 @@ TRAJECTORY = TRAINING_TOL[torch.float32]["trajectory"]  # rtol 1e-3, atol 1e-4
 HOST = 'mhlo.memory_kind = "pinned_host"'
 CASES = {
     "none": {},
+    "folded": {"scan_min_layers": 4},  # one loop of 4 layers, no offloading
     "activations": {"offload": "activations"},  # 4 layers: below scan_min_layers, unrolled
-    "activations-folded": {"offload": "activations", "scan_min_layers": 4},  # one loop of 4 layers
+    "activations-folded": {"offload": "activations", "scan_min_layers": 4},
     "optimizer": {"offload": "optimizer"},
 }
+# Each case against fx2xla without offloading, the same layers folded or not: folding changes
+# the arithmetic (a loop body's matmuls read one layer's slice of the stacked weights; unrolled,
+# the forward's 64-row matmuls take the weight on the left, option linear_weight_lhs).
+BASE = {"none": "none", "folded": "folded", "activations": "none", "activations-folded": "folded",
+        "optimizer": "none"}
 
 
 def build():
@@ -85,7 +92,7 @@ def test_losses_and_parameters_match_eager(runs, case):
     assert {"forward", "backward", "inference"} <= set(graphs)  # compiled, not eager behind our back
     torch.testing.assert_close(losses, eager_losses, **TOL)
     assert_same_params(model, eager_model, flip_bound=sign_flip_bound("adamw", STEPS))
-    base_model, base_losses = runs["none"][:2]
+    base_model, base_losses = runs[BASE[case]][:2]
     assert torch.equal(losses, base_losses)
     for p, q in zip(model.parameters(), base_model.parameters()):
         assert torch.equal(p, q)
