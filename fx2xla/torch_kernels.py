@@ -545,9 +545,14 @@ def serving_setting() -> bool | str:
 
 def worth_serving(exe) -> bool:
     """Whether main-thread calls of `exe` (a single-device CPU executable) may serve its
-    handlers' work on torch's team, while serving is on: the library is loaded and the program
-    calls the matmul or a convolution handler. Decided once per executable."""
-    return load()[0] and calls_handlers(exe, SERVED_TARGETS)
+    handlers' work on torch's team, while serving is on: the library is loaded, the program
+    calls the matmul or a convolution handler, and jax's CPU client executes on its own threads
+    (with `jax_cpu_enable_async_dispatch` False the launching thread runs the execution to its
+    end, and a handler posting work to it from XLA's pool would wait forever). Decided once per
+    executable."""
+    from .runtime import client
+
+    return load()[0] and client.cpu_dispatch_is_async() and calls_handlers(exe, SERVED_TARGETS)
 
 
 def serve_hooks():

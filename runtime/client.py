@@ -31,7 +31,30 @@ def get_backend(platform: str):
     """The jaxlib PJRT client for a jax platform name ("cpu", "cuda", "tpu")."""
     import jax.extend.backend  # a submodule import is required
 
+    if platform == "cpu":  # read as the client starts, which is when jax reads it too
+        _cpu_async_dispatch.append(_async_dispatch_setting())
     return jax.extend.backend.get_backend(platform)
+
+
+_cpu_async_dispatch: list = []  # the setting when fx2xla first asked for the CPU client
+
+
+def _async_dispatch_setting() -> bool:
+    import jax
+
+    try:
+        return bool(jax.config.read("jax_cpu_enable_async_dispatch"))
+    except (AttributeError, KeyError):  # a jax without the setting dispatches asynchronously
+        return True
+
+
+def cpu_dispatch_is_async() -> bool:
+    """Whether jax's CPU client runs an execution on its own threads, as it does by default,
+    rather than on the launching thread until it ends (jax config `jax_cpu_enable_async_dispatch`
+    set False before the client started; jax reads it once, then, and so does this: at
+    fx2xla's first use of the CPU client, which starts it unless jax code ran before)."""
+    get_backend("cpu")
+    return _cpu_async_dispatch[0] if _cpu_async_dispatch else _async_dispatch_setting()
 
 
 @dataclass(frozen=True)

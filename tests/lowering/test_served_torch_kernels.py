@@ -15,6 +15,8 @@ switch it on. What these tests hold it to, against eager at conftest's float32 t
   every one is served and the result is eager's;
 - calls from other threads are not served, and while the main thread serves, four other threads
   calling the same model get their own inputs' results on every call;
+- with jax's CPU client executing inline (`jax_cpu_enable_async_dispatch` False), nothing is
+  served and an MLP training step and a SmallCNN's inference still match eager, with no hang;
 - FX2XLA_SERVE_TORCH_KERNELS=1, read when the library loads, serves; unset or 0 serves nothing;
   `auto` serves from the second main-thread call; any other value is refused by name;
 - serving "auto" (plan_executor.ServeTrial): an MLP training step's forward and backward each
@@ -25,6 +27,7 @@ switch it on. What these tests hold it to, against eager at conftest's float32 t
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -207,6 +210,53 @@ def test_other_threads_run_as_before_and_beside_a_serving_main_thread():
     if errors:
         raise errors[0]
     assert torch_kernels.served_calls() - before >= 20 * 3
+
+
+_INLINE_SCRIPT = textwrap.dedent("""
+    import copy, json, jax
+    jax.config.update("jax_cpu_enable_async_dispatch", False)  # before the CPU client starts
+    import torch
+    from fx2xla import torch_kernels
+    from fx2xla.runtime import client
+    from fx2xla.testing import SmallCNN, mlp
+
+    tol = dict(rtol=1e-4, atol=1e-5)
+    torch.manual_seed(0)
+    model, x = mlp(256, 1024, 256), torch.randn(128, 256)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fx2xla")
+    with torch_kernels.serving(True):
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            twin.zero_grad(set_to_none=True)
+            loss = compiled(x).square().mean()
+            loss.backward()
+            ref = twin(x).square().mean()
+            ref.backward()
+            torch.testing.assert_close(loss, ref, **tol)
+            for p, q in zip(model.parameters(), twin.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, **tol)
+        cnn = SmallCNN().eval()
+        y = torch.randn(8, 3, 32, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(cnn, backend="fx2xla")(y), cnn(y), **tol)
+    print(json.dumps({"async": client.cpu_dispatch_is_async(), "served": torch_kernels.served_calls(),
+                      "matmuls": torch_kernels.matmul_calls()}))
+""")
+
+
+def test_inline_executions_are_not_served():
+    """With jax's `jax_cpu_enable_async_dispatch` set False before the CPU client starts, the
+    launching thread runs each execution to its end, so it cannot serve the work XLA's pool
+    threads post to it (before this test it waited forever, in the first forward): with serving
+    on, an MLP training step's loss and gradients (two steps) and a SmallCNN's inference still
+    match eager's at conftest's float32 tolerance, within the subprocess's 300 s, and nothing is
+    served while the matmul handler still runs."""
+    out = subprocess.run([sys.executable, "-c", _INLINE_SCRIPT], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "FX2XLA_SERVE_TORCH_KERNELS"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["async"] is False and result["served"] == 0 and result["matmuls"] >= 2 * 5, result
 
 
 def test_off_with_the_environment_variable():
