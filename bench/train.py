@@ -32,7 +32,7 @@ another thread ran (`torch_kernels.split_parts`).
 Eager, Inductor, fx2xla and fx2xla without the weight on the left (`wl`) are also timed back to
 back, as a training loop runs them (harness.back_to_back_medians: in each round one untimed
 step each, then five in a row, timed). There the parameters, gradients and moments stay in the
-caches from the step before, where each single interleaved step finds nine other contenders'.
+caches from the step before, where each single interleaved step finds eight to eleven other contenders'.
 Raw numbers go to bench/results/train.json.
 """
 from __future__ import annotations
@@ -257,7 +257,7 @@ def bench_case(name: str, rounds: int, foreach: bool | None = None, phases: bool
         steps["fx2xla_unsliced"] = unsliced(steps["fx2xla"])
     med = interleaved_medians(steps, (), rounds=rounds, budget_s=120)
     # A training loop runs one model's steps back to back, its parameters, gradients and moments
-    # still in the caches from the step before; a single step after nine other contenders' finds
+    # still in the caches from the step before; a single step after eight to eleven other contenders' finds
     # them in memory.
     b2b = back_to_back_medians({k: steps[k] for k in BACK_TO_BACK}, (), rounds=rounds, calls=BACK_TO_BACK_STEPS,
                                budget_s=120)
