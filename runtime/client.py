@@ -53,8 +53,8 @@ def cpu_dispatch_is_async() -> bool:
     rather than on the launching thread until it ends (jax config `jax_cpu_enable_async_dispatch`
     set False before the client started; jax reads it once, then, and so does this: at
     fx2xla's first use of the CPU client, which starts it unless jax code ran before)."""
-    get_backend("cpu")
-    return _cpu_async_dispatch[0] if _cpu_async_dispatch else _async_dispatch_setting()
+    get_backend("cpu")  # records the setting the first time
+    return _cpu_async_dispatch[0]
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,34 +213,23 @@ def test_other_threads_run_as_before_and_beside_a_serving_main_thread():
     assert torch_kernels.served_calls() - before >= 20 * 3
 
 
+_REPO = Path(__file__).resolve().parents[2]  # the script imports this module's helpers
 _INLINE_SCRIPT = textwrap.dedent("""
-    import copy, json, jax
+    import json, jax
     jax.config.update("jax_cpu_enable_async_dispatch", False)  # before the CPU client starts
     import torch
     from fx2xla import torch_kernels
     from fx2xla.runtime import client
-    from fx2xla.testing import SmallCNN, mlp
+    from fx2xla.testing import SmallCNN
+    from tests.lowering.test_served_torch_kernels import MLP, ROWS, TOL, _inputs, _train_step
 
-    tol = dict(rtol=1e-4, atol=1e-5)
     torch.manual_seed(0)
-    model, x = mlp(256, 1024, 256), torch.randn(128, 256)
-    twin = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="fx2xla")
     with torch_kernels.serving(True):
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            twin.zero_grad(set_to_none=True)
-            loss = compiled(x).square().mean()
-            loss.backward()
-            ref = twin(x).square().mean()
-            ref.backward()
-            torch.testing.assert_close(loss, ref, **tol)
-            for p, q in zip(model.parameters(), twin.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, **tol)
+        _train_step(MLP(), _inputs((ROWS, 256)))  # two steps, each against eager
         cnn = SmallCNN().eval()
         y = torch.randn(8, 3, 32, 32)
         with torch.no_grad():
-            torch.testing.assert_close(torch.compile(cnn, backend="fx2xla")(y), cnn(y), **tol)
+            torch.testing.assert_close(torch.compile(cnn, backend="fx2xla")(y), cnn(y), **TOL)
     print(json.dumps({"async": client.cpu_dispatch_is_async(), "served": torch_kernels.served_calls(),
                       "matmuls": torch_kernels.matmul_calls()}))
 """)
@@ -253,6 +243,7 @@ def test_inline_executions_are_not_served():
     match eager's at conftest's float32 tolerance, within the subprocess's 300 s, and nothing is
     served while the matmul handler still runs."""
     out = subprocess.run([sys.executable, "-c", _INLINE_SCRIPT], capture_output=True, text=True, timeout=300,
+                         cwd=_REPO,
                          env={k: v for k, v in os.environ.items() if k != "FX2XLA_SERVE_TORCH_KERNELS"})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
