@@ -71,7 +71,7 @@ class MLP(torch.nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def _train_step(model, make_input, steps: int = 2):
+def train_step(model, make_input, steps: int = 2):
     """`steps` compiled training steps (forward, square-mean loss, backward, SGD) of `model`
     beside eager's on a copy, comparing loss and gradients each step; the handler calls served
     in them."""
@@ -96,21 +96,21 @@ def _train_step(model, make_input, steps: int = 2):
     return torch_kernels.served_calls() - before
 
 
-def _inputs(shape, seed=0):
+def make_inputs(shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     return lambda step: torch.randn(*shape, generator=g)
 
 
 def test_training_step_serves_its_matmuls():
     torch.manual_seed(0)
-    served = _train_step(MLP(), _inputs((ROWS, 256)))
+    served = train_step(MLP(), make_inputs((ROWS, 256)))
     assert served == 2 * 5  # the forward's two matmuls, the backward's three, per step
 
 
 def test_serving_off_serves_nothing_with_the_same_results():
     torch.manual_seed(0)
     with torch_kernels.serving(False):
-        served = _train_step(MLP(), _inputs((ROWS, 256)))
+        served = train_step(MLP(), make_inputs((ROWS, 256)))
     assert served == 0
 
 
@@ -127,7 +127,7 @@ def test_convolutions_served_in_inference_and_training():
     torch._dynamo.reset()
     torch.manual_seed(0)
     train = SmallCNN().train()
-    served = _train_step(train, _inputs((8, 3, 32, 32)))
+    served = train_step(train, make_inputs((8, 3, 32, 32)))
     assert served == 2 * 6  # per step: 3 convolutions forward, 3 convolution backwards
 
 
@@ -221,11 +221,11 @@ _INLINE_SCRIPT = textwrap.dedent("""
     from fx2xla import torch_kernels
     from fx2xla.runtime import client
     from fx2xla.testing import SmallCNN
-    from tests.lowering.test_served_torch_kernels import MLP, ROWS, TOL, _inputs, _train_step
+    from tests.lowering.test_served_torch_kernels import MLP, ROWS, TOL, make_inputs, train_step
 
     torch.manual_seed(0)
     with torch_kernels.serving(True):
-        _train_step(MLP(), _inputs((ROWS, 256)))  # two steps, each against eager
+        train_step(MLP(), make_inputs((ROWS, 256)))  # two steps, each against eager
         cnn = SmallCNN().eval()
         y = torch.randn(8, 3, 32, 32)
         with torch.no_grad():
@@ -299,7 +299,7 @@ def test_auto_times_each_executable_both_ways_then_keeps_its_choice():
     torch.manual_seed(0)
     before_graphs = set(map(id, live_graphs))
     with torch_kernels.serving("auto"):
-        served_in_trial = _train_step(MLP(), _inputs((ROWS, 256)), steps=trial_steps)
+        served_in_trial = train_step(MLP(), make_inputs((ROWS, 256)), steps=trial_steps)
         graphs = [g for g in live_graphs if id(g) not in before_graphs and g.static is not None
                   and g.static.serve_trial is not None]
         assert len(graphs) == 2  # the forward and the backward
