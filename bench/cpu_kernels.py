@@ -2,7 +2,7 @@
 against torch eager (MKL / oneDNN), in GFLOP/s.
 
     .venv/bin/python bench/cpu_kernels.py [--cases gemm_up,gemm_down,conv_3_32,conv_32_64]
-        [--dtypes float32,bfloat16] [--settings default,eigen,...] [--rounds 15]
+        [--dtypes float32,bfloat16] [--settings default,eigen,...] [--rounds 15] [--no-compiled]
 
 The cases are fx2xla's benchmark models' hot kernels: the MLP's two GEMMs as nn.Linear computes
 them (x @ W.T: 32x1024 @ 1024x4096, then 32x4096 @ 4096x1024) and SmallCNN/ResNet-like 3x3
@@ -13,6 +13,11 @@ what fx2xla's executor sets); the optimized HLO is searched for the kernel that 
 (`__ynn_fusion`, `__onednn_fusion`, or a plain dot/convolution: Eigen). All contenders of one
 case (torch eager and every setting) alternate in rounds in balanced orders (bench/harness.py);
 medians, and each one's ratio to torch eager.
+
+Beside them, torch.compile's two backends on the same op as a module holding the weight as a
+parameter (nn.Linear's and nn.Conv2d's case), under no_grad: "inductor" and "fx2xla" (fx2xla's
+own route: its kernel column names the kernel library's handler where the executable calls one,
+e.g. `torch_convolution`, else the XLA kernel as above). `--no-compiled` leaves them out.
 
 Numerics: every setting's result is compared with torch's. float32: rtol 1e-4, atol 1e-4 (GEMM
 and convolutions alike). bfloat16: both sides compute from the same bf16 inputs and round the
@@ -171,11 +176,71 @@ def tolerance(dtype: torch.dtype, ref: torch.Tensor) -> tuple[float, float]:
     return 1.6e-2, 1e-2 * float(ref.abs().max())
 
 
+class _Held(torch.nn.Module):
+    """`fn(x, w)` with w held as a parameter, as nn.Linear and nn.Conv2d hold theirs."""
+
+    def __init__(self, fn, w):
+        super().__init__()
+        self.fn = fn
+        self.w = torch.nn.Parameter(w, requires_grad=False)
+
+    def forward(self, x):
+        return self.fn(x, self.w)
+
+
+def fx2xla_route(graphs) -> str:
+    """The kernels fx2xla's executables for one op run: the kernel library's handlers they call
+    (`torch_convolution`, `torch_matmul`, `few_rows_matmul`, ...), else XLA's kernel as
+    kernels_in reads it."""
+    from fx2xla import torch_kernels
+    from fx2xla.runtime.executor import optimized_hlo_text
+
+    routes = set()
+    for g in graphs:
+        spec = getattr(g, "static", None)
+        if spec is None:
+            continue
+        hlo = optimized_hlo_text(spec.exe)
+        called = [t for t in torch_kernels.TARGETS if f'custom_call_target="{t}"' in hlo]
+        if called:
+            routes.update(t.removeprefix("fx2xla_") for t in called)
+        else:
+            routes.add(kernels_in(hlo))
+    return "+".join(sorted(routes)) or "?"
+
+
+def compiled_contenders(case: dict, tx, tw, tag: str) -> tuple[dict, dict]:
+    """Inductor and fx2xla on `case`'s op, the weight a parameter: (contenders, meta)."""
+    import fx2xla  # noqa: F401  (registers the backend)
+    from fx2xla.metrics import live_graphs
+
+    module = _Held(case["torch_fn"], tw).eval()
+    contenders, meta = {}, {}
+    for backend in ("inductor", "fx2xla"):
+        before = set(live_graphs)  # held: no id of theirs is reused
+        compiled = torch.compile(module, backend=backend, dynamic=False, fullgraph=True)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            compiled(tx)
+        key = f"{backend}{tag}"
+        meta[key] = {"kernel": "inductor" if backend == "inductor" else
+                     "fx2xla:" + fx2xla_route([g for g in live_graphs if g not in before]),
+                     "compile_s": time.perf_counter() - t0}
+
+        def call(a, b, f=compiled):  # b: the weight, already held by the module
+            with torch.no_grad():
+                return f(a)
+        contenders[key] = (call, (tx, tw))
+    return contenders, meta
+
+
 def run_case(name: str, case: dict, dtype: torch.dtype, settings: list[str], rounds: int, target_s: float,
-             gap_s: float = 0.02) -> dict:
+             gap_s: float = 0.02, compiled: bool = True) -> dict:
     g = torch.Generator().manual_seed(0)
     x, w = case["make"](dtype, g)
     ref = case["torch_fn"](x.float(), w.float())  # float32 on the (rounded) inputs
+    if compiled:  # every case compiles the same forward anew: Dynamo's per-code limit counts them all
+        torch._dynamo.reset()
     rtol, atol = tolerance(dtype, ref)
     contenders, meta = {}, {}
     layouts = case["layouts"]
@@ -207,6 +272,14 @@ def run_case(name: str, case: dict, dtype: torch.dtype, settings: list[str], rou
                              "max_abs_err": err, "numerics_ok": ok, "setting": s,
                              "form": form.lstrip("/") or "f32", "options": SETTINGS[s]}
                 contenders[key] = (lambda a, b, e=exe: e(a, b).block_until_ready(), (jx, jw))
+        if compiled:
+            more, more_meta = compiled_contenders(case, tx, tw, tag)
+            for key, (f, args) in more.items():
+                got = f(*args).float()
+                more_meta[key].update(layout=layout, max_abs_err=float((got - ref).abs().max()),
+                                      numerics_ok=bool(torch.allclose(got, ref, rtol=rtol, atol=atol)))
+            contenders.update(more)
+            meta.update(more_meta)
         teager = case["torch_fn"](tx, tw)
         meta[f"torch{tag}"]["max_abs_err"] = float((teager.float() - ref).abs().max())
         meta[f"torch{tag}"]["numerics_ok"] = bool(torch.allclose(teager.float(), ref, rtol=rtol, atol=atol))
@@ -342,6 +415,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--target-ms", type=float, default=20.0, help="time per sample, in torch eager calls")
     p.add_argument("--gap-ms", type=float, default=20.0, help="sleep before each sample (spinning pools settle)")
+    p.add_argument("--no-compiled", action="store_true", help="leave out torch.compile's contenders (inductor, fx2xla)")
     p.add_argument("--models", default="", help="also (or with --cases '' only) fx2xla's models per setting, "
                    "e.g. mlp,cnn,gpt2,bert,llama, against Inductor")
     p.add_argument("--model-settings", default="default,ynn_dot_fusion,ynn_no_conv",
@@ -360,18 +434,19 @@ def main() -> None:
                "settings": SETTINGS, "load_before": load(), "cases": {}}
     print(f"torch {torch.__version__} ({results['torch_cpu_capability']}, {torch.get_num_threads()} threads), "
           f"jaxlib {jaxlib.version.__version__}, {results['cores']} cores usable, load {results['load_before']}")
-    print(f"\n{'case':22s} {'contender':40s} {'kernel':14s} {'GFLOP/s':>8s} {'GF/cpu-s':>7s} {'median':>10s} {'/torch':>7s} {'cpu/torch':>9s} {'max|err|':>9s} ok")
+    print(f"\n{'case':22s} {'contender':40s} {'kernel':26s} {'GFLOP/s':>8s} {'GF/cpu-s':>7s} {'median':>10s} {'/torch':>7s} {'cpu/torch':>9s} {'max|err|':>9s} ok")
     for dt in a.dtypes.split(","):
         dtype = getattr(torch, dt)
         for name in filter(None, a.cases.split(",")):
-            r = run_case(name, CASES[name], dtype, settings, a.rounds, a.target_ms / 1e3, a.gap_ms / 1e3)
+            r = run_case(name, CASES[name], dtype, settings, a.rounds, a.target_ms / 1e3, a.gap_ms / 1e3,
+                         compiled=not a.no_compiled)
             r["load_after"] = load()
             results["cases"][f"{name}/{dt}"] = r
             for k, c in r["contenders"].items():
                 if "error" in c:
                     print(f"{name + '/' + dt:22s} {k:40s} ERROR {c['error']}")
                     continue
-                print(f"{name + '/' + dt:22s} {k:40s} {c['kernel']:14s} {c['gflops']:8.1f} {c['cpu_gflops_per_core']:7.1f} {c['median_s'] * 1e3:8.3f}ms "
+                print(f"{name + '/' + dt:22s} {k:40s} {c['kernel']:26s} {c['gflops']:8.1f} {c['cpu_gflops_per_core']:7.1f} {c['median_s'] * 1e3:8.3f}ms "
                       f"{c['vs_torch_same_layout']:7.2f} {c['cpu_vs_torch_same_layout']:9.2f} {c['max_abs_err']:9.2e} {'ok' if c['numerics_ok'] else 'FAIL'}")
             print(f"{'':22s} (rtol {r['rtol']:.1e}, atol {r['atol']:.1e}; load {r['load_after']})")
     if a.models:
