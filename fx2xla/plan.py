@@ -54,6 +54,10 @@ class InputKind(_Named):
     # matmuls of many rows read (nn.Linear's, Conv1D's), which multiply the copy (lowering/linalg.py:
     # widened_weights); the graph sees the weight's own dtype, rounded back exactly
     WIDENED = "widened"
+    # copied with torch's lazy conjugate and negative bits applied (`x.conj()`, `x.mH` of a complex
+    # tensor, `x.conj().imag`): such a view's memory holds the values before the conjugation or
+    # negation, which the graph's ops already see applied
+    RESOLVED = "resolved"
     SYMINT = "symint"  # a size: specialises the executable, not passed
 
 
@@ -269,6 +273,8 @@ def plan_input(val) -> InputPlan:
         return InputPlan(InputKind.SYMINT, passed=False)
     if not isinstance(val, torch.Tensor):
         raise TypeError(f"fx2xla: unsupported graph input {val!r}")
+    if val.is_conj() or val.is_neg():  # (Dynamo guards on both bits: a plain tensor is another graph)
+        return InputPlan(InputKind.RESOLVED)
     shape, stride = val.shape, val.stride()
     if any(isinstance(s, torch.SymInt) for s in list(shape) + list(stride)):
         return InputPlan(InputKind.CONTIGUOUS)

@@ -43,7 +43,8 @@ _team_running, _run_parked, _run_helped = (torch_kernels.torch_team_running, tor
 _recording = make_recording()
 # The kinds the call path tests, as module globals: reading an enum member through its class
 # costs ~60 ns on Python 3.11, a global ~8 ns, and a call tests several per input.
-_TENSOR, _PERMUTED, _RELAID, _WIDENED = InputKind.TENSOR, InputKind.PERMUTED, InputKind.RELAID, InputKind.WIDENED
+_TENSOR, _PERMUTED, _RELAID, _WIDENED, _RESOLVED = (InputKind.TENSOR, InputKind.PERMUTED, InputKind.RELAID,
+                                             InputKind.WIDENED, InputKind.RESOLVED)
 _NO_MOVE, _TORCH_MOVE, _PLACED = Move.NONE, Move.TORCH, Move.PLACED
 _CONST, _INPUT, _CONCAT = OutputKind.CONST, OutputKind.INPUT, OutputKind.CONCAT
 _TENSOR_OUT = OutputKind.TENSOR
@@ -471,6 +472,7 @@ class PlanExecutor:
             dense = (t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED
                      else t.permute(perm).clone(memory_format=torch.contiguous_format) if kind is _RELAID
                      else t.to(torch.float32, memory_format=torch.contiguous_format) if kind is _WIDENED
+                     else t.resolve_conj().resolve_neg().contiguous() if kind is _RESOLVED
                      # a strided input to be staged is copied once, into its staging buffer, below
                      else t if stages is not None and len(bufs) in self._stageable
                      else t.contiguous())

@@ -140,3 +140,21 @@ def test_expanded_output_keeps_eager_broadcast_strides():
     (out,) = CompiledGraph(gm, [x], default_device(), "expand", resident_inputs=set())([x])
     torch.testing.assert_close(out, f(x))
     assert out.stride() == f(x).stride()
+
+
+def test_conjugate_and_negative_views_are_read_as_eager():
+    """A complex input with torch's lazy conjugate bit (`x.conj()`, the strided `x.mH`) or a real
+    input with its negative bit (`x.conj().imag`) reaches the executable with the bit applied:
+    each result equals eager's exactly (complex64 / float32, rtol = atol = 0: one add or multiply),
+    the inputs keep their bits, and the same compiled function then gives eager's result for the
+    plain tensors too (whichever kind it saw first)."""
+    x = torch.randn(3, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    f = torch.compile(lambda a: a * 2 + 1, backend="fx2xla", options={"fallback": "error"})
+    for a in (x.conj(), x.mH, x.conj().imag, x, x.imag, x.mH.resolve_conj()):
+        before = (a.is_conj(), a.is_neg())
+        torch.testing.assert_close(f(a), a * 2 + 1, rtol=0, atol=0)
+        assert (a.is_conj(), a.is_neg()) == before
+    assert x.conj().is_conj() and x.mH.is_conj() and x.conj().imag.is_neg()
+    g = torch.compile(lambda a: a - 1, backend="fx2xla", options={"fallback": "error"})
+    for a in (x, x.conj(), x.imag, x.conj().imag):  # the plain kind first this time
+        torch.testing.assert_close(g(a), a - 1, rtol=0, atol=0)
