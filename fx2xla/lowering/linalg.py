@@ -121,8 +121,11 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
             return out
         if (ctx.weight_lhs or ctx.few_rows) and n == 2 and ca == 1:
             return _weight_on_the_left(a, b)
-    if ctx.wide_weight is not None and n == 2:  # b's float32 copy, in b's layout: x widened, exactly
-        return dot(a.astype(jnp.float32), ctx.wide_weight, ((ca,), (cb,)))
+    if ctx.wide_weight is not None and n == 2:  # the weight's float32 copy: x widened, exactly
+        wide = ctx.wide_weight
+        if wide.shape != b.shape:  # b is the weight's transpose, not swapped back above (a dim of size 1)
+            wide = wide.T
+        return dot(a.astype(jnp.float32), wide, ((ca,), (cb,)))
     if n == 2 and (out := _torch_matmul(ctx, a, b, ca, cb)) is not None:
         return out
     batch = tuple(range(n - 2))

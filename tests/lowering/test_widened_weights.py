@@ -77,6 +77,26 @@ def test_mlp_weights_are_widened(dtype, shape, bias):
     torch.testing.assert_close(out, off, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("features", [(64, 1), (1, 64)], ids=["out1", "in1"])
+def test_weights_with_a_dim_of_one_are_widened(dtype, features):
+    """A Linear with one output or one input feature (a gate: weight [1, 64] or [64, 1], whose
+    transpose torch also calls contiguous) over 64 and 200 rows: eager's result within the dtype's
+    tolerance, and its weight widened. (The copy used to meet the untransposed operand: an error
+    naming the dot's contracting dims, Qwen2-MoE's shared-expert gate in bf16.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(*features).eval().to(dtype)
+    for rows in (64, 200):
+        torch._dynamo.reset()
+        x = torch.randn(rows, features[0], dtype=dtype)
+        out, graphs, _ = run(model, x)
+        with torch.no_grad():
+            expected = model(x)
+        assert out.dtype == dtype and out.shape == expected.shape
+        torch.testing.assert_close(out, expected, **TOL[dtype])
+        assert widened_count(graphs) == 1
+
+
 @pytest.mark.parametrize("case", ["few_rows", "float32", "tied", "option_off"])
 def test_weights_left_as_they_are(case):
     """Matmuls of fewer than 16 rows (XLA's dot converts as it goes there), float32 weights, a
