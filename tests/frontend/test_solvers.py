@@ -1,0 +1,296 @@
+"""Linear-algebra lowerings (fx2xla/lowering/solvers.py) against eager PyTorch: Cholesky, triangular
+solves, LU and its solves, inverses, determinants, QR, eigh, SVD, pinv and matrix_exp.
+
+Every function is compiled with `torch.compile(fn, backend="fx2xla", fullgraph=True,
+options={"fallback": "error"})`, so an op without a rule fails the test instead of running eagerly.
+Tolerances (TOL), asserted with torch.testing.assert_close on every compared output:
+float32/complex64 rtol 1e-4, atol 1e-5; float64/complex128 rtol 1e-10, atol 1e-10. Integer
+outputs (pivots, info) are compared exactly (assert_close's default for integer dtypes), and
+dtype and shape of every output always. Vectors torch documents as unique only up to sign/phase
+(QR's Q, eigh's and SVD's vectors) are compared through invariants (reconstruction,
+orthonormality, eigen-equation) at the same tolerances scaled by the matrix size.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fx2xla
+
+DTYPES = [torch.float32, torch.float64, torch.complex64, torch.complex128]
+TOL = {
+    torch.float32: dict(rtol=1e-4, atol=1e-5), torch.complex64: dict(rtol=1e-4, atol=1e-5),
+    torch.float64: dict(rtol=1e-10, atol=1e-10), torch.complex128: dict(rtol=1e-10, atol=1e-10),
+}
+
+
+def _tol(t: torch.Tensor, scale: float = 1.0) -> dict:
+    real = t.real.dtype if t.is_complex() else t.dtype
+    base = TOL.get(t.dtype, TOL.get({torch.float32: torch.complex64, torch.float64: torch.complex128}.get(real)))
+    if not (t.is_floating_point() or t.is_complex()):
+        return dict(rtol=0, atol=0)
+    return {k: v * scale for k, v in base.items()}
+
+
+def compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="fx2xla", fullgraph=True, options={"fallback": "error"})
+
+
+def check_same(actual, expected, scale: float = 1.0):
+    """Same structure, dtypes and shapes; values within TOL (integers exact)."""
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+        assert actual.shape == expected.shape, (actual.shape, expected.shape)
+        torch.testing.assert_close(actual, expected, equal_nan=True, **_tol(expected, scale))
+        return
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        check_same(a, e, scale)
+
+
+def run_both(fn, *args, scale: float = 1.0):
+    expected = fn(*args)
+    actual = compiled(fn)(*args)
+    check_same(actual, expected, scale)
+    return actual, expected
+
+
+def make(*shape, dtype=torch.float64, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def spd(*batch, n=4, dtype=torch.float64, seed=0):
+    a = make(*batch, n, n, dtype=dtype, seed=seed)
+    return a @ a.mH + n * torch.eye(n, dtype=dtype)
+
+
+def well_conditioned(*batch, n=4, dtype=torch.float64, seed=0):
+    return make(*batch, n, n, dtype=dtype, seed=seed) + n * torch.eye(n, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cholesky_rules_match_eager(dtype):
+    """linalg.cholesky_ex (lower and upper: L/U and info), torch.cholesky (lower, upper),
+    cholesky_solve (lower, upper, batch dims broadcast between B [3, 4, 2] and L [2, 3, 4, 4])
+    and cholesky_inverse (lower, upper) on batched [2, 3, 4, 4] inputs equal eager's within TOL,
+    with equal dtypes and shapes, and info exactly 0."""
+    a = spd(2, 3, dtype=dtype)
+    b = make(3, 4, 2, dtype=dtype, seed=1)
+
+    def fn(a, b):
+        low, info = torch.linalg.cholesky_ex(a)
+        up, info_up = torch.linalg.cholesky_ex(a, upper=True)
+        return (low, info, up, info_up, torch.cholesky(a), torch.cholesky(a, upper=True),
+                torch.cholesky_solve(b, low), torch.cholesky_solve(b, up, upper=True),
+                torch.cholesky_inverse(low), torch.cholesky_inverse(up, upper=True))
+
+    actual, _ = run_both(fn, a, b, scale=10)
+    assert not actual[1].any() and not actual[3].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triangular_solve_rules_match_eager(dtype):
+    """triangular_solve for each of upper x transpose x unitriangular (solution and the cloned
+    coefficient broadcast to the batch), and linalg.solve_triangular for upper x left with a
+    B of batch [3] against A of batch [2, 3], equal eager's within TOL (dtypes, shapes too)."""
+    a = well_conditioned(2, 3, dtype=dtype)
+    b = make(3, 4, 2, dtype=dtype, seed=1)
+
+    def fn(a, b):
+        outs = []
+        for upper in (True, False):
+            for transpose in (True, False):
+                for unit in (True, False):
+                    outs += list(torch.triangular_solve(b, a, upper=upper, transpose=transpose, unitriangular=unit))
+            outs.append(torch.linalg.solve_triangular(a, b, upper=upper))
+            outs.append(torch.linalg.solve_triangular(a, b.mT, upper=upper, left=False))
+        return outs
+
+    run_both(fn, a, b, scale=10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lu_rules_match_eager(dtype):
+    """linalg.lu_factor_ex on square [2, 4, 4] and rectangular [2, 3, 5] / [2, 5, 3] inputs (LU,
+    int32 1-based pivots, info), linalg.lu (P, L, U), lu_unpack (all three flag settings),
+    linalg.lu_solve for left x adjoint, linalg.solve_ex with a matrix and a vector right-hand
+    side, and linalg.inv_ex all equal eager's within TOL (integers exactly, dtypes and shapes)."""
+    a = well_conditioned(2, dtype=dtype)
+    rect = make(2, 3, 5, dtype=dtype, seed=2)
+    b = make(2, 4, 3, dtype=dtype, seed=1)
+
+    def fn(a, rect, b):
+        lu, piv, info = torch.linalg.lu_factor_ex(a)
+        outs = [lu, piv, info, *torch.linalg.lu_factor_ex(rect), *torch.linalg.lu_factor_ex(rect.mT),
+                *torch.linalg.lu(rect), *torch.linalg.lu(rect.mT), *torch.lu_unpack(lu, piv),
+                *torch.lu_unpack(lu, piv, unpack_data=False), *torch.lu_unpack(lu, piv, unpack_pivots=False)]
+        for left in (True, False):
+            for adjoint in (True, False):
+                outs.append(torch.linalg.lu_solve(lu, piv, b if left else b.mT, left=left, adjoint=adjoint))
+        outs += [*torch.linalg.solve_ex(a, b), *torch.linalg.solve_ex(a, b[..., 0]),
+                 *torch.linalg.solve_ex(a, b.mT, left=False), *torch.linalg.inv_ex(a)]
+        return outs
+
+    actual, _ = run_both(fn, a, rect, b, scale=10)
+    assert actual[1].dtype == torch.int32 and int(actual[1].min()) >= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_determinant_rules_match_eager(dtype):
+    """linalg.det, linalg.slogdet (sign, logabsdet) and logdet of a [3, 4, 4] batch (logdet on
+    Hermitian positive-definite matrices) equal eager's within TOL, dtypes and shapes too."""
+    a = make(3, 4, 4, dtype=dtype)
+    p = spd(3, dtype=dtype)
+    run_both(lambda a, p: (torch.linalg.det(a), *torch.linalg.slogdet(a), torch.logdet(p)), a, p, scale=10)
+
+
+def _eye(n, like):
+    return torch.eye(n, dtype=like.dtype).expand(*like.shape[:-2], n, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decompositions_satisfy_invariants(dtype):
+    """For a [2, 5, 3] batch: linalg.qr in modes reduced/complete/r gives eager's shapes and
+    dtypes, Q^H Q = I, Q R = A and R upper triangular (mode 'r': R equal to reduced R, Q empty);
+    linalg.eigh (UPLO L and U) gives eager's eigenvalues, V^H V = I and A V = V diag(w);
+    linalg.svd (full and reduced) gives eager's singular values, U^H U = I, Vh Vh^H = I and
+    U diag(S) Vh = A; svdvals and pinv (plain and hermitian) equal eager's. All within TOL x 10."""
+    a = make(2, 5, 3, dtype=dtype)
+    h = make(2, 4, 4, dtype=dtype, seed=1)
+    h = h + h.mH
+
+    def fn(a, h):
+        return (*torch.linalg.qr(a), *torch.linalg.qr(a, mode="complete"), *torch.linalg.qr(a, mode="r"),
+                *torch.linalg.eigh(h), *torch.linalg.eigh(h, UPLO="U"), *torch.linalg.svd(a),
+                *torch.linalg.svd(a, full_matrices=False), torch.linalg.svdvals(a), torch.linalg.pinv(a),
+                torch.linalg.pinv(h, hermitian=True))
+
+    actual = compiled(fn)(a, h)
+    expected = fn(a, h)
+    for x, e in zip(actual, expected):
+        assert x.dtype == e.dtype and x.shape == e.shape, (x.dtype, x.shape, e.dtype, e.shape)
+    tol = _tol(a, 10)
+    q, r, qc, rc, q_r, r_r, w, v, wu, vu, u, s, vh, ur, sr, vhr, sv, pinv, pinv_h = actual
+    for qq, rr in ((q, r), (qc, rc)):
+        torch.testing.assert_close(qq.mH @ qq, _eye(qq.shape[-1], qq), **tol)
+        torch.testing.assert_close(qq @ rr, a, **tol)
+        torch.testing.assert_close(rr, rr.triu(), **tol)
+    torch.testing.assert_close(r_r, r, **tol)
+    assert q_r.numel() == 0
+    for ww, vv, e_w in ((w, v, expected[6]), (wu, vu, expected[8])):
+        torch.testing.assert_close(ww, e_w, **_tol(e_w, 10))
+        torch.testing.assert_close(vv.mH @ vv, _eye(4, vv), **tol)
+        torch.testing.assert_close(h @ vv, vv * ww.to(dtype).unsqueeze(-2), **tol)
+    for uu, ss, vvh in ((u, s, vh), (ur, sr, vhr)):
+        torch.testing.assert_close(ss, expected[11], **_tol(ss, 10))
+        torch.testing.assert_close(uu.mH @ uu, _eye(uu.shape[-1], uu), **tol)
+        torch.testing.assert_close(vvh @ vvh.mH, _eye(vvh.shape[-2], vvh), **tol)
+        k = ss.shape[-1]
+        torch.testing.assert_close((uu[..., :k] * ss.to(dtype).unsqueeze(-2)) @ vvh[..., :k, :], a, **tol)
+    check_same([sv, pinv, pinv_h], expected[-3:], scale=10)
+
+
+def test_solver_empty_batch_and_zero_size_matrices():
+    """An empty batch [0, 3, 3] and 0 x 0 matrices [2, 0, 0] (float64): cholesky_ex,
+    cholesky_solve, cholesky_inverse, solve_triangular, lu_factor_ex, lu, solve_ex, inv_ex, det,
+    slogdet, qr, eigh, svd and pinv give eager's dtypes, shapes and values (TOL)."""
+    def fn(a, b):
+        return (*torch.linalg.cholesky_ex(a), torch.cholesky_solve(b, a), torch.cholesky_inverse(a),
+                torch.linalg.solve_triangular(a, b, upper=False), *torch.linalg.lu_factor_ex(a),
+                *torch.linalg.lu(a), *torch.linalg.solve_ex(a, b), *torch.linalg.inv_ex(a), torch.linalg.det(a),
+                *torch.linalg.slogdet(a), *torch.linalg.qr(a), *torch.linalg.eigh(a), *torch.linalg.svd(a),
+                torch.linalg.pinv(a))
+
+    for shape in ((0, 3, 3), (2, 0, 0)):
+        run_both(fn, torch.ones(shape, dtype=torch.float64), torch.ones(*shape[:-1], 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex128])
+def test_solver_non_contiguous_inputs(dtype):
+    """Transposed (non-contiguous) inputs, and the same matrices contiguous: linalg.solve_ex,
+    inv_ex, cholesky_ex, lu_factor_ex and the ATen ops _linalg_solve_ex, _linalg_det and
+    _linalg_slogdet with ALL their outputs (eager's det/slogdet factor a contiguous real A as
+    A^T, so their LU and pivots depend on the layout) equal eager's within TOL, integers exactly."""
+    aten = torch.ops.aten
+    a = well_conditioned(2, dtype=dtype).mT
+    p = spd(2, dtype=dtype).mT
+    b = make(2, 4, 3, dtype=dtype, seed=1)
+    assert not a.is_contiguous()
+
+    def fn(a, p, b):
+        return (*torch.linalg.solve_ex(a, b), *torch.linalg.inv_ex(a), *aten._linalg_solve_ex(a, b),
+                *aten._linalg_det(a), *aten._linalg_slogdet(a), *torch.linalg.cholesky_ex(p),
+                *torch.linalg.lu_factor_ex(a))
+
+    run_both(fn, a, p, b, scale=10)
+    run_both(fn, a.contiguous(), p.contiguous(), b, scale=10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_solver_info_of_singular_and_non_pd_inputs(dtype):
+    """info outputs: cholesky_ex (lower and upper) gives the order of the first non-positive-
+    definite leading minor ([0, 3, 1] for identity / a -1 at (2, 2) / a 0 at (0, 0), and 4 for a
+    NaN at (3, 3)); lu_factor_ex gives the first exactly-zero pivot (3 for a zero column 2);
+    solve_ex and inv_ex report eager's info on the same singular batch; det is 0, slogdet's
+    sign 0 and logabsdet -inf there. All equal eager's (integers exactly)."""
+    n = torch.eye(4, dtype=dtype).repeat(4, 1, 1)
+    n[1, 2, 2], n[2, 0, 0], n[3, 3, 3] = -1, 0, float("nan")
+    s = well_conditioned(2, dtype=dtype)
+    s[1, :, 2] = 0
+
+    def fn(n, s):
+        return (torch.linalg.cholesky_ex(n)[1], torch.linalg.cholesky_ex(n, upper=True)[1],
+                *torch.linalg.lu_factor_ex(s)[1:], torch.linalg.solve_ex(s, s[..., 0])[1],
+                torch.linalg.inv_ex(s)[1], torch.linalg.det(s), *torch.linalg.slogdet(s))
+
+    actual, _ = run_both(fn, n, s)
+    assert actual[0].tolist() == [0, 3, 1, 4] and actual[1].tolist() == [0, 3, 1, 4]
+    assert actual[3].tolist() == [0, 3]
+    assert actual[6][1] == 0 and actual[7][1] == 0 and actual[8][1] == float("-inf")
+
+
+def test_solver_errors_are_raised():
+    """torch.linalg.cholesky of a non-positive-definite matrix raises torch.linalg.LinAlgError
+    as in eager (its _linalg_check_errors runs in eager after the XLA graph, default options);
+    torch.cholesky (whose kernel raises itself) raises fx2xla.IndexOutOfRangeError through the
+    rule's run-time check; on a positive-definite input both equal eager's factor (TOL)."""
+    bad = -torch.eye(3, dtype=torch.float64)
+    good = spd(dtype=torch.float64, n=3)
+    torch._dynamo.reset()
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.compile(torch.linalg.cholesky, backend="fx2xla")(bad)
+    check_same(torch.compile(torch.linalg.cholesky, backend="fx2xla")(good), torch.linalg.cholesky(good))
+    f = compiled(lambda a: torch.cholesky(a))
+    with pytest.raises(fx2xla.IndexOutOfRangeError, match="not positive-definite"):
+        f(bad)
+    check_same(f(good), torch.cholesky(good))
+
+
+def test_solver_backward_matches_eager():
+    """Gradients (float64) of sum(cholesky_ex(A).L) + slogdet(A).logabsdet + sum(solve_ex(A, b))
+    + sum(inv_ex(A)) + det(A) w.r.t. A and b, compiled (forward and AOTAutograd's backward graph,
+    fallback="error"), equal eager's within 1e-10, as does the loss."""
+    a0 = spd(2, dtype=torch.float64)
+    b0 = make(2, 4, 2, dtype=torch.float64, seed=1)
+
+    def loss(a, b):
+        return (torch.linalg.cholesky_ex(a)[0].sum() + torch.linalg.slogdet(a)[1].sum()
+                + torch.linalg.solve_ex(a, b)[0].sum() + torch.linalg.inv_ex(a)[0].sum() + torch.linalg.det(a).sum())
+
+    grads = []
+    for f in (loss, compiled(loss)):
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        out = f(a, b)
+        out.backward()
+        grads.append((out.detach(), a.grad, b.grad))
+    check_same(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matrix_exp_matches_eager(dtype):
+    """linalg.matrix_exp of a [2, 5, 5] batch (entries of scale 1 and 3) and of 1 x 1 matrices
+    equals eager's within TOL x 100 (Padé against torch's Taylor polynomial), dtype and shape."""
+    a = make(2, 5, 5, dtype=dtype)
+    run_both(lambda a: (torch.linalg.matrix_exp(a), torch.linalg.matrix_exp(3 * a),
+                        torch.linalg.matrix_exp(a[:, :1, :1])), a, scale=100)
