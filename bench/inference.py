@@ -1,6 +1,6 @@
 """Inference latency of eager, Inductor and fx2xla, measured in one run.
 
-    .venv/bin/python bench/inference.py [--models tiny,mlp,cnn,resnet,gpt2,bert,llama,gpt2_24l] [--rounds 15]
+    .venv/bin/python bench/inference.py [--models tiny,mlp,cnn,resnet,gpt2,bert,llama,gpt2_24l,mixtral] [--rounds 15]
 
 Prints a table of medians and ratios (÷ eager, ÷ Inductor), the first call of each compiler
 (Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR), and fx2xla's per-call overhead on a
@@ -55,13 +55,16 @@ from harness import (back_to_back_medians, copied_out, fmt_time, interleaved_med
 
 import fx2xla  # noqa: E402
 from fx2xla.metrics import live_graphs  # noqa: E402
-from fx2xla.testing import LogitsOnly, ModelCase, gpt2, model_cases, token_ids  # noqa: E402
+from fx2xla.testing import LogitsOnly, ModelCase, gpt2, mixtral, model_cases, token_ids  # noqa: E402
 
 
 def cases() -> list[ModelCase]:
-    """model_cases(), and `gpt2_24l` (not in the default list): a 24-layer GPT-2 (hidden 256) at
-    batch 1 x 128, whose layer stack fx2xla folds into one loop by default."""
-    return [*model_cases(), ModelCase("gpt2_24l", lambda: LogitsOnly(gpt2(24, 256)), lambda: (token_ids(1, 128),))]
+    """model_cases(), and, not in the default list, `gpt2_24l`: a 24-layer GPT-2 (hidden 256) at
+    batch 1 x 128, whose layer stack fx2xla folds into one loop by default; `mixtral`: a 4-layer
+    Mixtral (hidden 256, 8 experts, top 2) at batch 4 x 128, whose experts transformers computes
+    with a grouped matmul."""
+    return [*model_cases(), ModelCase("gpt2_24l", lambda: LogitsOnly(gpt2(24, 256)), lambda: (token_ids(1, 128),)),
+            ModelCase("mixtral", lambda: LogitsOnly(mixtral()), lambda: (token_ids(4, 128),))]
 
 
 def tiny(x):

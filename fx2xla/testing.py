@@ -82,6 +82,17 @@ def llama(layers=4, hidden=256, heads=4, kv_heads=2, vocab=1000, positions=256):
     return tf.LlamaForCausalLM(cfg)
 
 
+def mixtral(layers=4, hidden=256, heads=4, kv_heads=2, experts=8, top_k=2, vocab=1000, positions=256):
+    """A transformers Mixtral (mixture of experts: `experts` SwiGLU experts of width 688 per layer,
+    each token routed to `top_k` of them)."""
+    tf = _quiet_transformers()
+    cfg = tf.MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                           num_key_value_heads=kv_heads, intermediate_size=688, num_local_experts=experts,
+                           num_experts_per_tok=top_k, vocab_size=vocab, max_position_embeddings=positions,
+                           bos_token_id=0, eos_token_id=0)
+    return tf.MixtralForCausalLM(cfg)
+
+
 def resnet(hidden=(32, 64, 128, 256), depths=(2, 2, 2, 2), classes=10):
     """A transformers ResNet (ResNet-18's basic blocks and depths, narrower), classifying."""
     tf = _quiet_transformers()

@@ -78,7 +78,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_kernels.cc"
 # The FFI handlers the library exports, each registered for XLA:CPU under its own name.
 TARGETS = ("fx2xla_torch_convolution", "fx2xla_torch_convolution_backward", "fx2xla_torch_attention",
            "fx2xla_skinny_matmul", "fx2xla_few_rows_matmul", "fx2xla_decode_attention", "fx2xla_torch_matmul",
-           "fx2xla_elementwise", "fx2xla_torch_matmul_indexed", "fx2xla_uninitialized")
+           "fx2xla_elementwise", "fx2xla_torch_matmul_indexed", "fx2xla_uninitialized", "fx2xla_grouped_matmul")
 # torch dtypes the handlers take (the FFI element types they map to torch's).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -89,9 +89,10 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # torch's gemm on one layer's weight of a folded loop, read in place from the stacked weights,
 # in every graph (lowering/control_flow.py, lowering/linalg.py: _stacked_matmul); `scan_outputs`:
 # a folded loop's stacked per-iteration outputs written into buffers not zero-filled first
-# (lowering/control_flow.py: _scan).
+# (lowering/control_flow.py: _scan); `grouped_matmul`: a mixture-of-experts layer's grouped
+# product, each expert's rows one gemm of torch's (lowering/grouped.py).
 KINDS = ("convolution", "skinny_matmul", "attention", "few_rows_matmul", "decode_attention", "matmul", "elementwise",
-         "stacked_matmul", "scan_outputs")
+         "stacked_matmul", "scan_outputs", "grouped_matmul")
 # Kinds only training graphs (forward, backward) lower to, whatever the option says: torch's gemm,
 # which in inference graphs was slower than XLA's dots fused with their neighbours
 # (lowering/linalg.py: TORCH_MATMUL_MACS).
@@ -314,6 +315,7 @@ def _load() -> tuple[bool, str]:
         lib.fx2xla_decode_attention_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_matmul_indexed_calls.restype = ctypes.c_int64
+        lib.fx2xla_grouped_matmul_calls.restype = ctypes.c_int64
         lib.fx2xla_elementwise_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_attention_calls.restype = ctypes.c_int64
         lib.fx2xla_torch_kernels_hold_mkl.restype = ctypes.c_int
@@ -863,6 +865,12 @@ def indexed_matmul_calls() -> int:
     """How many torch matmul handler calls on one layer's weight of a folded loop, read in place
     (`fx2xla_torch_matmul_indexed`), ran in this process (0 where the library is not loaded)."""
     return int(_lib.fx2xla_torch_matmul_indexed_calls()) if load()[0] else 0
+
+
+def grouped_matmul_calls() -> int:
+    """How many grouped matmul handler calls (a mixture-of-experts layer's products and their
+    gradients) ran in this process (0 where the library is not loaded)."""
+    return int(_lib.fx2xla_grouped_matmul_calls()) if load()[0] else 0
 
 
 def elementwise_calls() -> int:

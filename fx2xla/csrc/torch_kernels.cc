@@ -1598,6 +1598,90 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_torch_matmul_indexed, MatmulIndexed,
 // How many indexed torch matmul calls ran so far, in this process.
 extern "C" int64_t fx2xla_torch_matmul_indexed_calls() { return indexed_matmul_calls.load(); }
 
+// ---------------------------------------------------------------------------------------------
+// Grouped matmuls: a mixture-of-experts layer's products, the rows sorted by expert. offs [E]
+// holds the cumulative ends of the experts' ranges (int32 or int64), as transformers'
+// `grouped_mm_fallback` and torch's `_grouped_mm` take them: expert e owns [offs[e-1], offs[e]).
+//   mode 0 (rows): c[M, N]; expert e's rows of c = its rows of a[M, K] . b[e] (b [E, K, N]); rows
+//     past the last end are zero.
+//   mode 1 (contraction): c[E, X, N]; c[e] = a[:, range e] . b[range e, :] (a [X, T], b [T, N]):
+//     the weight gradient of mode 0; zero for an expert with an empty range.
+// transpose_a / transpose_b: the operand is stored transposed (its last two dims swapped), as a
+// `W^T` or `x^T` view arrives, and is read in place. Each expert's part is one gemm of torch's
+// on exactly its rows (eager's own kernels), where XLA has only a masked dense form (jax's
+// ragged_dot: every expert's weight against every row). Ends are clamped into [the previous
+// end, the ragged length], so that no offs reads or writes outside the buffers.
+
+std::atomic<int64_t> grouped_matmul_calls{0};  // fx2xla_grouped_matmul_calls
+
+std::vector<int64_t> group_ends(const ffi::AnyBuffer& offs, int64_t length) {
+  int64_t e = static_cast<int64_t>(offs.element_count());
+  std::vector<int64_t> ends(e);
+  int64_t prev = 0;
+  for (int64_t i = 0; i < e; ++i) {
+    int64_t v = offs.element_type() == ffi::DataType::S32 ? static_cast<const int32_t*>(offs.untyped_data())[i]
+                                                          : static_cast<const int64_t*>(offs.untyped_data())[i];
+    prev = ends[i] = std::clamp<int64_t>(v, prev, length);
+  }
+  return ends;
+}
+
+ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer offs,
+                         ffi::Result<ffi::AnyBuffer> c, int64_t mode, int64_t transpose_a, int64_t transpose_b) {
+  auto dtype = torch_dtype(a.element_type());
+  if (!dtype || b.element_type() != a.element_type() || c->element_type() != a.element_type() ||
+      (offs.element_type() != ffi::DataType::S32 && offs.element_type() != ffi::DataType::S64) ||
+      offs.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument(
+        "fx2xla_grouped_matmul: a, b and c must share a float dtype, offs be a vector of int32/int64");
+  int64_t groups = static_cast<int64_t>(offs.element_count());
+  auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
+  // logical shapes: mode 0 a [M, K], b [E, K, N]; mode 1 a [X, T], b [T, N]
+  if (ad.size() != 2 || bd.size() != (mode == 0 ? 3u : 2u) || cd.size() != (mode == 0 ? 2u : 3u))
+    return ffi::Error::InvalidArgument("fx2xla_grouped_matmul: operand ranks do not match the mode");
+  int64_t a0 = transpose_a ? ad[1] : ad[0], a1 = transpose_a ? ad[0] : ad[1];
+  int64_t r = bd.size() - 2, b0 = transpose_b ? bd[r + 1] : bd[r], b1 = transpose_b ? bd[r] : bd[r + 1];
+  bool ok = mode == 0 ? (bd[0] == groups && a1 == b0 && cd[0] == a0 && cd[1] == b1)
+                      : (a1 == b0 && cd[0] == groups && cd[1] == a0 && cd[2] == b1);
+  if (!ok) return ffi::Error::InvalidArgument("fx2xla_grouped_matmul: shapes do not chain");
+  grouped_matmul_calls.fetch_add(1, std::memory_order_relaxed);
+  return guarded("torch grouped matmul", [&] {
+    at::Tensor at_ = as_tensor(a, *dtype), bt = as_tensor(b, *dtype), ct = as_tensor(*c, *dtype);
+    if (transpose_a) at_ = at_.t();
+    if (transpose_b) bt = bt.transpose(-2, -1);
+    auto ends = group_ends(offs, mode == 0 ? a0 : a1);
+    int64_t start = 0;
+    for (int64_t e = 0; e < groups; ++e) {
+      int64_t end = ends[e];
+      if (mode == 0 && end > start) {
+        at::Tensor ce = ct.slice(0, start, end);
+        torch_mm_into(pool, ce, at_.slice(0, start, end), bt.select(0, e));
+      } else if (mode == 1) {
+        at::Tensor ce = ct.select(0, e);
+        if (end > start) torch_mm_into(pool, ce, at_.slice(1, start, end), bt.slice(0, start, end));
+        else ce.zero_();
+      }
+      start = end;
+    }
+    if (mode == 0 && start < a0) ct.slice(0, start, a0).zero_();
+  });
+}
+
+// The grouped product of a and b over offs's ranges (see above for the modes and layouts).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_grouped_matmul, GroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("transpose_a")
+                                  .Attr<int64_t>("transpose_b"));
+
+// How many grouped matmul calls ran so far, in this process.
+extern "C" int64_t fx2xla_grouped_matmul_calls() { return grouped_matmul_calls.load(); }
+
 // Float32 elementwise regions (lowering/regions.py): the `vectors` inputs of the region's size,
 // then its scalar inputs (one element each); `kernel`, the path of the region's compiled loop.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fx2xla_elementwise, Elementwise,

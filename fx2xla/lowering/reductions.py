@@ -281,3 +281,39 @@ def _topk(ctx, x, k, dim=-1, largest=True, sorted=True):  # noqa: A002 (aten's n
     axis = dim % x.ndim
     values, indices = _stable_sort(x, axis, descending=largest)
     return lax.slice_in_dim(values, 0, k, axis=axis), lax.slice_in_dim(indices, 0, k, axis=axis)
+
+
+@register_lowering(aten.histc.default)
+def _histc(ctx, x, bins=100, min=0, max=0):
+    """torch.histc on the CPU: `bins` equal bins over [min, max] (over the data's own range when
+    min == max, widened by 1 each way if that is empty too); elements outside it and NaNs are not
+    counted; an element's bin is trunc((x - min) * bins / (max - min)) in x's dtype, the last bin
+    closed (torch's linear histogram, without its local search). Counts are exact integers below
+    2^24 and come back in x's dtype."""
+    from .registry import RejectedInput
+
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise RejectedInput(f'"histogram_cpu" not implemented for \'{ctx.arg_meta(0).dtype}\'')
+    if bins <= 0:
+        raise RejectedInput(f"torch.histc(): bins must be > 0, but got {bins} for dimension 0")
+    flat = x.reshape(-1)
+    if min == max:
+        if flat.size == 0:
+            lo = hi = jnp.zeros((), x.dtype)
+        else:
+            lo, hi = jnp.min(flat), jnp.max(flat)
+        ctx.check(~(jnp.isfinite(lo) & jnp.isfinite(hi)),
+                  "histc: range of [min, max] of the input is not finite")
+        same = lo == hi
+        lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
+    else:
+        if not (math.isfinite(min) and math.isfinite(max)):
+            raise RejectedInput(f"torch.histc(): range of [{min}, {max}] is not finite")
+        if not min < max:
+            raise RejectedInput("torch.histc(): max must be larger than min")
+        lo, hi = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
+    counted = (flat >= lo) & (flat <= hi)
+    pos = ((jnp.where(counted, flat, lo) - lo) * jnp.asarray(bins, x.dtype) / (hi - lo)).astype(jnp.int32)
+    pos = jnp.clip(pos, 0, bins - 1)  # an element equal to max lands in the last bin
+    counts = jnp.zeros((bins,), jnp.float32).at[pos].add(counted.astype(jnp.float32))
+    return counts.astype(x.dtype)

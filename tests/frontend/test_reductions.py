@@ -212,3 +212,29 @@ def test_cumprod_cummax_logcumsumexp(check, dtype):
         x = x.round()
         x[1, 3] = x[2, 5] = nan
     check(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.float64], ids=str)
+def test_histc_matches_eager(dtype):
+    """torch.histc with an explicit range (elements outside it and NaN not counted, the max in the
+    last bin), with the data's own range (min == max == 0), with a constant input (the range
+    widened by 1 each way), with a range that splits bins unevenly, and on expert ids as a MoE
+    layer counts them: each count equal to eager's exactly, in the input's dtype; and a data range
+    that is not finite raises as eager does (fx2xla.IndexOutOfRangeError against RuntimeError)."""
+    import fx2xla
+
+    x = torch.tensor([0., 1, 1, 2, 3, 3, 3, 7, 7.5, -1, nan, 2.999], dtype=dtype)
+    cases = [(x, 4, 0, 3), (x[:9], 8, 0, 0), (torch.full((5,), 2., dtype=dtype), 3, 0, 0),
+             (torch.rand(1000, dtype=dtype), 10, 0.1, 0.9), (torch.randint(0, 8, (64,)).to(dtype), 8, 0, 7)]
+    for values, bins, lo, hi in cases:
+        torch._dynamo.reset()
+        f = torch.compile(lambda v: torch.histc(v, bins=bins, min=lo, max=hi), backend="fx2xla",
+                          options={"fallback": "error"})
+        out, expected = f(values), torch.histc(values, bins=bins, min=lo, max=hi)
+        assert out.dtype == expected.dtype == dtype
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="not finite"):
+        torch.histc(x, bins=4)
+    with pytest.raises(fx2xla.IndexOutOfRangeError, match="not finite"):
+        torch.compile(lambda v: torch.histc(v, bins=4), backend="fx2xla")(x)
