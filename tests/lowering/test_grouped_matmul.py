@@ -120,3 +120,24 @@ def test_aten_grouped_mm_training_step():
     for a, e in zip(got, expected):
         assert a.dtype == e.dtype and a.shape == e.shape
         torch.testing.assert_close(a, e, **TOL[torch.bfloat16])
+
+
+def test_grouped_mm_from_threads():
+    """Four threads calling one compiled grouped product (the handler where built) at once, each
+    with its own operands and offs, 5 calls each: every result equals eager's within float32's
+    TOL, rows past offs[-1] zero."""
+    from tests.conftest import calls_in_threads
+
+    op = torch.ops.transformers.grouped_mm_fallback
+    f = compiled(lambda xw: op(*xw), True)
+    inputs = []
+    for i in range(4):
+        x, w, _ = operands(torch.float32, seed=i)
+        inputs.append((x, w, torch.tensor([3 + i, 9, 9 + i, 18 + i], dtype=torch.int32)))
+    f(inputs[0])  # compiled before the threads start
+    results = calls_in_threads(f, inputs, calls=5)
+    for i, outs in results.items():
+        expected = op(*inputs[i])
+        for out in outs:
+            torch.testing.assert_close(out, expected, **TOL[torch.float32])
+            assert out[18 + i:].abs().max() == 0
