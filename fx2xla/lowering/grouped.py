@@ -43,10 +43,13 @@ def _check_operands(ctx, a, b, offs, name: str) -> None:
         raise RejectedInput(f"{name}: offs must be a 1-D int32 or int64 tensor")
 
 
-def _library(a) -> bool:
+def _library(ctx) -> bool:
+    """Whether the library's handler computes the product: on one CPU device (under a mesh the
+    partitioner would have to split a custom call it cannot see into), where it is built and
+    allowed."""
     from .. import torch_kernels
 
-    return current_platform() == "cpu" and torch_kernels.available("grouped_matmul")
+    return current_platform() == "cpu" and not ctx.spmd and torch_kernels.available("grouped_matmul")
 
 
 def _ends(offs, length: int):
@@ -79,7 +82,7 @@ def _library_call(a, b, offs, mode: int, ta: bool, tb: bool, out_shape):
 
 def _rows(ctx, a, b, offs, a_pos=0, b_pos=1):
     """[M, N]: expert e's rows of a [M, K] times b[e] ([E, K, N]); rows past the last end zero."""
-    if _library(a):
+    if _library(ctx):
         (sa, ta), (sb, tb) = _stored(ctx, a, a_pos), _stored(ctx, b, b_pos)
         return _library_call(sa, sb, offs, _ROWS, ta, tb, (a.shape[0], b.shape[2]))
     return _ragged_rows(a, b, offs)
@@ -94,7 +97,7 @@ def _ragged_rows(a, b, offs):
 
 def _contraction(ctx, a, b, offs, a_pos=0, b_pos=1):
     """[E, X, N]: a[:, range e] . b[range e, :] (a [X, T], b [T, N]); zero for an empty range."""
-    if _library(a):
+    if _library(ctx):
         (sa, ta), (sb, tb) = _stored(ctx, a, a_pos), _stored(ctx, b, b_pos)
         return _library_call(sa, sb, offs, _CONTRACTION, ta, tb, (offs.shape[0], a.shape[0], b.shape[1]))
     return _masked_contraction(a, b, offs)
@@ -128,7 +131,7 @@ def _grouped_mm_fallback_backward(ctx, x, w, offs, g):
     x[rows]^T . g[rows] per expert (zero for an expert with no rows)."""
     _check_operands(ctx, x, w, offs, "grouped_mm_fallback_backward")
     g = g.astype(x.dtype)
-    if _library(x):  # w^T and x^T read in place: w and x as they are, flagged transposed
+    if _library(ctx):  # w^T and x^T read in place: w and x as they are, flagged transposed
         sw, tw = _stored(ctx, w, 1)
         grad_x = _library_call(g, sw, offs, _ROWS, False, not tw, x.shape)
         grad_w = _library_call(x, g, offs, _CONTRACTION, True, False, w.shape)
