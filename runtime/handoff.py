@@ -43,7 +43,12 @@ _from_capsule = torch.utils.dlpack.from_dlpack
 # And an execution may still be running when the script ends (its results never read). Were the
 # interpreter to finalize and the process to exit under it, XLA's threads would run on into
 # destroyed state: SIGSEGV at exit. So the hook then waits, up to FX2XLA_EXIT_WAIT_S seconds
-# (default 60), until no thread but this one uses the CPU: the executions have ended.
+# (default 60), until no thread but this one uses the CPU: the executions have ended. CPU time
+# alone can be fooled where other processes hold the cores: an XLA thread still running an
+# execution but kept off the CPU for a whole window uses none (seen once in CI, with two test
+# workers on two cores: SIGSEGV at exit). On Linux the wait therefore also asks the kernel: a
+# thread waiting for a core is runnable (state R in /proc), and an execution's threads are
+# asleep only once it has ended.
 _handed = False  # set when an importer is made: processes that never handed a tensor skip the exit work
 _GIL_HANDOVER_S = 0.02  # lets an XLA thread already releasing a tensor (waiting for the GIL) finish
 _QUIET_WINDOW_S = 0.02  # other threads quiet when they used under a tenth of a core for this long
@@ -56,16 +61,39 @@ def _exit_wait_s() -> float:
         return 60.0
 
 
+def runnable_threads() -> int | None:
+    """How many threads of this process other than the calling one are running or waiting for a
+    core right now (state R in /proc/self/task), or None where that cannot be read (not Linux)."""
+    me = threading.get_native_id()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for tid in tids:
+        if int(tid) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        end = stat.rfind(b")")  # the state follows the command name, which may hold spaces
+        count += stat[end + 2:end + 3] == b"R"
+    return count
+
+
 def wait_for_other_threads(limit_s: float) -> bool:
     """Waits until the threads of this process other than the calling one have used less than a
     tenth of a core over a short window (an XLA execution still running keeps them busy; torch's
-    OpenMP workers stop spinning within milliseconds), or `limit_s` passed. True if they did."""
+    OpenMP workers stop spinning within milliseconds) and, where /proc tells, none of them is
+    running or waiting for a core; or until `limit_s` passed. True if they did."""
     deadline = time.monotonic() + limit_s
     others = time.process_time() - time.thread_time()
     while True:
         time.sleep(_QUIET_WINDOW_S)
         now = time.process_time() - time.thread_time()
-        if now - others < _QUIET_WINDOW_S / 10:
+        if now - others < _QUIET_WINDOW_S / 10 and not runnable_threads():
             return True
         if time.monotonic() >= deadline:
             return False

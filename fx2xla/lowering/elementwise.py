@@ -29,7 +29,7 @@ def _is_bool(dtype) -> bool:
     return np.dtype(dtype) == np.dtype(jnp.bool_)
 
 
-def _opmath(x):
+def opmath(x):
     """`x` in the dtype torch computes it in: float32 for bfloat16/float16."""
     return lax.convert_element_type(x, _F32) if x.dtype in _REDUCED else x
 
@@ -46,9 +46,9 @@ def _arith_operands(ctx, a, b, exact_scalar: bool):
         return lax.convert_element_type(x, dt) if hasattr(x, "dtype") else _scalar(x, dt)
 
     if exact_scalar and dtype in _REDUCED and _is_scalar_operand(b):
-        a, b = _opmath(cast(a, dtype)), cast(b, _F32)
+        a, b = opmath(cast(a, dtype)), cast(b, _F32)
     else:
-        a, b = _opmath(cast(a, dtype)), _opmath(cast(b, dtype))
+        a, b = opmath(cast(a, dtype)), opmath(cast(b, dtype))
     return jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
 
 
@@ -145,12 +145,12 @@ def _div(ctx, a, b, rounding_mode=None):
 # Binary math ops torch computes in the promoted dtype (scalars rounded to it first).
 @register_lowering(aten.fmod.Tensor, aten.fmod.Scalar, promote="out", broadcast=True)
 def _fmod(ctx, a, b):
-    return lax.rem(_opmath(a), _opmath(b))  # C fmod / %: sign of the dividend
+    return lax.rem(opmath(a), opmath(b))  # C fmod / %: sign of the dividend
 
 
 @register_lowering(aten.remainder.Tensor, aten.remainder.Scalar, promote="out", broadcast=True)
 def _remainder(ctx, a, b):
-    a, b = _opmath(a), _opmath(b)
+    a, b = opmath(a), opmath(b)
     mod = lax.rem(a, b)
     zero = jnp.zeros((), mod.dtype)
     # Python-style: the result takes the sign of the divisor.
@@ -159,7 +159,7 @@ def _remainder(ctx, a, b):
 
 @register_lowering(aten.atan2.default, promote="out", broadcast=True)
 def _atan2(ctx, a, b):
-    return lax.atan2(_opmath(a), _opmath(b))
+    return lax.atan2(opmath(a), opmath(b))
 
 
 @register_lowering(aten.maximum.default, promote="out", broadcast=True)
@@ -184,7 +184,7 @@ def _fmin(ctx, a, b):
 
 @register_lowering(aten.hypot.default, promote="out", broadcast=True)
 def _hypot(ctx, a, b):
-    return jnp.hypot(_opmath(a), _opmath(b))
+    return jnp.hypot(opmath(a), opmath(b))
 
 
 @register_lowering(aten.copysign.Tensor, aten.copysign.Scalar, promote="out", broadcast=True)
@@ -256,8 +256,8 @@ def _pow(ctx, a, b):
     if _is_float(ctx.out_dtype) or jnp.issubdtype(ctx.out_dtype, jnp.complexfloating):
         exp = ctx.node.args[1] if ctx.node.target == aten.pow.Tensor_Scalar else None
         if isinstance(exp, (int, float)) and not isinstance(exp, bool) and exp in _POW_SPECIAL:
-            return _POW_SPECIAL[exp](_opmath(a))
-        return lax.pow(_opmath(a), _opmath(b))
+            return _POW_SPECIAL[exp](opmath(a))
+        return lax.pow(opmath(a), opmath(b))
     return _int_pow(a, b)
 
 
@@ -289,13 +289,13 @@ _FLOAT_UNARY = {
     aten.erfc.default: lax.erfc,
     aten.erfinv.default: lax.erf_inv,
     aten.lgamma.default: lax.lgamma,
-    aten.digamma.default: lambda x: _digamma(x),
+    aten.digamma.default: lambda x: torch_digamma(x),
     aten.sigmoid.default: lax.logistic,
     aten.i0.default: lambda x: lax.mul(lax.bessel_i0e(x), lax.exp(lax.abs(x))),
 }
 
 
-def _digamma(x):
+def torch_digamma(x):
     # torch (calc_digamma): -inf at +0 (+inf at -0), NaN at negative integers.
     zero = jnp.zeros((), x.dtype)
     d = jnp.where(x == zero, jnp.copysign(jnp.asarray(math.inf, x.dtype), -x), lax.digamma(x))
@@ -304,7 +304,7 @@ def _digamma(x):
 
 def _float_unary_rule(fn, expensive: bool):
     def rule(ctx, x):
-        y = fn(_opmath(x))
+        y = fn(opmath(x))
         return _materialized(y) if expensive and _broadcast_reader(ctx, y) else y
 
     return rule
@@ -394,7 +394,7 @@ def _angle(ctx, x):
     kept (torch's real angle), in torch's float output dtype."""
     if jnp.iscomplexobj(x):
         return lax.atan2(lax.imag(x), lax.real(x))
-    x = _opmath(lax.convert_element_type(x, ctx.out_dtype))
+    x = opmath(lax.convert_element_type(x, ctx.out_dtype))
     zero = jnp.zeros((), x.dtype)
     return jnp.where(x < zero, jnp.asarray(math.pi, x.dtype), jnp.where(x != x, x, zero))
 
@@ -450,7 +450,7 @@ def _round_decimals(ctx, x, decimals=0):
         return x
     # torch: nearbyint(x * 10^d) / 10^d (x / 10^-d, then * 10^-d, for d < 0), in float32
     # for bf16/f16, with 10^|d| rounded to that compute dtype.
-    xa = _opmath(x)
+    xa = opmath(x)
     scale = jnp.asarray(10.0 ** abs(decimals), xa.dtype)
     even = lax.RoundingMethod.TO_NEAREST_EVEN
     if decimals >= 0:

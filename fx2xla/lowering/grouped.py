@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from .dtypes import dtype_name
-from .linalg import _is_transposed, accumulation_dtype
+from .linalg import is_transposed, accumulation_dtype
 from .registry import RejectedInput, current_platform, register_lowering
 
 _FLOATS = tuple(np.dtype(d) for d in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
@@ -68,7 +68,7 @@ def _masks(offs, length: int):
 def _stored(ctx, x, pos):
     """(x as it is stored, whether that is transposed): where node argument `pos` is a transposed
     buffer (a `W^T` view), x swapped back (XLA cancels the transpose pair) and True."""
-    if pos is not None and _is_transposed(ctx, pos):
+    if pos is not None and is_transposed(ctx, pos):
         return jnp.swapaxes(x, -1, -2), True
     return x, False
 

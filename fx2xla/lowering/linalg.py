@@ -81,7 +81,7 @@ def _scaled(x, s):
     return x if s == 1 else x * jnp.asarray(s, x.dtype)
 
 
-def _is_transposed(ctx, i: int) -> bool:
+def is_transposed(ctx, i: int) -> bool:
     """Whether node arg `i` is, in torch's layout (which the lowering's transposes mirror), a
     row-major buffer with its last two dims swapped: a permuted weight, a saved `W.t()`, ..."""
     meta = ctx.arg_meta(i)
@@ -113,9 +113,9 @@ def _matmul(ctx, a, b, lhs: int, rhs: int):
     if n == 2 and (out := _stacked_matmul(ctx, a, lhs, rhs)) is not None:
         return out
     ca, cb = n - 1, n - 2
-    if _is_transposed(ctx, lhs):  # a = X^T: contract X's row dim instead
+    if is_transposed(ctx, lhs):  # a = X^T: contract X's row dim instead
         a, ca = jnp.swapaxes(a, -1, -2), n - 2
-    if _is_transposed(ctx, rhs):  # b = W^T: contract W's column dim instead
+    if is_transposed(ctx, rhs):  # b = W^T: contract W's column dim instead
         b, cb = jnp.swapaxes(b, -1, -2), n - 1
         if ctx.few_rows and n == 2 and ca == 1 and (out := _few_rows(ctx, a, b)) is not None:
             return out
@@ -237,7 +237,7 @@ def _stacked_matmul(ctx, a, lhs: int, rhs: int):
     else:
         return None
     stack, index = stacked[source]
-    if _is_transposed(ctx, lhs) or a.dtype != stack.dtype:
+    if is_transposed(ctx, lhs) or a.dtype != stack.dtype:
         return None
     m, k = a.shape
     rows, cols = stack.shape[1:]
@@ -501,7 +501,7 @@ def _one_row_bf16(ctx, a, b, rhs: int):
     if (a.ndim != 2 or a.dtype != jnp.bfloat16 or b.dtype != a.dtype or 0 in b.shape
             or not torch_kernels.skinny(a.shape[0])):
         return None
-    transposed = _is_transposed(ctx, rhs)
+    transposed = is_transposed(ctx, rhs)
     w, cb = (jnp.swapaxes(b, 0, 1), 1) if transposed else (b, 0)  # XLA cancels this transpose
     if ctx.spmd or not torch_kernels.available("skinny_matmul"):
         two = jnp.concatenate([a, jnp.zeros_like(a)])

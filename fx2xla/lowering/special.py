@@ -20,7 +20,7 @@ import torch
 from jax import lax
 from torch.ops import aten
 
-from .elementwise import _digamma, _opmath
+from .elementwise import torch_digamma, opmath
 from .registry import RejectedInput, register_lowering
 
 _F32, _F64 = np.dtype(jnp.float32), np.dtype(jnp.float64)
@@ -70,7 +70,7 @@ def _unary(kernel: str | None = None):
             def rule(ctx, x):
                 if reject is not None:
                     reject(ctx)
-                return fn(_opmath(x))
+                return fn(opmath(x))
 
             register_lowering(*ops, promote="out")(rule)
             return fn
@@ -406,9 +406,9 @@ def _polygamma(ctx, n, x):
     """polygamma(n, x): digamma for n = 0, trigamma for n = 1, else torch's calc_polygamma:
     (-1)^(n+1) n! zeta(n + 1, x). `n` is the node's int (the registry casts it to a constant)."""
     n = int(ctx.node.args[0])
-    x = _opmath(x)
+    x = opmath(x)
     if n == 0:
-        return _digamma(x)
+        return torch_digamma(x)
     if n == 1:
         return _trigamma(x)
     fact = _c(math.exp(math.lgamma(n + 1.0)), x.dtype)
@@ -729,10 +729,10 @@ def _igamma(a, x, upper: bool):
 @register_lowering(aten.igamma.default, promote="out", broadcast=True)
 def _igamma_rule(ctx, a, x):
     _reject_common_dtype(ctx, "igamma", floating=True)
-    return _igamma(_opmath(a), _opmath(x), upper=False)
+    return _igamma(opmath(a), opmath(x), upper=False)
 
 
 @register_lowering(aten.igammac.default, promote="out", broadcast=True)
 def _igammac_rule(ctx, a, x):
     _reject_common_dtype(ctx, "igammac", floating=True)
-    return _igamma(_opmath(a), _opmath(x), upper=True)
+    return _igamma(opmath(a), opmath(x), upper=True)

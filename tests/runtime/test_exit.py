@@ -178,3 +178,35 @@ def test_the_exit_wait_is_bounded():
     ended = time.monotonic()
     assert r.returncode == 0, r.stderr[-2000:]
     assert ended - float(r.stdout.split()[-1]) < 11.0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's /proc")
+def test_the_exit_wait_sees_threads_waiting_for_a_core():
+    """The exit wait asks the kernel too: a thread that spins counts as running (runnable_threads()
+    >= 1) and keeps wait_for_other_threads from returning True within its limit; once it ended,
+    no other thread of the process runs or waits for a core (0, within 2 s: torch's OpenMP workers
+    end their spin) and the wait returns True. CPU time alone took a thread kept off the cores by
+    other processes for an ended execution (SIGSEGV at exit, once, in CI)."""
+    import threading
+
+    from fx2xla.runtime import handoff
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        assert handoff.runnable_threads() >= 1
+        assert not handoff.wait_for_other_threads(0.2)
+    finally:
+        stop.set()
+        t.join()
+    deadline = time.monotonic() + 2.0
+    while handoff.runnable_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handoff.runnable_threads() == 0
+    assert handoff.wait_for_other_threads(5.0)
