@@ -13,7 +13,7 @@ from jax import lax
 
 from torch.ops import aten
 
-from .registry import register_lowering
+from .registry import RejectedInput, register_lowering
 
 _F32 = np.dtype(jnp.float32)
 _REDUCED = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -290,8 +290,6 @@ def _histc(ctx, x, bins=100, min=0, max=0):
     counted; an element's bin is trunc((x - min) * bins / (max - min)) in x's dtype, the last bin
     closed (torch's linear histogram, without its local search). Counts are exact integers below
     2^24 and come back in x's dtype."""
-    from .registry import RejectedInput
-
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise RejectedInput(f'"histogram_cpu" not implemented for \'{ctx.arg_meta(0).dtype}\'')
     if bins <= 0:
