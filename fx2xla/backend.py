@@ -20,7 +20,7 @@ from . import dump, precompile, torch_kernels
 from .compiled_graph import CompiledGraph, static_input_indices
 from .decompositions import attention_op_table, decomposition_table
 from .distributed import process_share
-from .errors import InvalidInputError
+from .errors import InvalidInputError, node_op
 from .lowering.linalg import check_linear_layout
 from .metrics import counters, live_graphs
 from .offload import note_forward, parse_offload, plan_offload
@@ -561,7 +561,7 @@ def _mark_parameters(example_inputs, tensors, solution, mesh_id: int) -> None:
 
 def _refuse_sharded_islands(gm, annotations, name: str) -> None:
     if graph_mesh(gm, annotations or []) is not None:
-        ops = sorted({str(n.target) for n in unsupported_nodes(gm)})
+        ops = sorted({str(node_op(n)) for n in unsupported_nodes(gm)})
         raise ShardingError(f"fx2xla: graph {name} is sharded over a mesh but has ops without a lowering rule "
                             f"({', '.join(ops)}); sharded graphs cannot run parts eagerly yet")
 

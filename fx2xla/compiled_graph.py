@@ -16,12 +16,14 @@ import torch
 from . import dump
 from . import offload as _offload
 from . import torch_kernels as _torch_kernels
+from .errors import LoweringError, UnsupportedOpError
 from .lowering.channels_last import TO_FIRST, saved_strides
 from .lowering.graph import check_rules, lower_graph
 from .lowering.merge_linears import merge_linears as _merge_linears
 from .lowering.nn import CUDNN_MARKER, cudnn_attention_disabled
+from .lowering.registry import PYTHON_OPS
 from .metrics import counters, track
-from .plan import build_plan, input_mutations
+from .plan import InputKind, build_plan, input_mutations
 from .plan_executor import PlanExecutor, ResidentInput, Specialization
 from .runtime import Device, compile_module
 from .runtime.executor import optimized_hlo_text
@@ -137,20 +139,28 @@ class CompiledGraph:
         resident = resident_inputs if resident_inputs is not None else static_input_indices(n)
         if merge_linears and relaid_weights and device.platform == "cpu" and not annotations and offload is None:
             _merge_linears(gm, self.example_inputs, resident)
-        self.plan = plan = build_plan(gm, self.example_inputs, device, resident, annotations, solution,
-                                      None if offload is None else (*offload, _offload.HOST_KIND), version_bumps(n),
-                                      saved_outputs, channels_last, channels_last and relaid_weights,
-                                      channels_last and relaid_weights
-                                      and "convolution" in _torch_kernels.kinds(torch_kernels),
-                                      linear_weights_kn if relaid_weights and device.platform == "cpu" else False,
-                                      linear_weight_lhs and device.platform == "cpu",
-                                      not training and device.platform == "cpu"
-                                      and "few_rows_matmul" in _torch_kernels.kinds(torch_kernels)
-                                      and _torch_kernels.available("few_rows_matmul"),
-                                      device.platform == "cpu" and "elementwise" in self._lowered_kernels
-                                      and _torch_kernels.available("elementwise"),
-                                      widened_weights=(widened_linear_weights if relaid_weights and not training
-                                                       and device.platform == "cpu" else False))
+        def plan_graph(scalar_symints: bool):
+            return build_plan(gm, self.example_inputs, device, resident, annotations, solution,
+                              None if offload is None else (*offload, _offload.HOST_KIND), version_bumps(n),
+                              saved_outputs, channels_last, channels_last and relaid_weights,
+                              channels_last and relaid_weights and "convolution" in _torch_kernels.kinds(torch_kernels),
+                              linear_weights_kn if relaid_weights and device.platform == "cpu" else False,
+                              linear_weight_lhs and device.platform == "cpu",
+                              not training and device.platform == "cpu"
+                              and "few_rows_matmul" in _torch_kernels.kinds(torch_kernels)
+                              and _torch_kernels.available("few_rows_matmul"),
+                              device.platform == "cpu" and "elementwise" in self._lowered_kernels
+                              and _torch_kernels.available("elementwise"),
+                              widened_weights=(widened_linear_weights if relaid_weights and not training
+                                               and device.platform == "cpu" else False),
+                              scalar_symints=scalar_symints)
+
+        self.plan = plan = plan_graph(True)
+        # Planned again, each int specializing the executable as a size does, where a rule needs
+        # one of the ints planned as values (InputKind.SCALAR) as a Python int (specialization_for).
+        self._plan_per_value = (lambda: plan_graph(False)) if any(p.kind is InputKind.SCALAR for p in plan.inputs) \
+            else None
+        self._scalars = frozenset(i for i, p in enumerate(plan.inputs) if p.kind is InputKind.SCALAR)
         self.device = device = plan.device  # a sharded graph runs from its mesh's first device
         self.mesh = None if plan.mesh_id is None else mesh_by_id(plan.mesh_id)
         if placement:
@@ -229,8 +239,10 @@ class CompiledGraph:
                               sharded_outputs=self.sharded_outputs, training=self.training)
 
     def _signature(self, args):
-        return tuple(
-            tuple(a.shape) if isinstance(a, torch.Tensor) else int(a) for a in args
+        scalars = self._scalars
+        return tuple(  # (None: an effect token, or an int the executable takes as a value)
+            tuple(a.shape) if isinstance(a, torch.Tensor) else None if a is None or i in scalars else int(a)
+            for i, a in enumerate(args)
         )
 
     def specialization_for(self, args) -> Specialization:
@@ -239,10 +251,28 @@ class CompiledGraph:
         spec = self._specializations.get(key)
         if spec is None:
             with self._compile_lock:  # threads asking for one new shape compile it once
+                key = self._signature(args)  # (the plan may have changed meanwhile: _per_value)
                 spec = self._specializations.get(key)
                 if spec is None:
-                    spec = self._specializations[key] = self._specialize(list(args))
+                    try:
+                        spec = self._specialize(list(args))
+                    except (LoweringError, UnsupportedOpError):
+                        if self._plan_per_value is None or self._specializations:
+                            raise
+                        self._per_value()
+                        key = self._signature(args)
+                        spec = self._specialize(list(args))
+                    self._specializations[key] = spec
         return spec
+
+    def _per_value(self) -> None:
+        """Plan the graph again with its ints specializing the executable, as sizes do: a rule
+        refused one of them as a traced value. Only before the first specialization, which no
+        call has run yet."""
+        self.plan = self._plan_per_value()
+        self._plan_per_value, self._scalars = None, frozenset()
+        self.executor = PlanExecutor(self.plan)
+        self._run = self.executor.run
 
     # -- call -----------------------------------------------------------------------------
     def __call__(self, args: list):
@@ -250,7 +280,7 @@ class CompiledGraph:
         if spec is None:
             if self._buckets is not None:
                 return self._buckets.call(self, args)
-            return self._run(self.specialization_for(args), args)
+            spec = self.specialization_for(args)  # (first: it may plan the graph again, _per_value)
         return self._run(spec, args)
 
     def call_unboxed(self, *args):
@@ -285,6 +315,11 @@ class BatchBuckets:
                 break
         if batch is None:
             return None
+        why = cls.unpaddable(gm, batch)
+        if why is not None:
+            warnings.warn(f"fx2xla: batch_buckets: not padding this graph, {why}; each batch size compiles "
+                          "for its own size", stacklevel=3)
+            return None
         pad = [i for i, v in enumerate(example_inputs)
                if isinstance(v, torch.Tensor) and v.dim() and isinstance(v.shape[0], torch.SymInt)
                and v.shape[0].node.expr == batch]
@@ -299,11 +334,38 @@ class BatchBuckets:
                 sliced.append(j)
         return cls(tuple(sorted(buckets)), pad, syms, set(sliced))
 
+    @staticmethod
+    def unpaddable(gm, batch) -> str | None:
+        """Why padding the batch would change a result, or None. Inputs are padded, and outputs
+        sliced, in their first dim, so the batch must be there and nowhere else in every input
+        and output (not transposed, flattened or concatenated into another size; values in
+        between may be, a flatten for an LM head), and no op may read a number computed from it
+        (x.shape[0] as a scale, an index `x[n - 1]`)."""
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                values = [node.meta.get("val")] if node.op == "placeholder" else \
+                    [a.meta.get("val") for a in node.all_input_nodes]
+                for v in values:
+                    if isinstance(v, torch.SymInt) and node.op == "output" and batch in v.node.expr.free_symbols:
+                        return "it returns a number computed from the batch size"
+                    for d, size in enumerate(v.shape if isinstance(v, torch.Tensor) else ()):
+                        if isinstance(size, torch.SymInt) and batch in size.node.expr.free_symbols \
+                                and (d != 0 or size.node.expr != batch):
+                            what = "an input" if node.op == "placeholder" else "an output"
+                            return f"{what} has the batch size in dim {d} ({size.node.expr})"
+            elif node.op == "call_function" and node.target not in PYTHON_OPS:
+                for a in (*node.args, *node.kwargs.values()):
+                    v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+                    if isinstance(v, torch.SymInt) and batch in v.node.expr.free_symbols:
+                        return f"{node.target} reads a number computed from the batch size"
+        return None
+
     def call(self, graph: "CompiledGraph", args: list):
         n = args[self.pad_positions[0]].shape[0]
         size = next((b for b in self.buckets if b >= n), None)
         if size is None or size == n:  # beyond the largest bucket, or already a bucket size
-            return graph.executor.run(graph.specialization_for(args), args)
+            spec = graph.specialization_for(args)  # (first: it may plan the graph again)
+            return graph.executor.run(spec, args)
         padded = list(args)
         args.clear()
         for i in self.pad_positions:
@@ -311,5 +373,6 @@ class BatchBuckets:
             padded[i] = torch.cat([t, t.new_zeros((size - n, *t.shape[1:]))])
         for i in self.symint_positions:
             padded[i] = size
-        outs = graph.executor.run(graph.specialization_for(padded), padded)
+        spec = graph.specialization_for(padded)
+        outs = graph.executor.run(spec, padded)
         return [o[:n] if j in self.slice_outputs else o for j, o in enumerate(outs)]

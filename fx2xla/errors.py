@@ -1,13 +1,14 @@
 """Errors a user can hit, each naming the op, its inputs and the user's source line."""
 from __future__ import annotations
 
+import torch
+import torch.fx
+
 from .lowering.dtypes import short_dtype_name
 
 
 def describe_value(v) -> str:
     """`f32[4, 8]` for a tensor-like (FakeTensor or meta val), repr for anything else."""
-    import torch
-
     if isinstance(v, torch.Tensor):
         return f"{short_dtype_name(v.dtype)}{list(v.shape)}"
     if isinstance(v, (list, tuple)):
@@ -17,14 +18,13 @@ def describe_value(v) -> str:
 
 
 def describe_node_inputs(node) -> str:
-    import torch.fx
-
     def val(a):
         if isinstance(a, torch.fx.Node):
             return a.meta.get("val", a.name)
         return a
 
-    args = [describe_value(torch.fx.node.map_aggregate(a, val)) for a in node.args]
+    wrapped = node.target is torch.ops.higher_order.with_effects  # (token, op, *op's arguments)
+    args = [describe_value(torch.fx.node.map_aggregate(a, val)) for a in node.args[2 if wrapped else 0:]]
     args += [f"{k}={describe_value(torch.fx.node.map_aggregate(a, val))}" for k, a in node.kwargs.items()]
     return ", ".join(args)
 
@@ -83,8 +83,6 @@ class InvalidInputError(Fx2XlaError):
     def __init__(self, node, message: str):
         """`node`: the FX node whose op rejects its inputs, or the op's name where no node is at
         hand (a decomposition checking its arguments while AOTAutograd traces)."""
-        import torch.fx
-
         if isinstance(node, torch.fx.Node):
             self.op, self.node = node.target, node
             super().__init__(f"fx2xla: {op_name(node)}: {message}\n  inputs: {describe_node_inputs(node)}\n"
@@ -100,21 +98,34 @@ class IndexOutOfRangeError(Fx2XlaError, IndexError):
     IndexError; gather and scatter: RuntimeError), and either `except` catches this."""
 
 
+class LinAlgError(Fx2XlaError, torch.linalg.LinAlgError):
+    """A matrix eager's linear algebra rejects (singular, not positive-definite), found when the
+    compiled graph ran: a torch.linalg.LinAlgError, as eager raises for that input."""
+
+
 def op_name(node) -> str:
     """The op the user called: the ATen op before decomposition where AOTAutograd recorded it
     (`index_add` rather than the `index_put` it became), else the node's own target."""
-    return str(node.meta.get("original_aten") or node.target)
+    return str(node.meta.get("original_aten") or node_op(node))
+
+
+def node_op(node):
+    """The op a node calls: for `with_effects(token, op, ...)`, the effectful op it wraps."""
+    if node.target is torch.ops.higher_order.with_effects and len(node.args) > 1:
+        return node.args[1]
+    return node.target
 
 
 class UnsupportedOpError(Fx2XlaError):
     """An ATen op in the graph has no lowering rule."""
 
-    def __init__(self, node):
-        self.op = node.target
+    def __init__(self, node, why: str | None = None):
+        """`why`: where the op has a rule, why it cannot lower this node."""
+        self.op = node_op(node)
         self.node = node
+        head = f"fx2xla: {self.op} cannot be lowered: {why}" if why else f"fx2xla: no lowering rule for {self.op}"
         super().__init__(
-            f"fx2xla: no lowering rule for {node.target} "
-            f"(inputs: {describe_node_inputs(node)})\n  at {user_source_line(node)}\n"
+            f"{head} (inputs: {describe_node_inputs(node)})\n  at {user_source_line(node)}\n"
             "Rewrite that line with supported ops, or run the region eagerly "
             "(torch.compiler.disable), and please report the op."
         )

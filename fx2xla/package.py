@@ -43,7 +43,7 @@ from .compiled_graph import compile_lowered
 from .decompositions import decomposition_table
 from .errors import Fx2XlaError
 from .layouts import inverse
-from .lowering.checks import CheckRecord
+from .lowering.checks import INDEX, CheckRecord
 from .lowering.graph import lower_graph, symbol_bindings
 from .lowering.linalg import check_linear_layout
 from .plan import (InputKind, build_plan, from_json, json_value, outputs_from_record, outputs_record, plan_from_record,
@@ -58,8 +58,9 @@ from .version import __version__
 
 FORMAT = "fx2xla-package"
 # 2: the manifest holds the plan's record (plan.plan_record); 1 kept its fields beside the
-# inputs and is still read.
-FORMAT_VERSION = 2
+# inputs and is still read. 3: effect tokens among the inputs and outputs (a graph with
+# torch.linalg's error checks); written only for such graphs, which an fx2xla reading 2 cannot run.
+FORMAT_VERSION = 3
 _MANIFEST = "manifest.json"
 _WEIGHTS = "weights.safetensors"
 _PROGRAM = "program.pt2"
@@ -406,6 +407,10 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
             inputs.append({"kind": "user", "name": node.name, "dims": _dims(fake, program.range_constraints)})
             concrete.append(next(user))
             continue
+        if kind == "token":  # with_effects' token: no value (plan.effect_tokens)
+            inputs.append({"kind": "token", "name": node.name})
+            concrete.append(None)
+            continue
         if kind not in ("parameter", "buffer", "constant_tensor"):
             raise PackageError(f"fx2xla.export: graph input {node.name} of kind {kind} is not supported")
         tensor = state[spec.target].detach()
@@ -442,11 +447,13 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
     # place): torch.export returns their new contents as leading outputs, which the loaded
     # model installs in them after each call instead of returning them.
     position = {spec["name"]: i for i, spec in enumerate(inputs)}  # buffer FQNs, user input names
-    written = []
+    written, tokens = [], []
     for j, spec in enumerate(signature.output_specs):
         kind = spec.kind.name.lower()
         if kind in ("buffer_mutation", "user_input_mutation"):
             written.append([position[_model_name(spec.target)], j])
+        elif kind == "token":
+            tokens.append(j)
         elif kind != "user_output":
             raise PackageError(f"fx2xla.export: a graph output of kind {kind} is not supported")
 
@@ -467,12 +474,12 @@ def export(model: torch.nn.Module, example_inputs, path: str, dynamic_shapes=Non
 
 
     manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "format": FORMAT, "format_version": FORMAT_VERSION if tokens else 2,
         "built_with": {"fx2xla": _version(), "torch": torch.__version__, "jax": jax.__version__,
                        "jaxlib": jaxlib.version.__version__},
         "platform": device.platform, "device_kind": device.kind,
         "compile_options": compile_options(device.platform).SerializeAsString().hex(),
-        "inputs": inputs, "plan": plan_record(plan), "written_outputs": written,
+        "inputs": inputs, "plan": plan_record(plan), "written_outputs": written, "token_outputs": tokens,
         "output_tree": record["tree"],
         "dynamic": dynamic, "check_indices": check_indices, "linear_weights_kn": kn,
         "weight_lhs_matmuls": len(plan.weight_lhs), "few_row_matmuls": len(plan.few_rows), "variants": [variant],
@@ -567,7 +574,12 @@ def _variant_json(lowered, shapes) -> dict:
         outputs = outputs_record(lowered.outputs)
     except TypeError as e:
         raise PackageError(f"fx2xla.export: {e}") from None
-    return {"shapes": shapes, "outputs": outputs, "checks": [r.message for r in lowered.checks]}
+    record = {"shapes": shapes, "outputs": outputs, "checks": [r.message for r in lowered.checks]}
+    if any(r.error != INDEX for r in lowered.checks):
+        # Beside "checks", so that an fx2xla that predates it still reads the package (and
+        # raises its index error for a failed linear-algebra check).
+        record["check_errors"] = [r.error for r in lowered.checks]
+    return record
 
 
 def _write_variant(path, n, device, lowered, shapes, compile_here: bool, native=None) -> dict:
@@ -661,14 +673,16 @@ class LoadedModel:
             dataclasses.replace(p, kind=InputKind.PERMUTED) if p.kind is InputKind.RELAID else p for p in plan.inputs])
         # The call's arguments: the weights (laid out as the plan passes them) at their
         # positions, the user's tensors filled in per call.
-        self._args = [None if spec["kind"] == "user" else _laid_out(weights[spec["weight"]], self.plan.inputs[i])
+        self._args = [None if spec["kind"] in ("user", "token")
+                      else _laid_out(weights[spec["weight"]], self.plan.inputs[i])
                       for i, spec in enumerate(self._inputs)]
         self._executor = PlanExecutor(self.plan)
         self.compiled_from_module = False  # some executable was compiled here from the portable module
         self._variants = {_shape_key(v["shapes"]): self._load_variant(v) for v in manifest["variants"]}
         self._program = None  # the exported program (dynamic packages), read at the first new shape
         self._written = [tuple(m) for m in manifest.get("written_outputs", [])]
-        self._written_outputs = {j for _, j in self._written}
+        # Outputs that are no user's: written inputs' new contents, effect tokens (None).
+        self._written_outputs = {j for _, j in self._written} | set(manifest.get("token_outputs", ()))
         self._build = _output_builder(manifest.get("output_tree"), torch_device)
         self._lock = threading.Lock()
         self.load_seconds = time.perf_counter() - t0
@@ -702,7 +716,8 @@ class LoadedModel:
 
     def _variant(self, exe, v: dict) -> Specialization:
         return Specialization(exe, self.plan, outputs_from_record(v["outputs"]),
-                              tuple(CheckRecord(m) for m in v["checks"]), None)
+                              tuple(CheckRecord(m, e) for m, e in zip(v["checks"], v.get("check_errors")
+                                                                      or [INDEX] * len(v["checks"]))), None)
 
     def _new_variant(self, args) -> Specialization:
         """A dynamic package called with shapes it holds no executable for: lower its exported
@@ -712,8 +727,9 @@ class LoadedModel:
             self._program = torch.export.load(program_file)
         gm = self._program.graph_module
         fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-        user = iter(args)
-        concrete = [next(user) if held is None else held for held in self._args]
+        concrete = list(self._args)
+        for i, a in zip(self._user, args):
+            concrete[i] = a
         lowered, exe = compile_lowered(
             lambda: _lower(gm, fakes, self.device, self._inputs, concrete, self.manifest["check_indices"],
                            kernels=_kernels_here(self.device), layouts=[(p.kind, p.perm) for p in self.plan.inputs],
@@ -769,6 +785,7 @@ class LoadedModel:
                 for i, j in self._written:
                     dst = self._args[i] if self._args[i] is not None else args[self._user.index(i)]
                     install_input(dst, results[j])
+        if self._written_outputs:
             results = [r for j, r in enumerate(results) if j not in self._written_outputs]
         return self._build(results)
 

@@ -14,9 +14,9 @@ import torch.fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from .errors import user_source_line
+from .errors import node_op, user_source_line
 from .lowering.registry import PYTHON_OPS
-from .lowering.registry import lowering_for
+from .lowering.registry import data_dependent, lowering_for, lowering_for_node
 from .metrics import counters
 
 # The ops the eager-fallback warning has named in this process (each is named once). Public: a
@@ -30,7 +30,9 @@ def _lowerable(node: torch.fx.Node) -> bool:
     if node.target is operator.getitem:  # of a multi-output op: goes where its source goes
         src = node.args[0]
         return isinstance(src, torch.fx.Node) and _lowerable(src)
-    return node.target in PYTHON_OPS or lowering_for(node.target) is not None
+    if data_dependent(node):
+        return False
+    return node.target in PYTHON_OPS or lowering_for_node(node) is not None
 
 
 def unsupported_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -60,12 +62,20 @@ class XlaIsland(torch.nn.Module):
 
 def _warn_fallback(nodes) -> None:
     for n in nodes:
-        key = str(n.target)
-        if key in warned_ops:
+        dependent = data_dependent(n)
+        if (dependent and (n.target in PYTHON_OPS or isinstance(n.meta.get("val"), (torch.SymInt, torch.SymBool)))) \
+                or (n.target is torch.ops.aten._assert_scalar.default and any(map(data_dependent, n.all_input_nodes))):
+            continue  # size arithmetic and checks on a data-dependent size: no op of the user's
+        key = str(node_op(n))
+        if (key, dependent) in warned_ops:
             continue
-        warned_ops.add(key)
+        warned_ops.add((key, dependent))
+        why = ("has a result whose size depends on the input's values (an executable's result sizes are "
+               "fixed when it is compiled)" if dependent
+               else "has no lowering rule for these arguments" if lowering_for(n.target) is not None
+               else "has no lowering rule")
         warnings.warn(
-            f"fx2xla: {key} has no lowering rule and runs eagerly between XLA subgraphs "
+            f"fx2xla: {key} {why} and runs eagerly between XLA subgraphs "
             f"(first seen at {user_source_line(n)}). options={{'fallback': 'error'}} makes "
             "this an error.",
             stacklevel=2,

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
 
+import sympy
 import torch
 import torch.fx
 
@@ -59,6 +61,12 @@ class InputKind(_Named):
     # negation, which the graph's ops already see applied
     RESOLVED = "resolved"
     SYMINT = "symint"  # a size: specialises the executable, not passed
+    # an effect token (the first input of `with_effects`): AOTAutograd passes None at run time
+    # and drops the graph's token outputs, so it is neither passed nor returned
+    TOKEN = "token"
+    # a Python int that sizes nothing (a step count, an offset used as a value): passed as a 0-d
+    # int64 array, so one executable serves every value (plan.value_symints)
+    SCALAR = "scalar"
 
 
 class OutputKind(_Named):
@@ -241,19 +249,40 @@ _VIEW_OPS = {
 
 
 def _view_chain(node):
-    """(base node, ((view op, args), ...)): `node` as a chain of view ops with static arguments
-    applied to `base` (no views: `node` itself)."""
+    """(base node, ((view op, args), ...)): `node` as a chain of view ops applied to `base` (no
+    views: `node` itself), with static arguments or symbolic ints (`x[s]` and `x[s:]` for an int
+    Dynamo made dynamic), which each specialization resolves (lowering.graph.lower_graph).
+
+    An output that is a view of an input must be that view, offset included: AOTAutograd
+    rebuilds such an output from the input with the output's own storage offset and strides. An
+    argument another node computes as a tensor ends the chain."""
     views = []
     while node.op == "call_function" and node.target in _VIEW_OPS and not node.kwargs:
         src, *rest = node.args
-        if not isinstance(src, torch.fx.Node) or any(
-            isinstance(a, torch.fx.Node) or (isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a))
-            for a in rest
-        ):
+        if not isinstance(src, torch.fx.Node):
             break
-        views.append((node.target, tuple(rest)))
+        args = torch.fx.node.map_aggregate(tuple(rest), _symbolic_value)
+        if any(isinstance(a, torch.fx.Node) for a in _leaves(args)):
+            break
+        views.append((node.target, args))
         node = src
     return node, tuple(reversed(views))
+
+
+def _leaves(v):
+    """The non-sequence values in `v`, a value or nested tuples and lists of them."""
+    if isinstance(v, (tuple, list)):
+        for x in v:
+            yield from _leaves(x)
+    else:
+        yield v
+
+
+def _symbolic_value(a):
+    """A view argument: a node that computes a symbolic int (a size, an index) as that SymInt."""
+    if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.SymInt):
+        return a.meta["val"]
+    return a
 
 
 def input_mutations(gm: torch.fx.GraphModule) -> dict:
@@ -265,6 +294,54 @@ def input_mutations(gm: torch.fx.GraphModule) -> dict:
                 and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "placeholder":
             found[node.args[0]] = node
     return found
+
+
+# The input kinds that are no tensor at run time.
+NOT_TENSORS = frozenset((InputKind.SYMINT, InputKind.TOKEN))
+
+
+def effect_tokens(gm: torch.fx.GraphModule) -> set:
+    """The graph's effect-token values: placeholders that only `with_effects` nodes take as their
+    token (or the output returns), and the tokens those nodes return (`getitem(node, 0)`)."""
+    with_effects = torch.ops.higher_order.with_effects
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.users and all(
+                u.op == "output" or (u.target is with_effects and u.args[0] is node and node not in u.args[1:])
+                for u in node.users) and any(u.target is with_effects for u in node.users):
+            found.add(node)
+        elif (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0
+              and isinstance(node.args[0], torch.fx.Node) and node.args[0].target is with_effects):
+            found.add(node)
+    return found
+
+
+def value_symints(gm: torch.fx.GraphModule, placeholders) -> frozenset:
+    """The graph's symbolic-int inputs (a Python int Dynamo made dynamic after it changed) whose
+    symbol sizes no tensor of the graph, nor any stride or offset: values such as a step count
+    or a scale. Passing them to the executable as values spares a compile per value; a rule
+    that needs one as a Python int refuses it while lowering, and the graph then specializes
+    per value instead (CompiledGraph.specialization_for)."""
+    candidates = {}
+    for n in placeholders:
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
+            candidates[v.node.expr] = n
+    if not candidates:
+        return frozenset()
+    sizing = set()  # (and symbols of sizes the graph returns, which AOTAutograd reads as ints)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for a in output.all_input_nodes:  # (an int returned as it came in is returned as the argument)
+        v = a.meta.get("val")
+        if isinstance(v, torch.SymInt) and a.op != "placeholder":
+            sizing |= v.node.expr.free_symbols
+    for node in gm.graph.nodes:
+        for v in _leaves(node.meta.get("val")):
+            if isinstance(v, torch.Tensor):
+                for s in (*v.shape, *v.stride(), v.storage_offset()):
+                    if isinstance(s, torch.SymInt):
+                        sizing |= s.node.expr.free_symbols
+    return frozenset(n for sym, n in candidates.items() if sym not in sizing)
 
 
 def plan_input(val) -> InputPlan:
@@ -391,7 +468,7 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                channels_last: bool = True, relaid_weights: bool = False, pinned_weights: bool = False,
                linear_weights_kn: bool | str = False, linear_weight_lhs: bool = False,
                few_row_kernel: bool = False, elementwise_regions: bool = False,
-               widened_weights: bool | str = False) -> GraphPlan:
+               widened_weights: bool | str = False, scalar_symints: bool = True) -> GraphPlan:
     """The plan of `gm` on `device`. `resident`: input positions that are parameters/buffers
     (kept as device buffers across calls); None: none. `annotations`: per input, the
     sharding.Annotation of the tensor behind it (or None). A graph with sharding constraints or
@@ -422,7 +499,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     resident bf16/float16 weights that only matmuls of many rows read, as their right operand
     (nn.Linear's, transformers' Conv1D's), are imported as float32 copies, once while unchanged
     (`lowering.linalg.widened_weights`; CPU inference graphs on one device), up to
-    `lowering.linalg.WIDEN_MAX_BYTES` of copies; "always": all of them."""
+    `lowering.linalg.WIDEN_MAX_BYTES` of copies; "always": all of them. `scalar_symints`: symbolic
+    ints that size no tensor are passed as values (InputKind.SCALAR, `value_symints`)."""
     resident = resident or set()
     host_inputs, host_outputs, host_kind = offload if offload is not None else ((), (), None)
     annotations = list(annotations) if annotations is not None else [None] * len(example_inputs)
@@ -438,7 +516,11 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
                 shardings.specs[node], shardings.sources[node] = spec, "auto"
     torch_device = device.torch_device
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    layouts = [plan_input(v) for v in example_inputs]
+    tokens = effect_tokens(gm)
+    scalars = value_symints(gm, placeholders) if scalar_symints else frozenset()
+    layouts = [InputPlan(InputKind.TOKEN, passed=False) if n in tokens
+               else InputPlan(InputKind.SCALAR) if n in scalars else plan_input(v)
+               for n, v in zip(placeholders, example_inputs)]
     concats = _input_concats(gm, placeholders, layouts)
     skipped = _read_only_by(placeholders, concats)
     written = input_mutations(gm)
@@ -457,8 +539,12 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
           if linear_weights_kn and mesh_id is None else frozenset())
     inputs = []
     for i, (layout, ex) in enumerate(zip(layouts, example_inputs)):
-        if layout.kind is InputKind.SYMINT:
+        if layout.kind in (InputKind.SYMINT, InputKind.TOKEN):
             inputs.append(layout)
+            continue
+        if layout.kind is InputKind.SCALAR:  # made a 0-d CPU tensor per call (plan_executor)
+            cpu = torch.device("cpu")
+            inputs.append(InputPlan(InputKind.SCALAR, None, cpu, _move(cpu, device, torch_device)))
             continue
         node = placeholders[i]
         spec = shardings.spec(node) if shardings is not None else None
@@ -507,7 +593,9 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
     constants = constant_values(gm)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_vals = list(output_node.args[0]) if isinstance(output_node.args[0], (list, tuple)) else [output_node.args[0]]
-    tensor_inputs = {n: i for i, (n, p) in enumerate(zip(placeholders, inputs)) if p.kind is not InputKind.SYMINT}
+    # (An int passed as a value and returned, a forward's for its backward, is returned as the
+    # call's argument: OutputKind.INPUT.)
+    tensor_inputs = {n: i for i, (n, p) in enumerate(zip(placeholders, inputs)) if p.kind not in NOT_TENSORS}
     concat_index = {node: j for j, (node, _) in enumerate(concats)}
     results: list[ResultPlan] = []
     outputs: list[OutputPlan] = []
@@ -528,8 +616,8 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
 
     for j, v in enumerate(out_vals):
         memory = host_kind if j in host_outputs else None
-        if not isinstance(v, torch.fx.Node):
-            outputs.append(OutputPlan(OutputKind.CONST, value=v))
+        if not isinstance(v, torch.fx.Node) or v in tokens:  # (AOTAutograd drops returned tokens)
+            outputs.append(OutputPlan(OutputKind.CONST, value=None if v in tokens else v))
             continue
         meta = v.meta.get("val")
         base, views = _view_chain(v)
@@ -549,10 +637,11 @@ def build_plan(gm: torch.fx.GraphModule, example_inputs, device: Device,
             # is the executable's result itself (no view op in torch, and a twin, runtime/twins.py).
             outputs.append(OutputPlan(OutputKind.TENSOR, index=result(v, home=meta.device, memory=memory), device=meta.device))
             continue
-        if views and isinstance(base_meta, torch.Tensor) and not symbolic(base_meta.shape) \
-                and base_meta.is_contiguous() and base not in constants:
-            # Views of one computed value (per-layer gradients of stacked weights): the value
-            # leaves the executable once, the views are taken in torch.
+        if (views or view_bases[base] > 1) and isinstance(base_meta, torch.Tensor) \
+                and not symbolic(base_meta.shape) and base_meta.is_contiguous() and base not in constants:
+            # Views of one computed value (per-layer gradients of stacked weights), the value
+            # itself among them or not: it leaves the executable once, the views are taken in
+            # torch, so they share its memory as eager's outputs do.
             if (base, memory) not in base_result:
                 base_result[(base, memory)] = result(base, home=base_meta.device, memory=memory)
             outputs.append(OutputPlan(OutputKind.TENSOR, index=base_result[(base, memory)], views=views, device=meta.device))
@@ -646,7 +735,7 @@ def plan_from_record(record: dict, device: Device, outputs: list[OutputPlan]) ->
     loaded model moves its inputs to its device before the call)."""
     home = device.torch_device
     inputs = [InputPlan(InputKind(p["kind"]), None if p["perm"] is None else tuple(p["perm"]),
-                        None if p["kind"] == InputKind.SYMINT else home, Move.NONE, p["resident"], p["passed"],
+                        None if p["kind"] in NOT_TENSORS else home, Move.NONE, p["resident"], p["passed"],
                         donated=p.get("donated", False), pinned=p.get("pinned", False))
               for p in record["inputs"]]
     results = [ResultPlan(None, device=home) for _ in range(record["results"])]

@@ -24,9 +24,10 @@ from typing import Any, NamedTuple
 import torch
 
 from . import sharded_call, torch_kernels
-from .errors import IndexOutOfRangeError
+from .errors import IndexOutOfRangeError, LinAlgError
+from .lowering.checks import INDEX, LINALG
 from .metrics import counters
-from .plan import GraphPlan, InputKind, Move, OutputKind, OutputPlan, orders_after_torch
+from .plan import NOT_TENSORS, GraphPlan, InputKind, Move, OutputKind, OutputPlan, orders_after_torch
 from .runtime.client import device_of
 from .runtime.executor import make_launcher, make_recording, make_served_launcher, make_traceback_pause
 from .runtime import host_memory
@@ -43,8 +44,8 @@ _team_running, _run_parked, _run_helped = (torch_kernels.torch_team_running, tor
 _recording = make_recording()
 # The kinds the call path tests, as module globals: reading an enum member through its class
 # costs ~60 ns on Python 3.11, a global ~8 ns, and a call tests several per input.
-_TENSOR, _PERMUTED, _RELAID, _WIDENED, _RESOLVED = (InputKind.TENSOR, InputKind.PERMUTED, InputKind.RELAID,
-                                             InputKind.WIDENED, InputKind.RESOLVED)
+_TENSOR, _PERMUTED, _RELAID, _WIDENED, _RESOLVED, _SCALAR = (InputKind.TENSOR, InputKind.PERMUTED, InputKind.RELAID,
+                                                      InputKind.WIDENED, InputKind.RESOLVED, InputKind.SCALAR)
 _NO_MOVE, _TORCH_MOVE, _PLACED = Move.NONE, Move.TORCH, Move.PLACED
 _CONST, _INPUT, _CONCAT = OutputKind.CONST, OutputKind.INPUT, OutputKind.CONCAT
 _TENSOR_OUT = OutputKind.TENSOR
@@ -141,8 +142,9 @@ class Specialization:
         # set_serving("auto"): this executable's first main-thread calls time it both ways.
         self.serve_trial = ServeTrial() if self.served is not None else None
         self.out_plans = outputs
-        self.plain_outputs = all(p.kind is OutputKind.TENSOR and p.inv_perm is None and p.stride is None
-                                 and not p.views for p in outputs)
+        # (Output i is result i: one result returned twice, a value and its view, are not plain.)
+        self.plain_outputs = all(p.kind is OutputKind.TENSOR and p.index == i and p.inv_perm is None
+                                 and p.stride is None and not p.views for i, p in enumerate(outputs))
         # Outputs that are (views of) weights concatenated in torch: returned without a copy.
         self.concat_outputs = sorted({p.index for p in outputs if p.kind is OutputKind.CONCAT})
         # Graph inputs returned as outputs (or views of them), and inputs the graph writes:
@@ -272,9 +274,9 @@ class PlanExecutor:
         # ones take the owned twin of the last result).
         self._owned_copies = frozenset(i for i, p in enumerate(plan.inputs) if p.donated) if self._cuda_writes else ()
         self._placed = sharded_call.PlacedHandOff(plan, lambda t, d: self.import_tensor(t, d), self._order, gpu_torch)
-        tensors = [i for i, p in enumerate(plan.inputs) if p.kind is not InputKind.SYMINT]
-        # Per resident slot, (tensor, version, data_ptr, device buffer) as a plain tuple (see
-        # _steps); resident_buffers() gives them as ResidentInput records.
+        tensors = [i for i, p in enumerate(plan.inputs) if p.kind not in NOT_TENSORS]
+        # Per resident slot, (weak reference to the tensor, version, data_ptr, device buffer) as a
+        # plain tuple (see _steps, _ref); resident_buffers() gives them as ResidentInput records.
         self._resident: list[tuple | None] = [None] * len(tensors)
         twins = self._placed.takes_twins  # inputs that may arrive as another graph's buffers
         steps = []
@@ -340,6 +342,12 @@ class PlanExecutor:
             if device.platform == "cpu" and s.slot < 0 and s.move is _NO_MOVE
             and s.placement is None and not plan.inputs[s.position].donated) if staging_on() else frozenset()
         self._free_stages: list[dict] = []
+        # A graph that writes its inputs (a buffer's counter, a cache, an optimizer's parameters)
+        # hands their buffers to XLA and installs the new contents after the execution: two such
+        # calls at once, from two threads on the same tensors, would each take a buffer the other
+        # is writing, or free a swapped-out storage under the other's execution. They run one at
+        # a time, each reading what the last one wrote.
+        self._writes = threading.Lock() if plan.mutations else None
         self.staged_inputs = 0  # inputs handed over through a staging buffer (metrics())
         self.executions = 0
         self.execute_seconds = 0.0
@@ -349,7 +357,14 @@ class PlanExecutor:
     # -- a call -----------------------------------------------------------------------------
     def run(self, spec: Specialization, args):
         """One call of `spec`'s executable on `args` (a list is cleared once its inputs are
-        handed off: AOTAutograd's boxed convention)."""
+        handed off: AOTAutograd's boxed convention). Calls of a graph that writes its inputs run
+        one at a time (`_writes`)."""
+        if self._writes is not None:
+            with self._writes:
+                return self._run_recorded(spec, args)
+        return self._run_recorded(spec, args)
+
+    def _run_recorded(self, spec: Specialization, args):
         # The hand-off's arrays need no recorded Python stack. Arrays kept past the call (twins,
         # ShardedTensors) may be read by jax later, which demands the context recording gives.
         if spec.keeps_arrays:
@@ -453,7 +468,7 @@ class PlanExecutor:
                 r = resident[slot]
                 if r is not None:
                     held, version, ptr, buf = r
-                    if held is t and ptr == t.data_ptr():
+                    if held() is t and ptr == t.data_ptr():
                         try:
                             if version == t._version:
                                 bufs.append(buf)
@@ -465,11 +480,12 @@ class PlanExecutor:
                 buf = _twin_of(t, self.jax_device, bump, owned)
                 if buf is not None:
                     if slot >= 0:
-                        resident[slot] = (t, t._version, t.data_ptr(), buf)  # (a twin is never an inference tensor)
+                        resident[slot] = (_ref(t), t._version, t.data_ptr(), buf)  # (a twin is never an inference tensor)
                         self._hold(t, slot)
                     bufs.append(buf)
                     continue
             dense = (t if kind is _TENSOR else t.permute(perm) if kind is _PERMUTED
+                     else torch.tensor(t, dtype=torch.int64) if kind is _SCALAR
                      else t.permute(perm).clone(memory_format=torch.contiguous_format) if kind is _RELAID
                      else t.to(torch.float32, memory_format=torch.contiguous_format) if kind is _WIDENED
                      else t.resolve_conj().resolve_neg().contiguous() if kind is _RESOLVED
@@ -486,8 +502,8 @@ class PlanExecutor:
             bufs.append(None)
         for i, slot in self.check_steps:
             t, r = args[i], resident[slot]
-            if r is None or r[0] is not t or r[1] != version_of(t) or r[2] != t.data_ptr():
-                resident[slot] = (t, version_of(t), t.data_ptr(), None)
+            if r is None or r[0]() is not t or r[1] != version_of(t) or r[2] != t.data_ptr():
+                resident[slot] = (_ref(t), version_of(t), t.data_ptr(), None)
                 renewed = True
         if renewed:
             self._resident_epoch = next(_epochs)
@@ -535,7 +551,7 @@ class PlanExecutor:
                     buf = self._hand_off(dense, step)
                 bufs[pos] = buf
                 if step.slot >= 0:
-                    resident[step.slot] = (t, version_of(t), t.data_ptr(), buf)
+                    resident[step.slot] = (_ref(t), version_of(t), t.data_ptr(), buf)
                     self._hold(t, step.slot)
                     if self._pins is not None and step.slot in self._pinned_slots:
                         self._pins.pin(step.slot, buf)
@@ -658,18 +674,28 @@ class PlanExecutor:
         """Forget resident slot `slot` if it still imports `t` (whose storage was swapped out):
         releases the old memory now rather than at the next call."""
         r = self._resident[slot]
-        if r is not None and r[0] is t:
-            self._resident[slot] = None
-            self._resident_epoch = next(_epochs)
-            if self._pins is not None:
-                self._pins.unpin(slot)
+        if r is not None and r[0]() is t:
+            self.release_slot(slot)
+
+    def release_dead(self, slot: int) -> None:
+        """Empty resident slot `slot` if the tensor it imported has died."""
+        r = self._resident[slot]
+        if r is not None and r[0]() is None:
+            self.release_slot(slot)
+
+    def release_slot(self, slot: int) -> None:
+        """Empty resident slot `slot`, its buffer let go (the next call imports afresh)."""
+        self._resident[slot] = None
+        self._resident_epoch = next(_epochs)
+        if self._pins is not None:
+            self._pins.unpin(slot)
 
     def _hold(self, t: torch.Tensor, slot: int) -> None:
         """Record that resident slot `slot` imports `t`'s memory (see install_input)."""
         holders = _resident_holders.get(id(t))
         if holders is None:
             try:
-                weakref.finalize(t, _resident_holders.pop, id(t), None)
+                weakref.finalize(t, _release_holders, id(t))
             except TypeError:  # not weak-referenceable: nothing to drop later
                 return
             holders = _resident_holders[id(t)] = []
@@ -683,7 +709,7 @@ class PlanExecutor:
 
     def resident_buffers(self) -> list[ResidentInput | None]:
         """Per resident input slot, its ResidentInput as last imported, or None."""
-        return [None if r is None else ResidentInput(*r) for r in self._resident]
+        return [None if r is None else ResidentInput(r[0](), *r[1:]) for r in self._resident]
 
 
 # The version recorded for an inference tensor, which has no version counter: NaN equals
@@ -834,18 +860,29 @@ def draw_seed(device) -> torch.Tensor:
 
 
 # -- index checks -----------------------------------------------------------------------------
+_CHECK_ERRORS = {INDEX: IndexOutOfRangeError, LINALG: LinAlgError}
+
+
 def _raise_failed_now(code: torch.Tensor, records) -> None:
     failed = int(code)
     if failed:
-        raise IndexOutOfRangeError(records[failed - 1].message)
+        record = records[failed - 1]
+        raise _CHECK_ERRORS[record.error](record.message)
+
+
+@functools.lru_cache(maxsize=256)
+def _async_message(records) -> str:
+    """The device-side assert's message for a graph's checks, made once per graph. torch caps it
+    at 254 characters: the ops' names; the full text is the records'."""
+    ops = ", ".join(dict.fromkeys(r.message.split(":")[1].strip() for r in records if r.message.count(":") > 1))
+    what = "a check failed" if any(r.error != INDEX for r in records) else "index out of range"
+    return f"fx2xla: {what} in {ops}"[:254]
 
 
 def _assert_async_private(code: torch.Tensor, records) -> None:
     # Enqueued on the tensor's stream: the call stays asynchronous, and a failure surfaces at
     # the next synchronisation, like the device-side asserts of eager CUDA's index kernels.
-    # torch caps the message at 254 characters: the op names; the full text is the records'.
-    ops = ", ".join(dict.fromkeys(r.message.split(":")[1].strip() for r in records if r.message.count(":") > 1))
-    torch._assert_async(code == 0, f"fx2xla: index out of range in {ops}"[:254])
+    torch._assert_async(code == 0, _async_message(records))
 
 
 def make_check_raiser(platform: str, public: bool | None = None):
@@ -888,6 +925,25 @@ _SWAPPABLE_TYPES = (torch.Tensor, torch.nn.Parameter)
 # so an input whose storage is swapped out drops the buffers that would keep the old memory
 # (entries leave with their tensor; each use re-checks the slot still holds that tensor).
 _resident_holders: dict = {}
+
+
+def _ref(t: torch.Tensor):
+    """A resident slot's reference to its tensor: weak, so that a model dropped by its user
+    frees its weights even where torch keeps the compiled graph alive (AOTAutograd's compiled
+    function outlives torch._dynamo.reset()); the tensor's death empties the slot
+    (_release_holders). A tensor that cannot be weakly referenced is held."""
+    try:
+        return weakref.ref(t)
+    except TypeError:
+        return lambda: t
+
+
+def _release_holders(tensor_id: int) -> None:
+    """A resident tensor died: the slots importing its memory let their buffers go."""
+    for ref, slot in _resident_holders.pop(tensor_id, ()):
+        executor = ref()
+        if executor is not None:
+            executor.release_dead(slot)
 
 
 def install_input(dst: torch.Tensor, new: torch.Tensor) -> None:

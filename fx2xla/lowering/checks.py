@@ -1,5 +1,7 @@
 """Run-time checks of data a graph reads as indices: eager raises on an out-of-range index,
-XLA would clamp a gather or drop a scatter instead, so every such rule records a check.
+XLA would clamp a gather or drop a scatter instead, so every such rule records a check. Linear
+algebra records checks of the same kind where eager raises LinAlgError (a singular matrix, one
+that is not positive-definite): a record says which error its failure raises.
 
 A rule calls `ctx.check_index(...)`; the lowering collects one boolean per check and folds
 them into ONE int32 result of the executable: 0 when every check passed, else the number of
@@ -23,11 +25,17 @@ from jax import lax
 CODE_DTYPE = jnp.int32
 
 
+# The errors a failed check raises (CheckRecord.error): fx2xla.IndexOutOfRangeError, and
+# fx2xla.LinAlgError (a torch.linalg.LinAlgError, as eager's linear algebra raises).
+INDEX, LINALG = "index", "linalg"
+
+
 @dataclass(frozen=True)
 class CheckRecord:
-    """What one check guards: the error message raised when it fails."""
+    """What one check guards: the error message raised when it fails, and which error."""
 
     message: str
+    error: str = INDEX
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from . import linalg as _linalg
 from .checks import CODE_DTYPE, first_failure, no_failure
 from .dtypes import to_jax_dtype
 from .graph import run_nodes
-from .registry import PYTHON_OPS, base_key, lowering_for, register_lowering
+from .registry import PYTHON_OPS, base_key, lowering_for_node, register_lowering
 
 higher_order = torch.ops.higher_order
 
@@ -67,7 +67,7 @@ def _hoist_invariants(ctx, body: torch.fx.GraphModule, invariant_inputs: dict, k
         if n.op in ("placeholder", "output"):
             continue
         if n.op == "call_function" and n.target not in PYTHON_OPS:
-            rule = lowering_for(n.target)
+            rule = lowering_for_node(n)
             if rule is None or rule.random or rule.subgraphs is not None:
                 continue
         if all(i in invariant for i in n.all_input_nodes):

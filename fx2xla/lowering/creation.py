@@ -32,7 +32,8 @@ def _full_like(ctx, x, fill_value, **kwargs):
 
 # Uninitialised memory in torch: any value is correct, zeros are deterministic. (The layout
 # an empty_strided/empty_permuted asks for is the graph's output plan, from torch's meta.)
-@register_lowering(aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default)
+@register_lowering(aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default,
+                   aten.new_empty_strided.default)
 def _empty(ctx, *args, **kwargs):
     return _filled(ctx, 0)
 

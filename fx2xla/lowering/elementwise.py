@@ -7,6 +7,7 @@ where torch's kernel rounds after every step (div with a rounding mode, see `_di
 from __future__ import annotations
 
 import math
+import platform
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,7 @@ from jax import lax
 import torch
 from torch.ops import aten
 
-from .registry import register_lowering
+from .registry import current_platform, register_lowering
 
 _F32 = np.dtype(jnp.float32)
 _REDUCED = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -330,8 +331,6 @@ def _broadcast_reader(ctx, y) -> bool:
     loop of their own. XLA runs those loops beside the first products, off the critical path.
     Fused into the loop after g . W, the backward took 1.06-1.16x the time on a 2-core Emerald
     Rapids (docs/benchmarks.md, "The MLP training step on the Emerald Rapids")."""
-    from .registry import current_platform
-
     # (Not under SPMD: the predicate would read one shard's element across the mesh.)
     if current_platform() != "cpu" or ctx.spmd or not jnp.issubdtype(y.dtype, jnp.floating):
         return False
@@ -545,19 +544,47 @@ def _clamp(ctx, x, min=None, max=None):  # noqa: A002 (aten's argument names)
 
 
 def _convert(x, dtype):
-    """Cast like torch: float -> narrow integer goes through int64 (wrapping, not saturating);
-    complex -> real keeps the real part (torch warns that it discards the imaginary one)."""
+    """Cast like torch: float -> narrow integer goes through a wider integer (wrapping, not
+    saturating); complex -> real keeps the real part (torch warns that it discards the imaginary
+    one)."""
     dtype = np.dtype(dtype)
     if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
         x = lax.real(x)
-    if _is_float(x.dtype) and jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize < 8:
-        x = lax.convert_element_type(x, jnp.int64)
+    if _is_float(x.dtype) and jnp.issubdtype(dtype, jnp.integer):
+        if X86_HOST and current_platform() == "cpu" and (jnp.issubdtype(dtype, jnp.signedinteger)
+                                                         or dtype.itemsize < 4):
+            return _x86_float_to_int(x, dtype)
+        if dtype.itemsize < 8:
+            x = lax.convert_element_type(x, jnp.int64)
     return lax.convert_element_type(x, dtype)  # float -> int truncates; -> bool is x != 0
+
+
+# Eager's CPU kernels convert float to int32 / int64 with x86's cvtt instructions, which give the
+# "integer indefinite" value (the type's minimum) for NaN and out-of-range values, where XLA's
+# convert saturates (NaN -> 0). Narrower types (int8, uint8, int16) are int32's result wrapped.
+# C++ leaves the case undefined, so this follows the host torch runs on.
+X86_HOST = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def _x86_float_to_int(x, dtype):
+    wide = jnp.int64 if dtype.itemsize == 8 else jnp.int32
+    info = jnp.iinfo(wide)
+    t = jnp.trunc(x)
+    bad = jnp.isnan(x) | (t < float(info.min)) | (t >= -float(info.min))
+    r = lax.select(bad, jnp.full(x.shape, info.min, wide), lax.convert_element_type(x, wide))
+    return lax.convert_element_type(r, dtype)  # integer narrowing wraps
 
 
 @register_lowering(aten._to_copy.default)
 def _to_copy(ctx, x, **kwargs):  # layout/device/pin_memory/memory_format do not apply here
     return _convert(x, ctx.out_dtype)
+
+
+# (In graphs where a Python float became symbolic: an optimizer's learning rate once its
+# scheduler changed it, cast to the parameters' dtype.)
+@register_lowering(torch.ops.prims.convert_element_type.default)
+def _prims_convert(ctx, x, dtype):
+    return _convert(jnp.asarray(x), ctx.out_dtype)
 
 
 @register_lowering(aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default)

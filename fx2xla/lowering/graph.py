@@ -23,7 +23,8 @@ from ..plan import GraphPlan, OutputPlan
 from ..sharding import mesh_by_id
 from .. import torch_kernels as _torch_kernels
 from .registry import (PYTHON_OPS, LoweringContext, RejectedInput, complex_to_real, concrete_shape, current_platform,
-                       is_array, lowering_for, lowering_platform, prepare_args)
+                       is_array, data_dependent, lowering_for, lowering_for_node, lowering_platform,
+                       prepare_args)
 
 
 
@@ -82,9 +83,14 @@ def check_rules(gm: torch.fx.GraphModule) -> None:
     """Raise UnsupportedOpError for the first op in the graph that has no rule."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target not in PYTHON_OPS:
-            rule = lowering_for(node.target)
+            if data_dependent(node):
+                raise UnsupportedOpError(node, "its result's size depends on the input's values, and an XLA "
+                                               "executable's result sizes are fixed when it is compiled "
+                                               "(options={'fallback': 'eager'} runs it eagerly)")
+            rule = lowering_for_node(node)
             if rule is None:
-                raise UnsupportedOpError(node)
+                raise UnsupportedOpError(node, "fx2xla's rule for it does not cover these arguments"
+                                         if lowering_for(node.target) is not None else None)
             for sub in (rule.subgraphs(gm, node) if rule.subgraphs is not None else ()):
                 check_rules(sub)  # ops inside loop bodies too
 
@@ -98,7 +104,7 @@ def symbol_bindings(example_inputs, concrete_args) -> dict:
     for ex, real in zip(example_inputs, concrete_args):
         if isinstance(ex, torch.SymInt):
             bindings[ex.node.expr] = int(real)
-        elif isinstance(ex, torch.Tensor):
+        elif isinstance(ex, torch.Tensor) and real is not None:  # (None: an effect token)
             for s, r in zip([*ex.shape, *ex.stride(), ex.storage_offset()],
                             [*real.shape, *real.stride(), real.storage_offset()]):
                 if isinstance(s, torch.SymInt):
@@ -107,7 +113,10 @@ def symbol_bindings(example_inputs, concrete_args) -> dict:
 
 
 def _resolve(value, bindings):
-    """A constant output's value at these shapes (a symbolic size becomes its number)."""
+    """A constant output's value, or a view's arguments, at these shapes (a symbolic size or
+    index becomes its number, in tuples and lists too)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_resolve(v, bindings) for v in value)
     for sym, cast in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
         if isinstance(value, sym):
             return cast(value.node.expr.xreplace(bindings))
@@ -127,7 +136,9 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
     """
     check_rules(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    bindings = symbol_bindings(example_inputs, concrete_args)
+    # (A value passed to the executable binds no symbol: its uses are traced, not baked in.)
+    bindings = symbol_bindings([None if p.kind == "scalar" else ex for p, ex in zip(plan.inputs, example_inputs)],
+                               concrete_args)
 
     def sizes(s):
         if not isinstance(s, torch.SymInt):
@@ -140,6 +151,10 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
     avals, arg_shapes = [], []
     for plan_in, ex, real in zip(plan.inputs, example_inputs, concrete_args or example_inputs):
         if not plan_in.passed:
+            continue
+        if plan_in.kind == "scalar":
+            avals.append(jax.ShapeDtypeStruct((), np.int64))
+            arg_shapes.append(((), np.dtype(np.int64)))
             continue
         shape = tuple(real.shape) if concrete_args is not None else concrete_shape(ex.shape, sizes)
         if plan_in.kind in ("permuted", "relaid"):
@@ -166,6 +181,8 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         for node, plan_in, ex in zip(placeholders, plan.inputs, example_inputs):
             if plan_in.kind == "symint":
                 env[node] = sizes(ex) if isinstance(ex, torch.SymInt) else ex
+            elif plan_in.kind == "token":  # no value: with_effects rules pass it on
+                env[node] = None
             elif plan_in.passed:
                 a = next(it)
                 if plan_in.memory_kind is not None:  # host offloading: XLA brings it to the device
@@ -206,7 +223,9 @@ def lower_graph(gm: torch.fx.GraphModule, plan: GraphPlan, example_inputs, concr
         out_info = traced.out_info  # (results, CheckVerdict): the records are the tree's aux data
         result_shapes = [tuple(o.shape) for o in jax.tree.leaves(out_info)]
     verdict = out_info[1]
-    outputs = [dataclasses.replace(p, value=_resolve(p.value, bindings)) if p.kind == "const" else p
+    outputs = [dataclasses.replace(p, value=_resolve(p.value, bindings)) if p.kind == "const"
+               else dataclasses.replace(p, views=tuple((op, _resolve(args, bindings)) for op, args in p.views))
+               if p.views else p
                for p in plan.outputs]
     return LoweredGraph(text, plan, outputs, arg_shapes, verdict.records, result_shapes)
 
@@ -313,7 +332,7 @@ def run_nodes(gm: torch.fx.GraphModule, nodes, env: dict, sizes, seed, checks=No
         if node.target in PYTHON_OPS:
             env[node] = node.target(*args, **kwargs)
             continue
-        rule = lowering_for(node.target, current_platform())
+        rule = lowering_for_node(node, current_platform())
         if rule is None:
             raise UnsupportedOpError(node)
         nhwc = node in laid
@@ -345,7 +364,9 @@ def _check_result(ctx: LoweringContext, out):
     if isinstance(meta, torch.Tensor):
         return _fix(ctx, out, meta)
     if isinstance(meta, (tuple, list)) and isinstance(out, (tuple, list)):
-        return type(out)(_fix(ctx, o, m) if isinstance(m, torch.Tensor) else o for o, m in zip(out, meta))
+        # (None: an effect token, which has no value in the executable; plan.effect_tokens)
+        return type(out)(_fix(ctx, o, m) if isinstance(m, torch.Tensor) and o is not None else o
+                         for o, m in zip(out, meta))
     return out
 
 

@@ -1539,10 +1539,14 @@ def _source_coord(coord, size, padding_mode, align_corners):
     return coord
 
 
-@register_lowering(aten.grid_sampler_2d.default)
+def _bilinear_or_nearest(node) -> bool:
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("interpolation_mode")
+    return mode in (0, 1)
+
+
+# (Bicubic sampling, mode 2, has no rule: it runs eagerly.)
+@register_lowering(aten.grid_sampler_2d.default, accepts=_bilinear_or_nearest)
 def _grid_sampler_2d(ctx, x, grid, interpolation_mode, padding_mode, align_corners):
-    if interpolation_mode not in (0, 1):
-        raise NotImplementedError("fx2xla: grid_sampler_2d supports bilinear and nearest only")
     # ATen's bf16/f16 kernel computes coordinates and weights in the input dtype (rounding
     # each step), which moves samples by up to a few percent of a pixel: do the same.
     y = _opmath(x)

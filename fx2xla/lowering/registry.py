@@ -17,10 +17,11 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from jax import lax
 
 from ..errors import describe_node_inputs, op_name, user_source_line
-from .checks import CheckRecord, out_of_range
+from .checks import INDEX, CheckRecord, out_of_range
 from .dtypes import to_jax_dtype
 
 # Python-level callables that appear in graphs on sizes (SymInt arithmetic) or tuples; they
@@ -67,10 +68,18 @@ class LoweringRule:
     # Reads the values of earlier nodes (ctx.values): peephole rules looking through their
     # arguments' producers.
     reads_values: bool = False
+    # Which nodes of the op the rule lowers, where that depends on the node: a higher-order op
+    # such as with_effects wraps many ops, of which the rule lowers some. The others fall back
+    # (or raise UnsupportedOpError under fallback="error") as an op with no rule does.
+    accepts: Callable | None = None
 
     def draws(self, node) -> bool:
         """Whether this rule draws random bits for `node`."""
         return bool(self.random(node)) if callable(self.random) else self.random
+
+    def lowers(self, node) -> bool:
+        """Whether this rule lowers `node` (every node of its ops, unless `accepts` says)."""
+        return self.accepts is None or bool(self.accepts(node))
 
 
 LOWERINGS: dict[torch._ops.OpOverload, LoweringRule] = {}
@@ -88,19 +97,21 @@ def _overloads(op) -> list:
 
 
 def register_lowering(*ops, promote: str | None = None, broadcast: bool = False, random: bool | Callable = False,
-                     subgraphs: Callable | None = None, platform: str | None = None, reads_values: bool = False):
+                     subgraphs: Callable | None = None, platform: str | None = None, reads_values: bool = False,
+                     accepts: Callable | None = None):
     """Register `fn` as the lowering of `ops` (overloads, or packets = all their overloads).
 
     promote: see PROMOTIONS. broadcast: tensor and scalar arguments are broadcast to the
     output shape (after promotion), so rules may use lax ops directly. random: the rule calls
     `ctx.rng_key()`; graphs containing it take a fresh seed from torch's generator per call
     (a callable `random(node) -> bool`: only for the nodes it says draw). reads_values: the rule
-    reads earlier nodes' values (`ctx.values`), as rules with subgraphs do.
+    reads earlier nodes' values (`ctx.values`), as rules with subgraphs do. accepts: a callable
+    `accepts(node) -> bool` naming the nodes of `ops` the rule lowers (default: all of them).
     """
     assert promote in PROMOTIONS, promote
 
     def deco(fn):
-        rule = LoweringRule(fn, promote, broadcast, random, subgraphs, reads_values)
+        rule = LoweringRule(fn, promote, broadcast, random, subgraphs, reads_values, accepts)
         for op in ops:
             if platform is not None:
                 for ov in _overloads(op):
@@ -154,6 +165,22 @@ def lowering_for(op, platform: str | None = None) -> LoweringRule | None:
     if rule is None:
         rule = _view_copy_rule(op)
     return rule
+
+
+def data_dependent(node) -> bool:
+    """Whether the node's result has a size or value known only once its inputs' data is (an
+    unbacked symbol: `x[mask]`, `nonzero`, `x.item()` under Dynamo's
+    capture_dynamic_output_shape_ops / capture_scalar_outputs). An executable's result shapes are
+    fixed when it is compiled, so such a node runs eagerly (partition.py), and what it feeds
+    specializes on the sizes it produced."""
+    val = node.meta.get("val")
+    return val is not None and bool(free_unbacked_symbols(val))
+
+
+def lowering_for_node(node, platform: str | None = None) -> LoweringRule | None:
+    """The rule that lowers `node`, or None where its op has no rule or its rule refuses it."""
+    rule = lowering_for(node.target, platform)
+    return rule if rule is not None and rule.lowers(node) else None
 
 
 def _view_copy_rule(op) -> LoweringRule | None:
@@ -249,15 +276,16 @@ class LoweringContext:
             where = f" for dimension {dim} of size {size}" if dim is not None else f" (size {size})"
             self.check(failed, f"{what} out of range: every {what} must lie in [{low}, {size}){where}")
 
-    def check(self, failed, message: str) -> None:
-        """Record a run-time check: `failed` (a traced boolean scalar) True raises
-        fx2xla.IndexOutOfRangeError with `message`, the op, its inputs and the source line."""
+    def check(self, failed, message: str, *, error: str = INDEX) -> None:
+        """Record a run-time check: `failed` (a traced boolean scalar) True raises, with
+        `message`, the op, its inputs and the source line, fx2xla.IndexOutOfRangeError (`error`
+        "index") or fx2xla.LinAlgError ("linalg")."""
         if self.checks is None:
             return
         text = (f"fx2xla: {op_name(self.node)}: {message}\n  inputs: {describe_node_inputs(self.node)}\n"
                 f"  at {user_source_line(self.node)}\n"
                 "  (eager PyTorch rejects this input too; options={'check_indices': False} skips the check)")
-        self.checks.add(CheckRecord(text), failed)
+        self.checks.add(CheckRecord(text, error), failed)
 
     def rng_key(self):
         """A PRNG key for this node: the per-call seed (drawn from torch's default generator,

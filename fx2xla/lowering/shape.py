@@ -11,6 +11,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 from torch.ops import aten
 
@@ -55,6 +56,39 @@ def slice_bounds(size: int, start, end, step: int) -> tuple[int, int, int]:
 )
 def _reshape(ctx, x, *args):
     return lax.reshape(x, ctx.out_shape)
+
+
+@register_lowering(aten.view.dtype)
+def _view_dtype(ctx, x, dtype):
+    """`x.view(dtype)`: the same bytes read as another dtype; torch splits or merges the last
+    dim where the item sizes differ (a float32 [n, 4] viewed as uint8 is [n, 16])."""
+    return lax.reshape(bitcast(x, np.dtype(ctx.out_dtype)), ctx.out_shape)
+
+
+def bitcast(x, out):
+    """`x`'s bytes as dtype `out`, the last dim scaled by the ratio of the item sizes. bool is
+    one byte (torch reads a nonzero byte as True); a complex value is its real and imaginary
+    parts side by side."""
+    if x.dtype == out:
+        return x
+    if x.dtype == np.bool_:
+        return bitcast(x.astype(jnp.uint8), out)
+    if out == np.bool_:
+        return bitcast(x, np.dtype(jnp.uint8)) != 0
+    if jnp.iscomplexobj(x):
+        parts = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+        return bitcast(parts.reshape(*x.shape[:-1], 2 * x.shape[-1]), out)
+    if jnp.issubdtype(out, jnp.complexfloating):
+        part = bitcast(x, np.dtype(jnp.finfo(out).dtype))
+        pairs = part.reshape(*part.shape[:-1], part.shape[-1] // 2, 2)
+        return lax.complex(pairs[..., 0], pairs[..., 1])
+    size, new = x.dtype.itemsize, out.itemsize
+    if size == new:
+        return lax.bitcast_convert_type(x, out)
+    if size > new:  # each item becomes size // new items along a new last dim
+        return lax.bitcast_convert_type(x, out).reshape(*x.shape[:-1], x.shape[-1] * (size // new))
+    ratio = new // size
+    return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // ratio, ratio), out)
 
 
 @register_lowering(aten.permute.default)
@@ -114,14 +148,26 @@ def _diagonal(ctx, x, offset=0, dim1=0, dim2=1):
     return jnp.diagonal(x, offset, canonical_dim(dim1, x.ndim), canonical_dim(dim2, x.ndim))
 
 
-@register_lowering(aten.as_strided.default)
+def _reads_a_dense_input(node) -> bool:
+    """as_strided's input is dense (or its strides are symbolic, checked when lowered)."""
+    meta = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+    if not hasattr(meta, "stride"):
+        return True
+    shape, strides = tuple(meta.shape), tuple(meta.stride())
+    if any(isinstance(v, torch.SymInt) for v in shape + strides):
+        return True
+    return math.prod(shape) <= 1 or dense_permutation(shape, strides) is not None
+
+
+@register_lowering(aten.as_strided.default, accepts=_reads_a_dense_input)
 def _as_strided(ctx, x, size, stride, storage_offset=None):
     """Gathers from the input's storage at offset + sum(i_d * stride_d).
 
     The storage is rebuilt from the input's meta strides, which works for a dense input
     (row-major or a permutation of it, counted from its own storage offset). A non-dense
     input (e.g. a strided slice) would read memory outside the view, which the lowered
-    program does not hold: rejected.
+    program does not hold: such a node runs eagerly (`_reads_a_dense_input`), or, where its
+    strides were symbolic, is rejected here.
     """
     meta = ctx.arg_meta(0)
     size = [int(s) for s in size]

@@ -11,9 +11,10 @@ Cholesky the order of the first leading minor that is not positive-definite. jax
 reports no info (it fills a failed factor with NaN), so where a factor is not all finite an
 unblocked Cholesky, run only then (`lax.cond`), finds the order. torch.linalg.cholesky, inv,
 solve... (not `_ex`) trace as the `_ex` op plus `with_effects(_linalg_check_errors, info)`:
-that effectful op has no rule, so it runs in eager after the XLA subgraph and raises eager's
-own LinAlgError. aten.cholesky (which raises inside its kernel) records a run-time check
-(LoweringContext.check): a non-positive-definite input raises when the graph runs.
+that op, aten.cholesky (which raises inside its kernel) and the `_ex` ops called with
+check_errors=True record a run-time check (LoweringContext.check), so a singular or
+non-positive-definite input raises fx2xla.LinAlgError, a torch.linalg.LinAlgError, when the
+graph runs.
 
 Where eager's result depends on its input's layout (det and slogdet factor A^T instead of A
 when A is contiguous and real, which changes their LU/pivots outputs and what their backward
@@ -28,12 +29,63 @@ import jax.scipy.linalg as jsl
 import numpy as np
 from jax import lax
 
-from torch.ops import aten
+from torch.ops import aten, higher_order
 
+from .checks import LINALG
 from .dtypes import dtype_name
 from .registry import RejectedInput, concrete_shape, register_lowering
 
 _FLOATS = tuple(np.dtype(d) for d in (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128))
+
+
+def linalg_error_message(api_name: str) -> str:
+    """Eager's LinAlgError message for `api_name` (torch's `_linalg_check_errors`), less the
+    LAPACK `info` value and batch element it names, which the verdict of a run-time check does
+    not carry."""
+    if "solve" in api_name and "lu_solve" not in api_name:
+        return f"{api_name}: The solver failed because the input matrix is singular."
+    if "inv" in api_name:
+        return (f"{api_name}: A diagonal element of the input's LU factor is zero, the inversion could not be "
+                "completed because the input matrix is singular.")
+    if "cholesky" in api_name:
+        return (f"{api_name}: The factorization could not be completed because the input is not "
+                "positive-definite (a leading minor is not positive-definite).")
+    if "lu_factor" in api_name:
+        return (f"{api_name}: A diagonal element of U is zero and using it on lu_solve would result in a division "
+                "by zero. If you still want to perform the factorization, consider calling linalg.lu(A, pivot) "
+                "or linalg.lu_factor_ex(A, pivot)")
+    if "svd" in api_name:
+        return (f"{api_name}: The algorithm failed to converge because the input matrix is ill-conditioned or has "
+                "too many repeated singular values.")
+    if "eig" in api_name or "syevd" in api_name:
+        return (f"{api_name}: The algorithm failed to converge because the input matrix is ill-conditioned or has "
+                "too many repeated eigenvalues.")
+    if "lstsq" in api_name:
+        return (f"{api_name}: The least squares solution could not be computed because the input matrix does not "
+                "have full rank.")
+    return f"{api_name}: LAPACK reported an error (info != 0)."
+
+
+def check_info(ctx, info, api_name: str) -> None:
+    """A run-time check that raises fx2xla.LinAlgError (a torch.linalg.LinAlgError) with eager's
+    words where any of LAPACK's `info` values is not 0, as `_linalg_check_errors` does."""
+    ctx.check(jnp.any(info != 0), linalg_error_message(api_name), error=LINALG)
+
+
+def _is_linalg_check(node) -> bool:
+    return len(node.args) > 1 and node.args[1] is aten._linalg_check_errors.default
+
+
+@register_lowering(higher_order.with_effects, accepts=_is_linalg_check)
+def _linalg_check_errors(ctx, token, op, info, api_name, *, is_matrix=True):
+    """`with_effects(token, _linalg_check_errors, info, api_name)`, which torch.linalg.cholesky,
+    inv, solve and lu_factor trace as after their `_ex` op: the check, run with the graph, and
+    the effect token passed on. Other effectful ops keep no rule (they run eagerly)."""
+    check_info(ctx, info, api_name)
+    # (token, the op's result: None), or just the token: torch.export's deserialized graphs
+    # read both, in-memory ones the token only.
+    width = len(ctx.out) if isinstance(ctx.out, (tuple, list)) else 2
+    return (token,) + (None,) * max(width - 1, 1)
 
 
 def _check_dtype(ctx, x, name: str, i: int = 0) -> None:
@@ -123,8 +175,7 @@ def _linalg_cholesky_ex(ctx, a, *, upper=False, check_errors=False):
     _check_dtype(ctx, a, "linalg.cholesky")
     factor, info = _cholesky(a, upper)
     if check_errors:
-        ctx.check(jnp.any(info != 0), "linalg.cholesky: The factorization could not be completed because the "
-                  "input is not positive-definite")
+        check_info(ctx, info, "linalg.cholesky")
     return factor, info
 
 
@@ -132,8 +183,7 @@ def _linalg_cholesky_ex(ctx, a, *, upper=False, check_errors=False):
 def _cholesky_rule(ctx, a, upper=False):
     _check_dtype(ctx, a, "cholesky")
     factor, info = _cholesky(a, upper)
-    ctx.check(jnp.any(info != 0), "cholesky: The factorization could not be completed because the input is not "
-              "positive-definite")
+    check_info(ctx, info, "cholesky")
     return factor
 
 
@@ -223,7 +273,7 @@ def _linalg_lu_factor_ex(ctx, a, *, pivot=True, check_errors=False):
     _no_pivot(pivot, "linalg.lu_factor")
     lu, pivots, info = _lu_factor(a)
     if check_errors:
-        ctx.check(jnp.any(info != 0), "linalg.lu_factor: U is singular")
+        check_info(ctx, info, "torch.linalg.lu_factor")
     return lu, pivots, info
 
 
@@ -291,7 +341,7 @@ def _linalg_solve_ex(ctx, a, b, *, left=True, check_errors=False):
     _check_dtype(ctx, a, "linalg.solve")
     x, lu, pivots, info = _solve_ex(ctx, a, b, left)
     if check_errors:
-        ctx.check(jnp.any(info != 0), "torch.linalg.solve: The solver failed because the input matrix is singular.")
+        check_info(ctx, info, "torch.linalg.solve")
     shapes = [concrete_shape(o.shape, ctx.sizes) for o in ctx.out]
     return (x.astype(ctx.out_dtype), jnp.broadcast_to(lu, shapes[1]), jnp.broadcast_to(pivots, shapes[2]),
             jnp.broadcast_to(info, shapes[3]))
@@ -304,7 +354,7 @@ def _linalg_inv_ex(ctx, a, *, check_errors=False):
     eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
     x, _, _, info = _solve_ex(ctx, a, eye, True)
     if check_errors:
-        ctx.check(jnp.any(info != 0), "linalg.inv: The input matrix is singular.")
+        check_info(ctx, info, "linalg.inv")
     return x, info
 
 

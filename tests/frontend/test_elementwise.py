@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import platform
 
 import pytest
 import torch
@@ -303,6 +304,23 @@ def test_to_copy(check):
     check(lambda *a: fn(*a)[3:], f, make(I64, 3, 5), make(BOOL, 3, 5), make(BF16, 3, 5, low=-100, high=100))
     f[0, 0] = 1.0  # float -> int of NaN is undefined
     check(fn, f, make(I64, 3, 5), make(BOOL, 3, 5), make(BF16, 3, 5, low=-100, high=100))
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="C++ leaves these casts undefined: eager's results are x86's cvtt instructions'")
+@pytest.mark.parametrize("src", [F32, torch.float64, BF16], ids=str)
+def test_float_to_int_out_of_range_as_eager_on_x86(src):
+    """Casting NaN, +-inf and values beyond the target's range (1e10, 3e9, 9.3e18, 300.7, 70000.5)
+    to int8, uint8, int16, int32 and int64 gives eager's values exactly on an x86 host: the
+    type's minimum for int32 / int64 (x86's "integer indefinite"), int32's result wrapped for
+    the narrower types; in-range values truncate toward zero. Compared bit for bit, per dtype."""
+    values = torch.tensor([nan, inf, -inf, 1e10, -1e10, 3e9, -3e9, 9.3e18, -9.3e18, 300.7, -300.7, 70000.5,
+                           2147483520.0, -2147483648.0, 2.5, -2.7, -0.0, 127.9, -129.5])
+    x = values.to(src)
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, I64):
+        torch._dynamo.reset()
+        actual = torch.compile(lambda t: t.to(dtype), backend="fx2xla")(x)
+        assert actual.dtype == dtype and torch.equal(actual, x.to(dtype)), (dtype, actual, x.to(dtype))
 
 
 def test_clone_copy_alias_lift_fresh(check):

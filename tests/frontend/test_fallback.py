@@ -90,3 +90,80 @@ def test_fallback_error_option_raises_instead():
     c = torch.compile(f, backend="fx2xla", options={"fallback": "error"})
     with pytest.raises(Exception, match="no lowering rule for fx2xla_test.soft_clip.default"):
         c(torch.randn(3))
+
+
+DATA_DEPENDENT = {
+    "mask": (lambda x, n: x[x > 0] * 2 + x.sum(), "aten.index.Tensor"),
+    "nonzero": (lambda x, n: torch.nonzero(x > 0).float() + 1, "aten.nonzero.default"),
+    "item": (lambda x, n: x[: n.item()] * 2, "aten.slice.Tensor"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_DEPENDENT))
+def test_data_dependent_sizes_run_eagerly(case, monkeypatch):
+    """Under Dynamo's capture_dynamic_output_shape_ops / capture_scalar_outputs, an op whose
+    result size depends on the data (a boolean mask index, nonzero, a slice to `n.item()`) runs
+    eagerly, as does what reads its result, in one graph: two calls whose data select 2 and 4
+    elements equal eager's exactly (float32); the warning says why, naming the op; no warning
+    names the size checks Dynamo adds; under fallback="error" the op raises UnsupportedOpError
+    saying its size depends on the input's values."""
+    import fx2xla.partition
+
+    monkeypatch.setattr(fx2xla.partition, "warned_ops", set())
+    fn, op = DATA_DEPENDENT[case]
+    calls = [(torch.tensor([1.0, -2.0, 3.0, -4.0, 0.5]), torch.tensor(2)),
+             (torch.tensor([1.0, 2.0, 3.0, -4.0, 0.5]), torch.tensor(4))]
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+        torch._dynamo.reset()
+        f = torch.compile(fn, backend="fx2xla", fullgraph=True)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for x, n in calls:
+                torch.testing.assert_close(f(x, n), fn(x, n), rtol=0, atol=0)
+        msgs = _fallback_warnings(record)
+        assert any(op in m and "depends on the input's values" in m for m in msgs), msgs
+        assert not any("_assert_scalar" in m or "sym_size" in m or "built-in function" in m for m in msgs), msgs
+        torch._dynamo.reset()
+        strict = torch.compile(fn, backend="fx2xla", fullgraph=True, options={"fallback": "error"})
+        with pytest.raises(fx2xla.errors.UnsupportedOpError, match="depends on the input's values"):
+            strict(*calls[0])
+
+
+def test_training_patterns_lower_whole():
+    """Two training patterns compile with fallback="error" and match eager: the backward of a
+    slice assignment on an activation (AOTAutograd's new_empty_strided), and an AdamW step with
+    a StepLR scheduler (once the learning rate changes, Dynamo passes it as a symbolic float
+    that the graph casts with prims.convert_element_type). Float32: the weight gradient within
+    rtol/atol 1e-6; four scheduled steps' parameters within rtol 1e-5, atol 1e-6."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+
+    def loss(x):
+        h = lin(x)
+        h[:, 0] = h[:, 0] * 2
+        return h.sum()
+
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    torch.compile(loss, backend="fx2xla", options={"fallback": "error"})(x).backward()
+    compiled_grad, lin.weight.grad = lin.weight.grad, None
+    loss(x).backward()
+    torch.testing.assert_close(compiled_grad, lin.weight.grad, rtol=1e-6, atol=1e-6)
+
+    params = []
+    for compiled in (False, True):
+        torch.manual_seed(1)
+        m = torch.nn.Linear(8, 4)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        torch._dynamo.reset()
+        step = torch.compile(opt.step, backend="fx2xla", options={"fallback": "error"}) if compiled else opt.step
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(4):
+            m(torch.randn(3, 8, generator=gen)).sum().backward()
+            step()
+            opt.zero_grad()
+            sched.step()
+        params.append([p.detach().clone() for p in m.parameters()])
+    for a, e in zip(params[1], params[0], strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)

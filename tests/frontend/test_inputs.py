@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+import fx2xla
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8]
 
 
@@ -105,6 +107,40 @@ def test_parameters_updated_between_calls_are_seen():
         torch.testing.assert_close(c(x), x * lin)
 
 
+WEIGHT_COPIES = {  # modules whose weight an inference graph imports as a copy, kept per version
+    "linear_in_out": (lambda: torch.nn.Linear(16, 16), lambda: torch.randn(100, 16), 1e-5),
+    "widened_bf16": (lambda: torch.nn.Linear(16, 16).bfloat16(), lambda: torch.randn(32, 16).bfloat16(), 1e-2),
+    "conv_channels_last": (lambda: torch.nn.Conv2d(3, 4, 3), lambda: torch.randn(2, 3, 8, 8), 1e-5),
+    "zero_copy": (lambda: torch.nn.Linear(16, 16), lambda: torch.randn(2, 16), 1e-5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHT_COPIES))
+def test_weights_written_around_the_version_counter_are_seen_once_marked(case):
+    """The documented ways to change an inference graph's weight between calls (docs/usage.md,
+    "Weights changed between calls"): `copy_` under no_grad, and a write through `.data` followed
+    by torch.autograd.graph.increment_version, are seen by the next call, for weights the graph
+    holds as copies (nn.Linear's laid out [in, out], a bf16 one widened to float32, a
+    convolution's channels-last) and for one it reads in place, where a `.data` write is seen
+    with no mark. Each call equals eager's (float32 1e-5, bf16 1e-2, rtol and atol)."""
+    make, make_x, tol = WEIGHT_COPIES[case]
+    torch.manual_seed(0)
+    m, x = make().eval(), make_x()
+    c = torch.compile(m, backend="fx2xla")
+
+    def same():
+        torch.testing.assert_close(c(x), m(x), rtol=tol, atol=tol)
+
+    with torch.no_grad():
+        same()
+        m.weight.copy_(m.weight * 2)
+        same()
+        m.weight.data.mul_(-0.5)
+        if case != "zero_copy":
+            torch.autograd.graph.increment_version(m.weight)
+        same()
+
+
 def test_outputs_that_are_views_of_inputs_are_not_copied():
     """Saved tensors of a training forward include inputs and permuted weights: they come back
     as views of the caller's tensors, not as copies through the executable."""
@@ -158,3 +194,104 @@ def test_conjugate_and_negative_views_are_read_as_eager():
     g = torch.compile(lambda a: a - 1, backend="fx2xla", options={"fallback": "error"})
     for a in (x, x.conj(), x.imag, x.conj().imag):  # the plain kind first this time
         torch.testing.assert_close(g(a), a - 1, rtol=0, atol=0)
+
+
+INT_VALUES = {  # uses of an int argument as a value: one executable serves every value
+    "scale": lambda x, n: x * n + n,
+    "compare": lambda x, n: torch.where(x > n, x, -x),
+    "clamp": lambda x, n: x.clamp(max=n),
+    "pow": lambda x, n: x.pow(n),
+    "remainder": lambda x, n: torch.remainder(x, n) + x // n,
+    "int64": lambda x, n: x.long() * n + n * (2**40),
+    "bf16": lambda x, n: x.bfloat16() * n,
+    "arithmetic": lambda x, n: x * (n * 2 + 1) - (n // 2),
+    "roll": lambda x, n: torch.roll(x, n),
+}
+INT_SIZES = {  # uses a rule needs as a Python int: one executable per value, as before
+    "select": lambda x, n: x[n],
+    "narrow": lambda x, n: x.narrow(0, n, 2) * 2,
+    "full_like": lambda x, n: torch.full_like(x, n) + x,
+    "slice_view": lambda x, n: x[n:],
+}
+
+
+@pytest.mark.parametrize("case", sorted(INT_VALUES) + sorted(INT_SIZES))
+def test_an_int_argument_that_changes(case):
+    """A Python int argument that changes between calls (Dynamo makes it symbolic from the second
+    value on): where the graph uses it as a value only, it is passed to the executable as one,
+    so values 2-6 share one executable (two specializations in all, with the first call's);
+    where a rule needs it as a Python int (an index, a fill value, a view's offset), each value
+    specializes its own. Every result equals eager's exactly (dtype, shape, values; float32,
+    bf16, int64 beyond 2**32), views of the input included."""
+    fn = INT_VALUES.get(case) or INT_SIZES[case]
+    x = torch.arange(-4.0, 6.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fx2xla")
+    before = fx2xla.metrics()["specializations"]
+    for n in range(1, 7):
+        actual, expected = compiled(x, n), fn(x, n)
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape
+        assert torch.equal(actual, expected), (n, actual, expected)
+    made = fx2xla.metrics()["specializations"] - before
+    assert made == (2 if case in INT_VALUES else 6), made
+
+
+def test_an_int_argument_in_a_training_step():
+    """loss = sum(x * w * step) + step, compiled for training with step = 1..5: the forward and
+    the backward each take step as a value (the forward returns it for the backward as the call's
+    own argument), so after the first call's two graphs the other four values share two more;
+    the loss and w's gradient equal eager's (float32, rtol 1e-6, atol 1e-6)."""
+    w = torch.nn.Parameter(torch.linspace(-1, 1, 6))
+
+    def loss(x, step):
+        return (x * w * step).sum() + step
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="fx2xla")
+    before = fx2xla.metrics()["specializations"]
+    for step in range(1, 6):
+        x = torch.linspace(0, 1, 6) * step
+        results = []
+        for f in (compiled, loss):
+            out = f(x, step)
+            out.backward()
+            results.append((out.detach(), w.grad))
+            w.grad = None
+        torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-6)
+    assert fx2xla.metrics()["specializations"] - before == 4
+
+
+def test_folded_layers_see_weights_marked_after_a_data_write():
+    """A stack of 8 identical blocks folded into one loop (scan_folds moves), trained: after every
+    weight is rewritten through `.data` and marked with torch.autograd.graph.increment_version
+    (docs/usage.md), the loop's stacked weights are rebuilt, and the loss and every gradient
+    equal eager's (float32, rtol 1e-5, atol 1e-6)."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+
+        def forward(self, h):
+            return h + torch.nn.functional.gelu(self.fc(self.ln(h)))
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[Block() for _ in range(8)])
+    torch._dynamo.reset()
+    folds = fx2xla.metrics()["scan_folds"]
+    c = torch.compile(m, backend="fx2xla")
+    x = torch.randn(4, 16)
+    c(x).pow(2).mean().backward()
+    assert fx2xla.metrics()["scan_folds"] > folds
+    m.zero_grad()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            torch.autograd.graph.increment_version(p)
+    results = []
+    for f in (c, m):
+        loss = f(x).pow(2).mean()
+        loss.backward()
+        results.append([loss.detach()] + [p.grad.clone() for p in m.parameters()])
+        m.zero_grad()
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)

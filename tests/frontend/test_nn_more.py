@@ -132,6 +132,26 @@ def test_grid_sample(check, dtype):
     check(lambda x, g: _grid_samples(x, g, cases), make(2, 3, 5, 6, dtype=dtype), grid)
 
 
+def test_grid_sample_bicubic_runs_eagerly(monkeypatch):
+    """Bicubic grid sampling (no rule) beside bilinear (a rule) in one graph: the bicubic node
+    runs eagerly, the rest in XLA, and both results equal eager's (float32, rtol/atol 1e-5);
+    the warning names grid_sampler_2d as having no rule for these arguments."""
+    import fx2xla.partition
+
+    monkeypatch.setattr(fx2xla.partition, "warned_ops", set())
+    grid = torch.rand(2, 4, 7, 2, generator=torch.Generator().manual_seed(1)) * 2.4 - 1.2
+
+    def fn(x, g):
+        return F.grid_sample(x * 2, g, mode="bicubic", align_corners=False), F.grid_sample(x, g)
+
+    x = make(2, 3, 5, 6)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="grid_sampler_2d.default has no lowering rule for these arguments"):
+        actual = torch.compile(fn, backend="fx2xla")(x, grid)
+    for a, e in zip(actual, fn(x, grid), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
 def test_grid_sample_exact_points(check):
     # Grid points on pixel centres, corners and far outside; a 1-pixel-wide input.
     grid = torch.tensor([[[[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0], [5.0, -7.0], [-3.0, 0.25]]]])

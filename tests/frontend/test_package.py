@@ -141,6 +141,41 @@ def test_index_checks_survive_the_package(tmp_path):
         run(torch.tensor([3, 10]))
 
 
+class _Solves(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.linalg.solve(a, b) + torch.linalg.inv(a).sum((-2, -1), keepdim=True)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_linalg_checks_survive_the_package(tmp_path, dynamic):
+    """A model calling torch.linalg.solve and inv (their error checks thread an effect token
+    through the exported graph) exports as a package of format 3 (effect tokens; a model without
+    them still writes 2): loaded, it equals eager (float64 rtol/atol 1e-10) at the export's
+    batch and, dynamic, at another one compiled on the way; a singular matrix raises
+    fx2xla.LinAlgError, a torch.linalg.LinAlgError, naming the api."""
+    model = _Solves()
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(n):
+        a = torch.randn(n, 3, 3, generator=gen, dtype=torch.float64) + 3 * torch.eye(3, dtype=torch.float64)
+        return a, torch.randn(n, 3, 2, generator=gen, dtype=torch.float64)
+
+    a, b = inputs(4)
+    n = torch.export.Dim("n", min=2, max=8)
+    path = fx2xla.export(model, (a, b), str(tmp_path / "pkg"),
+                         dynamic_shapes={"a": {0: n}, "b": {0: n}} if dynamic else None)
+    with open(os.path.join(path, "manifest.json")) as f:
+        assert json.load(f)["format_version"] == 3
+    run = fx2xla.load(path)
+    for args in [(a, b)] + ([inputs(2)] if dynamic else []):
+        torch.testing.assert_close(run(*args), model(*args), rtol=1e-10, atol=1e-10)
+    singular = a.clone()
+    singular[1] = 0
+    with pytest.raises(fx2xla.LinAlgError, match="torch.linalg.solve: .*singular") as info:
+        run(singular, b)
+    assert isinstance(info.value, torch.linalg.LinAlgError)
+
+
 def test_wrong_inputs_are_clear_errors(tmp_path):
     model = torch.nn.Linear(4, 2)
     run = fx2xla.load(fx2xla.export(model, (torch.randn(3, 4),), str(tmp_path / "pkg")))

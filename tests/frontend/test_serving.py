@@ -1,4 +1,6 @@
 """Serving warm-up: every shape compiled before traffic; nothing compiles afterwards."""
+import warnings
+
 import pytest
 import torch
 
@@ -152,6 +154,53 @@ def test_batch_buckets_pad_and_share_executables():
             assert out.shape == (b, 3)
             torch.testing.assert_close(out, model(xb), rtol=1e-4, atol=1e-5)
         # 3 shares bucket 4 (compiled already for the first call, batch 2); 5-8 share bucket 8.
+        assert fx2xla.metrics()["specializations"] - before == 1
+
+
+def test_batch_buckets_leave_graphs_padding_would_change():
+    """batch_buckets pads only graphs whose inputs and outputs hold the batch in dim 0 alone and
+    that read no number computed from it: a graph returning h.t(), a flatten, a concatenation
+    along the batch, h.unsqueeze(0) and x.shape[0] * ones, and one taking an input batched in dim
+    1, compile per batch size instead, with a warning saying why; every output equals eager's
+    (float32, rtol 1e-4, atol 1e-5) in shape and values at batches 2, 4 and 3. A model that
+    flattens the batch inside (an LM head over [batch * seq, hidden]) and returns [batch, seq,
+    out] is still padded: batches 3 and 4 share one executable."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4).eval()
+
+    def outputs(x):
+        h = lin(x)
+        return h.t(), h.reshape(-1), torch.cat([h, h]), h.unsqueeze(0), x.shape[0] * torch.ones(1)
+
+    def batched_in_dim_1(x, y):
+        return lin(x) + y.t()
+
+    options = {"batch_buckets": [1, 2, 4, 8]}
+    for fn, make in ((outputs, lambda b: (torch.randn(b, 8),)),
+                     (batched_in_dim_1, lambda b: (torch.randn(b, 8), torch.randn(4, b)))):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="fx2xla", options=options)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for b in (2, 4, 3):
+                args = make(b)
+                for a, e in zip(compiled(*args), fn(*args)) if fn is outputs else [(compiled(*args), fn(*args))]:
+                    assert a.shape == e.shape
+                    torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+        assert any("batch_buckets: not padding this graph" in str(w.message) for w in seen)
+
+    def lm_head(x):
+        b, s, _ = x.shape
+        return lin(x.reshape(b * s, 8)).reshape(b, s, 4)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lm_head, backend="fx2xla", options=options)
+    with torch.no_grad():
+        compiled(torch.randn(2, 5, 8))
+        before = fx2xla.metrics()["specializations"]
+        for b in (3, 4):
+            x = torch.randn(b, 5, 8)
+            torch.testing.assert_close(compiled(x), lm_head(x), rtol=1e-4, atol=1e-5)
         assert fx2xla.metrics()["specializations"] - before == 1
 
 

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import fx2xla
+import fx2xla.partition
 from fx2xla.compiled_graph import CompiledGraph
 from fx2xla.runtime import default_device
 
@@ -88,6 +90,81 @@ def test_views_of_noncontiguous_inputs():
         torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("order", ["value_first", "views_first"])
+def test_outputs_viewing_a_returned_value_share_its_memory(order):
+    """`y = x * 2` returned beside views of it (y[1:], y.t()), in either order: as in eager, the
+    outputs share one storage, so zeroing one view shows in y and in the other view, and every
+    output's values before and after equal eager's exactly (float32)."""
+    def fn(x):
+        y = x * 2
+        return (y, y[1:], y.t()) if order == "value_first" else (y[1:], y.t(), y)
+
+    results = []
+    for f in (fn, torch.compile(fn, backend="fx2xla")):
+        torch._dynamo.reset()
+        outs = f(torch.arange(6.0).reshape(3, 2))
+        before = [o.clone() for o in outs]
+        outs[1 if order == "value_first" else 0].zero_()
+        results.append((before, [o.clone() for o in outs], {o.untyped_storage().data_ptr() for o in outs}))
+    (e_before, e_after, e_storages), (a_before, a_after, a_storages) = results
+    assert len(e_storages) == 1 and len(a_storages) == 1
+    for a, e in zip(a_before + a_after, e_before + e_after):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fn", [torch.tanh, lambda x: (torch.softmax(x * 2, -1), x.sum())], ids=["tanh", "softmax"])
+def test_a_forward_returning_one_value_twice(fn):
+    """A training forward whose saved activation is also the user's output returns that value
+    twice (and it is viewed by no one else): both outputs reach AOTAutograd, so the compiled
+    output and the input's gradient equal eager's (float32, rtol 1e-5, atol 1e-6)."""
+    results = []
+    for f in (fn, torch.compile(fn, backend="fx2xla")):
+        torch._dynamo.reset()
+        x = torch.linspace(-2, 2, 32).reshape(4, 8).requires_grad_()
+        out = f(x)
+        first = out[0] if isinstance(out, tuple) else out
+        first.backward(torch.linspace(0, 1, 32).reshape(4, 8))
+        results.append((first.detach(), x.grad))
+    for a, e in zip(*results):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+VIEW_DTYPES = [(torch.float32, torch.int32), (torch.float32, torch.uint8), (torch.uint8, torch.float32),
+               (torch.bfloat16, torch.int16), (torch.int16, torch.float16), (torch.int64, torch.float64),
+               (torch.float64, torch.int32), (torch.int32, torch.int64), (torch.float32, torch.complex64),
+               (torch.complex64, torch.float32), (torch.complex128, torch.int16), (torch.uint8, torch.bool),
+               (torch.bool, torch.int8)]
+
+
+@pytest.mark.parametrize("src,dst", VIEW_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_view_as_another_dtype(src, dst):
+    """`x.view(dtype)` (aten.view.dtype) lowers (fallback="error") for same, smaller and larger
+    item sizes, complex and bool among them, on a [4, 16]-byte input, a row-strided slice of a
+    larger one, an empty one and (same item size) a 0-d one: dtype, shape and every byte equal
+    eager's (bool: every value)."""
+    def source(shape):
+        if src is torch.bool:
+            return torch.rand(shape, generator=torch.Generator().manual_seed(0)) > 0.5
+        raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * src.itemsize), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(0))
+        return raw.view(src)
+
+    width = 16 // src.itemsize
+    inputs = [source((4, width)), source((8, width))[::2], source((0, width))]
+    if src.itemsize == dst.itemsize:
+        inputs.append(source((1,)).reshape(()))
+    f = torch.compile(lambda x: x.view(dst) if dst is torch.bool else x.view(dst) * 1, backend="fx2xla",
+                      options={"fallback": "error"})
+    for x in inputs:
+        torch._dynamo.reset()
+        actual, expected = f(x), x.view(dst)
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual, expected)
+        if dst is torch.bool:
+            assert torch.equal(actual, expected)
+        else:
+            assert torch.equal(actual.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
+
+
 def test_zero_dim_and_empty(check):
     s, e = make(()), make((0, 3))
     check(
@@ -154,12 +231,22 @@ def test_as_strided_reads_storage_of_permuted_input(check):
     check(lambda x: fresh(x.as_strided((5, 4), (4, 1)), x.as_strided((3,), (5,), 1)), x)
 
 
-def test_as_strided_rejects_non_dense_input():
-    # torch would read the base's storage outside the slice, which the graph does not have.
-    # (Not through `check`: its clone of the input would make it contiguous.)
+def test_as_strided_of_a_non_dense_input_runs_eagerly(monkeypatch):
+    """as_strided of a strided slice reads the base's storage outside the slice, which the graph
+    does not hold: that node runs eagerly and the result equals eager's exactly (float32), the
+    warning saying the rule does not cover these arguments; under fallback="error" it raises
+    UnsupportedOpError saying the same. (Not through `check`: its clone would make the input
+    contiguous.)"""
+    monkeypatch.setattr(fx2xla.partition, "warned_ops", set())
     x = make((4, 6))[:, ::2]
-    with pytest.raises(Exception, match="non-dense view"):
-        torch.compile(lambda x: fresh(x.as_strided((2, 2), (1, 1))), backend="fx2xla", fullgraph=True)(x)
+    fn = lambda x: fresh(x.as_strided((2, 2), (1, 1)) * 2)  # noqa: E731
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="as_strided.default has no lowering rule for these arguments"):
+        actual = torch.compile(fn, backend="fx2xla", fullgraph=True)(x)
+    torch.testing.assert_close(actual, fn(x), rtol=0, atol=0)
+    torch._dynamo.reset()
+    with pytest.raises(fx2xla.errors.UnsupportedOpError, match="does not cover these arguments"):
+        torch.compile(fn, backend="fx2xla", fullgraph=True, options={"fallback": "error"})(x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,6 +12,8 @@ orthonormality, eigen-equation) at the same tolerances scaled by the matrix size
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -250,21 +252,94 @@ def test_solver_info_of_singular_and_non_pd_inputs(dtype):
     assert actual[6][1] == 0 and actual[7][1] == 0 and actual[8][1] == float("-inf")
 
 
-def test_solver_errors_are_raised():
-    """torch.linalg.cholesky of a non-positive-definite matrix raises torch.linalg.LinAlgError
-    as in eager (its _linalg_check_errors runs in eager after the XLA graph, default options);
-    torch.cholesky (whose kernel raises itself) raises fx2xla.IndexOutOfRangeError through the
-    rule's run-time check; on a positive-definite input both equal eager's factor (TOL)."""
-    bad = -torch.eye(3, dtype=torch.float64)
-    good = spd(dtype=torch.float64, n=3)
+ERRORS = [  # (function, what its message says, eager's words for it)
+    (lambda a: torch.linalg.cholesky(a), "linalg.cholesky", "not positive-definite"),
+    (lambda a: torch.linalg.cholesky_ex(a, check_errors=True)[0], "linalg.cholesky", "not positive-definite"),
+    (lambda a: torch.cholesky(a), "cholesky", "not positive-definite"),
+    (lambda a: torch.linalg.inv(a), "linalg.inv", "singular"),
+    (lambda a: torch.linalg.solve(a, a[..., :1]), "torch.linalg.solve", "singular"),
+    (lambda a: torch.linalg.lu_factor(a)[0], "torch.linalg.lu_factor", "division by zero"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ERRORS)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linalg_errors_are_raised_from_the_graph(case, dtype):
+    """torch.linalg.cholesky, inv, solve, lu_factor (their `with_effects(_linalg_check_errors)`),
+    torch.cholesky and cholesky_ex(check_errors=True) lower whole (fallback="error", and no
+    fallback warning under the default): a matrix eager rejects (a non-positive-definite one, a
+    singular one; alone and as element 1 of a batch) raises fx2xla.LinAlgError, which is a
+    torch.linalg.LinAlgError as eager raises (a RuntimeError, what eager's lu_factor raises),
+    with eager's words, the api's name and the user's
+    source line; an accepted input equals eager's result (TOL, dtype, shape). With
+    options={"check_indices": False} the bad input raises nothing."""
+    fn, name, words = ERRORS[case]
+    bad = -torch.eye(3, dtype=dtype) if "positive" in words else torch.zeros(3, 3, dtype=dtype)
+    good = spd(2, n=3, dtype=dtype)
+    with pytest.raises(RuntimeError, match=words):
+        fn(bad)  # eager: a LinAlgError, and lu_factor a RuntimeError (which LinAlgError is too)
+    f = compiled(fn)
+    for a in (bad, torch.stack([good[0], bad])):
+        with pytest.raises(fx2xla.LinAlgError, match=words) as info:
+            f(a)
+        assert isinstance(info.value, torch.linalg.LinAlgError)
+        assert name + ":" in str(info.value) and "test_solvers.py" in str(info.value), str(info.value)
+    check_same(f(good), fn(good))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        torch._dynamo.reset()
+        torch.compile(fn, backend="fx2xla")(good)
     torch._dynamo.reset()
-    with pytest.raises(torch.linalg.LinAlgError):
-        torch.compile(torch.linalg.cholesky, backend="fx2xla")(bad)
-    check_same(torch.compile(torch.linalg.cholesky, backend="fx2xla")(good), torch.linalg.cholesky(good))
-    f = compiled(lambda a: torch.cholesky(a))
-    with pytest.raises(fx2xla.IndexOutOfRangeError, match="not positive-definite"):
-        f(bad)
-    check_same(f(good), torch.cholesky(good))
+    unchecked = torch.compile(fn, backend="fx2xla", options={"check_indices": False, "fallback": "error"})
+    unchecked(bad)
+
+
+def test_linalg_checks_beside_an_effectful_op_that_runs_eagerly(capfd):
+    """A graph with linalg.inv, linalg.solve and an effectful op without a rule (aten._print):
+    the print runs eagerly between two XLA subgraphs, in order (it prints once per call, and not
+    when inv's check failed first, as eager), the fallback warning names aten._print, and the
+    result equals eager's (TOL); a singular input raises fx2xla.LinAlgError."""
+    def fn(a):
+        y = torch.linalg.inv(a)
+        torch.ops.aten._print("printed by the graph")
+        return torch.linalg.solve(a, y) + 1
+
+    a = well_conditioned(n=3)
+    expected = fn(a)
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="fx2xla")
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        actual = f(a)
+    check_same(actual, expected)
+    printed = capfd.readouterr().out
+    assert printed.count("printed by the graph") == 1, printed
+    messages = [str(w.message) for w in seen]
+    assert any("aten._print.default has no lowering rule" in m for m in messages), messages
+    assert not any("with_effects" in m or "_linalg_check_errors" in m for m in messages), messages
+    with pytest.raises(fx2xla.LinAlgError, match="linalg.inv: .*singular"):
+        f(torch.zeros(3, 3, dtype=torch.float64))
+    assert "printed by the graph" not in capfd.readouterr().out
+
+
+def test_linalg_checks_in_a_training_step():
+    """linalg.inv and linalg.solve in a float64 loss compiled for training (fallback="error"):
+    the loss and the gradients of A and b equal eager's within 1e-10, and a singular A raises
+    fx2xla.LinAlgError from the forward graph."""
+    def loss(a, b):
+        return (torch.linalg.inv(a) @ b).sum() + torch.linalg.solve(a, b).square().sum()
+
+    a0, b0 = well_conditioned(n=4), make(4, 2, seed=1)
+    results = []
+    for f in (loss, compiled(loss)):
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        out = f(a, b)
+        out.backward()
+        results.append((out.detach(), a.grad, b.grad))
+    check_same(results[1], results[0])
+    with pytest.raises(fx2xla.LinAlgError, match="singular"):
+        f(torch.zeros(4, 4, dtype=torch.float64, requires_grad=True), b0)
 
 
 def test_solver_backward_matches_eager():

@@ -239,3 +239,42 @@ def test_warmed_up_in_the_served_mode_many_threads_make_no_graph():
 
     _run_threads(work, n=12)
     assert fx2xla.metrics()["graphs"] == graphs
+
+
+class _Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return x * 2 + self.count
+
+
+@pytest.mark.parametrize("in_place", ["1", "0"], ids=["in_place", "swapped"])
+def test_threads_calling_a_graph_that_writes_its_input(in_place, monkeypatch):
+    """Six threads call one compiled module that increments a buffer, 40 calls each: calls of a
+    graph that writes its inputs run one at a time, so none fails, every output is x * 2 plus a
+    count between 2 and 241 (int64, exact), no two calls see the same count, and the buffer ends
+    at 241, as a single thread would leave it. Whether XLA writes the buffer in place or a new
+    storage is swapped in (FX2XLA_INPLACE)."""
+    monkeypatch.setenv("FX2XLA_INPLACE", in_place)
+    torch._dynamo.reset()
+    m = _Counter()
+    c = torch.compile(m, backend="fx2xla")
+    with torch.no_grad():
+        c(torch.zeros(3, 4))
+    seen, lock, calls = [], threading.Lock(), 40
+
+    def work(i):
+        for _ in range(calls):
+            with torch.no_grad():
+                y = c(torch.ones(3, 4))
+            count = y[0, 0].item() - 2
+            assert torch.equal(y, torch.full((3, 4), 2.0 + count)), y
+            with lock:
+                seen.append(count)
+
+    _run_threads(work, n=6)
+    assert m.count.item() == 6 * calls + 1
+    assert sorted(seen) == list(range(2, 6 * calls + 2))
