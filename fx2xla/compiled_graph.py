@@ -16,7 +16,6 @@ import torch
 from . import dump
 from . import offload as _offload
 from . import torch_kernels as _torch_kernels
-from .errors import LoweringError, UnsupportedOpError
 from .lowering.channels_last import TO_FIRST, saved_strides
 from .lowering.graph import check_rules, lower_graph
 from .lowering.merge_linears import merge_linears as _merge_linears
@@ -27,7 +26,7 @@ from .plan import InputKind, build_plan, input_mutations
 from .plan_executor import PlanExecutor, ResidentInput, Specialization
 from .runtime import Device, compile_module
 from .runtime.executor import optimized_hlo_text
-from .serving import InputSignature, check_compile_allowed, signature_change
+from .serving import InputSignature, RecompileError, check_compile_allowed, signature_change
 from .sharding import mesh_by_id
 
 
@@ -256,7 +255,10 @@ class CompiledGraph:
                 if spec is None:
                     try:
                         spec = self._specialize(list(args))
-                    except (LoweringError, UnsupportedOpError):
+                    except RecompileError:
+                        raise
+                    except Exception:  # (a rule's or a Python op's, on a traced int; if the graph
+                        # fails per value too, that error is the one raised)
                         if self._plan_per_value is None or self._specializations:
                             raise
                         self._per_value()

@@ -348,6 +348,8 @@ class PlanExecutor:
         # is writing, or free a swapped-out storage under the other's execution. They run one at
         # a time, each reading what the last one wrote.
         self._writes = threading.Lock() if plan.mutations else None
+        if self._writes is not None:
+            self.run = self._run_one_at_a_time  # (other graphs' calls take no lock, nor its frame)
         self.staged_inputs = 0  # inputs handed over through a staging buffer (metrics())
         self.executions = 0
         self.execute_seconds = 0.0
@@ -357,14 +359,8 @@ class PlanExecutor:
     # -- a call -----------------------------------------------------------------------------
     def run(self, spec: Specialization, args):
         """One call of `spec`'s executable on `args` (a list is cleared once its inputs are
-        handed off: AOTAutograd's boxed convention). Calls of a graph that writes its inputs run
-        one at a time (`_writes`)."""
-        if self._writes is not None:
-            with self._writes:
-                return self._run_recorded(spec, args)
-        return self._run_recorded(spec, args)
-
-    def _run_recorded(self, spec: Specialization, args):
+        handed off: AOTAutograd's boxed convention). A graph that writes its inputs replaces
+        this method by `_run_one_at_a_time` (see `_writes`)."""
         # The hand-off's arrays need no recorded Python stack. Arrays kept past the call (twins,
         # ShardedTensors) may be read by jax later, which demands the context recording gives.
         if spec.keeps_arrays:
@@ -376,6 +372,10 @@ class PlanExecutor:
         finally:
             if paused:
                 _resume_tracebacks(paused)
+
+    def _run_one_at_a_time(self, spec: Specialization, args):
+        with self._writes:
+            return PlanExecutor.run(self, spec, args)
 
     def _run(self, spec: Specialization, args):
         self.executions += 1

@@ -142,7 +142,7 @@ def test_grid_sample_bicubic_runs_eagerly(monkeypatch):
     grid = torch.rand(2, 4, 7, 2, generator=torch.Generator().manual_seed(1)) * 2.4 - 1.2
 
     def fn(x, g):
-        return F.grid_sample(x * 2, g, mode="bicubic", align_corners=False), F.grid_sample(x, g)
+        return F.grid_sample(x * 2, g, mode="bicubic", align_corners=False), F.grid_sample(x, g, align_corners=False)
 
     x = make(2, 3, 5, 6)
     torch._dynamo.reset()
