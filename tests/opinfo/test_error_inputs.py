@@ -28,6 +28,7 @@ _REFLECTED = ("calling the unbound Tensor.{}(int, tensor) is a TypeError in eage
               "reflected operator and returns a value (aot_eager too)")
 KNOWN: dict[tuple[str, int], str] = {
     ("aminmax", 3): "out= tensors of the wrong dtype: Dynamo's out= handling returns a value (aot_eager too)",
+    ("complex", 2): "out= tensors of the wrong dtype: Dynamo's out= handling returns a value (aot_eager too)",
     **{(name, i): _REFLECTED.format(name) for name in ("__radd__", "__rmul__", "__rand__", "__ror__", "__rxor__")
        for i in (0, 1)},
 }
