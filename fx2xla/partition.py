@@ -19,8 +19,8 @@ from .lowering.registry import PYTHON_OPS
 from .lowering.registry import data_dependent, lowering_for, lowering_for_node
 from .metrics import counters
 
-# The ops the eager-fallback warning has named in this process (each is named once). Public: a
-# test starts it afresh to see the warning.
+# The (op, data-dependent?) pairs the eager-fallback warning has named in this process (each is
+# named once). Public: a test starts it afresh to see the warning.
 warned_ops: set = set()
 
 

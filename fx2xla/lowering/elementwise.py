@@ -567,6 +567,7 @@ X86_HOST = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _x86_float_to_int(x, dtype):
+    """`x` (floating) cast to integer `dtype` as x86's cvtt instructions cast it (see X86_HOST)."""
     wide = jnp.int64 if dtype.itemsize == 8 else jnp.int32
     info = jnp.iinfo(wide)
     t = jnp.trunc(x)

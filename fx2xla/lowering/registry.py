@@ -17,8 +17,8 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from jax import lax
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..errors import describe_node_inputs, op_name, user_source_line
 from .checks import INDEX, CheckRecord, out_of_range

@@ -82,10 +82,9 @@ def _linalg_check_errors(ctx, token, op, info, api_name, *, is_matrix=True):
     inv, solve and lu_factor trace as after their `_ex` op: the check, run with the graph, and
     the effect token passed on. Other effectful ops keep no rule (they run eagerly)."""
     check_info(ctx, info, api_name)
-    # (token, the op's result: None), or just the token: torch.export's deserialized graphs
-    # read both, in-memory ones the token only.
-    width = len(ctx.out) if isinstance(ctx.out, (tuple, list)) else 2
-    return (token,) + (None,) * max(width - 1, 1)
+    # (The token and the op's result, None: in-memory graphs read only the token, and the extra
+    # entry beyond their meta is dropped; torch.export's deserialized ones read both.)
+    return token, None
 
 
 def _check_dtype(ctx, x, name: str, i: int = 0) -> None:
