@@ -24,7 +24,7 @@ from .errors import InvalidInputError, node_op
 from .lowering.linalg import check_linear_layout
 from .metrics import counters, live_graphs
 from .offload import note_forward, parse_offload, plan_offload
-from .partition import partitioned_graph, unsupported_nodes
+from .partition import drop_unused_scalars, partitioned_graph, unsupported_nodes
 from .passes import pass_options, run_passes
 from .passes.auto_sharding import (InfeasibleBudget, Solution, graph_key, repeated_layers, solution_from_record,
                                    solution_record, solve_cached, solve_least)
@@ -197,6 +197,7 @@ def _compile(gm, example_inputs, *, kind: str, options: dict, made: list | None 
     name = _graph_name(kind)
     shapes = ", ".join(str(list(v.shape)) for v in example_inputs if isinstance(v, torch.Tensor))
     check_compile_allowed(f"graph {name} ({kind}) for input shapes {shapes}", bool(options["no_recompile"]))
+    drop_unused_scalars(gm)
     # Forward and inference graphs take Dynamo's inputs in Dynamo's order: eager sharding
     # annotations apply position by position (AOTAutograd added none of its own here).
     annotations, names, tensors = dynamo_inputs if dynamo_inputs is not None else (None, None, None)

@@ -8,6 +8,8 @@ Ops that survive it (core ATen plus a few prims such as `prims.fma`) each need a
 from __future__ import annotations
 
 import functools
+import math
+import struct
 
 import torch
 from torch._decomp import core_aten_decompositions
@@ -25,6 +27,8 @@ def decomposition_table() -> dict:
     table[aten.linalg__powsum.default] = _powsum
     table[aten.index_add.default] = functools.partial(_checked_index_add, table[aten.index_add.default])
     table[aten.take.default] = _take
+    table[aten._native_multi_head_attention.default] = _native_multi_head_attention
+    table[aten._transformer_encoder_layer_fwd.default] = _transformer_encoder_layer
     return table
 
 
@@ -40,6 +44,98 @@ def attention_op_table() -> dict:
     table = dict(decomposition_table())
     table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     return table
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` as the nearest `dtype` number (a Python float, for a scalar kernels hold in
+    the tensor's own type)."""
+    if dtype == torch.float64:
+        return value
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    if dtype == torch.bfloat16:  # round to nearest even on the upper 16 bits
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", value))[0]
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def _native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight,
+                                 proj_bias, mask=None, need_weights=True, average_attn_weights=True, mask_type=None):
+    """nn.MultiheadAttention's inference fast path (eval, no grad, batch_first) as eager's CPU
+    kernel computes it: q/k/v projections, q scaled by 1/sqrt(head dim) held in the input's
+    type, softmax over the keys where the mask is False, output projection. The mask is read
+    as a bool mask whatever its dtype (a float mask's nonzero entries mask, as in eager's
+    kernel); mask_type 0 is [T, T], 1 a key-padding [B, T], 2 [B, H, T, T]. A row whose keys
+    are all masked comes out NaN, as eager's."""
+    b, t, d = query.shape
+    if d != embed_dim or d % num_head or qkv_weight.shape != (3 * d, d):
+        raise InvalidInputError(
+            "aten._native_multi_head_attention",
+            f"query {list(query.shape)}, embed_dim {embed_dim}, num_heads {num_head} and qkv_weight "
+            f"{list(qkv_weight.shape)} do not agree (eager needs query [B, T, embed_dim], embed_dim divisible "
+            "by num_heads, qkv_weight [3 * embed_dim, embed_dim])")
+    if query.numel() == 0:
+        return aten.new_empty(query, query.shape), aten.new_empty(query, [0])
+    dh = d // num_head
+
+    def heads(x):
+        return aten.permute(aten.view(x, [b, t, num_head, dh]), [0, 2, 1, 3])
+
+    if query is key and key is value:  # self-attention: one product, as eager's kernel
+        q, k, v = (heads(p) for p in aten.split.Tensor(aten.linear(query, qkv_weight, qkv_bias), d, -1))
+    else:
+        q, k, v = (heads(aten.linear(x, w, bias)) for x, w, bias in
+                   zip((query, key, value), aten.split.Tensor(qkv_weight, d), aten.split.Tensor(qkv_bias, d)))
+    inv_sqrt = _rounded(1.0 / _rounded(math.sqrt(dh), query.dtype), query.dtype)
+    if mask is None and not need_weights:
+        out = aten.scaled_dot_product_attention(q, k, v, scale=inv_sqrt)
+        out = aten.reshape(aten.permute(out, [0, 2, 1, 3]), [b, t, d])
+        return aten.linear(out, proj_weight, proj_bias), aten.new_empty(query, [0])
+    q = aten.mul(q, inv_sqrt)
+    scores = aten.matmul(q, aten.transpose(k, -2, -1))
+    if mask is not None:
+        masked = mask if mask.dtype == torch.bool else aten.ne(mask, 0)
+        if masked.dim() == 2 and mask_type == 1:
+            masked = aten.view(masked, [b, 1, 1, t])
+        scores = aten.masked_fill(scores, masked, float("-inf"))
+    probs = aten._softmax(scores, -1, False)
+    out = aten.reshape(aten.permute(aten.matmul(probs, v), [0, 2, 1, 3]), [b, t, d])
+    out = aten.linear(out, proj_weight, proj_bias)
+    if not need_weights:
+        return out, aten.new_empty(query, [0])
+    if average_attn_weights:
+        probs = aten.div(aten.sum.dim_IntList(probs, [1]), num_head)
+    return out, probs
+
+
+def _transformer_encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu,
+                               norm_first, eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2,
+                               ffn_weight_1, ffn_bias_1, ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
+    """nn.TransformerEncoderLayer's inference fast path (`torch._transformer_encoder_layer_fwd`):
+    self-attention as `_native_multi_head_attention`, residuals, layer norms before or after
+    each block, and the feed-forward block with exact GELU or ReLU, in eager's order."""
+    if src.numel() == 0:
+        return aten.clone(src)
+
+    def norm(x, w, bias):
+        return aten.layer_norm(x, [embed_dim], w, bias, eps)
+
+    x = norm(src, norm_weight_1, norm_bias_1) if norm_first else src
+    x = _native_multi_head_attention(x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
+                                     mask, False, True, mask_type)[0]
+    x = aten.add(x, src)
+    if not norm_first:
+        x = norm(x, norm_weight_1, norm_bias_1)
+    residual = x
+    if norm_first:
+        x = norm(x, norm_weight_2, norm_bias_2)
+    h = aten.linear(x, ffn_weight_1, ffn_bias_1)
+    h = aten.gelu(h) if use_gelu else aten.relu(h)
+    x = aten.add(aten.linear(h, ffn_weight_2, ffn_bias_2), residual)
+    if not norm_first:
+        x = norm(x, norm_weight_2, norm_bias_2)
+    return x
 
 
 def _take(x, index):

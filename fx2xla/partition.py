@@ -35,6 +35,67 @@ def _lowerable(node: torch.fx.Node) -> bool:
     return node.target in PYTHON_OPS or lowering_for_node(node) is not None
 
 
+def drop_unused_scalars(gm: torch.fx.GraphModule) -> int:
+    """Remove scalar reads of device values (`aten._local_scalar_dense`, `.item()`) that nothing
+    but a tautology reads, with the symbolic arithmetic and checks on them; return how many
+    reads went. Library code computes such values for branches tracing did not take
+    (nn.TransformerEncoder's `torch.equal(mask, causal)`, read only by its slow path), and
+    AOTAutograd keeps them with range checks on them (`u0 >= 0` for a bool read as 0 or 1);
+    each would otherwise split the graph around an eager read of a device value.
+
+    A read goes when its value reaches no tensor op and no output, and every check on it holds
+    whatever the value: a read nothing reads, or a bool read whose checks hold both when True
+    and when False. A check that could fail (the user's `torch._check(n.item() > 0)`) keeps it."""
+    dropped = 0
+    for root in [n for n in gm.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default]:
+        chain = _scalar_readers(root)
+        if chain is None:
+            continue
+        values = (True, False) if isinstance(root.meta.get("val"), torch.SymBool) else ()
+        if any(n.target is torch.ops.aten._assert_scalar.default for n in chain) and not values:
+            continue
+        if not all(_checks_hold(root, chain, v) for v in values):
+            continue
+        for node in reversed([root, *chain]):
+            gm.graph.erase_node(node)
+        dropped += 1
+    if dropped:  # tensors only they read are left to XLA, which drops dead values itself
+        gm.recompile()
+    return dropped
+
+
+def _scalar_readers(root: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """Every node reading `root`'s value, directly or through symbolic arithmetic, in graph
+    order, when all of them are symbolic arithmetic or checks reading nothing else from the
+    graph; None when the value reaches anything else."""
+    seen, stack = set(), [root]
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            if user.op != "call_function" or not (user.target in PYTHON_OPS or user.target is torch.sym_ite
+                                                  or user.target is torch.ops.aten._assert_scalar.default):
+                return None
+            seen.add(user)
+            stack.append(user)
+    if any(a is not root and a not in seen for n in seen for a in n.all_input_nodes):
+        return None
+    return [n for n in root.graph.nodes if n in seen]
+
+
+def _checks_hold(root: torch.fx.Node, chain: list[torch.fx.Node], value) -> bool:
+    """Whether every check in `chain` passes when `root` reads `value`."""
+    env = {root: value}
+    for node in chain:
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+        if node.target is torch.ops.aten._assert_scalar.default:
+            if not args[0]:
+                return False
+            continue
+        env[node] = (args[1] if args[0] else args[2]) if node.target is torch.sym_ite else node.target(*args, **kwargs)
+    return True
+
+
 def unsupported_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [
         n for n in gm.graph.nodes

@@ -129,6 +129,41 @@ def test_data_dependent_sizes_run_eagerly(case, monkeypatch):
             strict(*calls[0])
 
 
+def test_scalar_reads_nothing_needs_are_dropped():
+    """Device values read as Python scalars that nothing needs (a sum's `.item()` never used, a
+    bool `.item()` only read by the range checks Dynamo adds) leave no eager read behind: the
+    graph compiles with fallback="error" and matches eager (float32, exact). A check on a bool
+    read that can fail (`torch._check(b)`) stays: it runs eagerly and raises for a negative
+    input, as eager does, and a positive input passes."""
+    def unused(x, m):
+        x.sum().item()
+        causal = bool((m == torch.ones(3, 3, dtype=torch.bool).triu(1)).all())  # as nn.Transformer does
+        del causal
+        return x * 2
+
+    def checked(x):
+        b = (x > 0).all().item()
+        torch._check(b)
+        return x * 3
+
+    x, m = torch.tensor([1.0, -2.0, 3.0]), torch.ones(3, 3, dtype=torch.bool).triu(1)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch._dynamo.reset()
+        f = torch.compile(unused, backend="fx2xla", fullgraph=True, options={"fallback": "error"})
+        torch.testing.assert_close(f(x, m), unused(x, m), rtol=0, atol=0)
+        torch._dynamo.reset()
+        g = torch.compile(checked, backend="fx2xla", fullgraph=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(g(x.abs()), x.abs() * 3, rtol=0, atol=0)
+            with pytest.raises(Exception, match="u0|assert|check"):
+                g(x)
+        torch._dynamo.reset()
+        strict = torch.compile(checked, backend="fx2xla", fullgraph=True, options={"fallback": "error"})
+        with pytest.raises(fx2xla.errors.UnsupportedOpError, match="_local_scalar_dense"):
+            strict(x.abs())
+
+
 def test_training_patterns_lower_whole():
     """Two training patterns compile with fallback="error" and match eager: the backward of a
     slice assignment on an activation (AOTAutograd's new_empty_strided), and an AdamW step with
