@@ -163,3 +163,52 @@ def test_cpu_bits_are_xlas_threefry(dtype):
     assert texts and all("rng_bit_generator" in t and "THREE_FRY" in t for t in texts), texts
     assert u.dtype == dtype and u.min() >= 0 and u.max() < 1
     assert scipy.stats.kstest(u.numpy()[:20000], "uniform").pvalue > 1e-3
+
+
+
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["checkpointed", "plain"])
+def test_checkpointed_random_ops_recompute_the_forwards_bits(checkpointed):
+    """Activation checkpointing (torch.utils.checkpoint, non-reentrant) around dropout and
+    rand_like lowers whole (fallback="error": the forward's `run_and_save_rng_state` and the
+    backward's `run_with_rng_state` have rules), and the backward recomputes the forward's
+    draws. Each of two blocks returns tanh(linear(x)) * r, r its dropout mask times noise in
+    [0.5, 1.5); the test reads r back from the compiled forward's outputs and replays the blocks
+    eagerly with those r: the gradients of x, the linear's weight and bias equal the replay's
+    (float32, rtol 1e-4 / atol 1e-5). The backward leaves torch's generator as it was. Two
+    steps draw different masks; every block drops some."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+
+    def block(x):
+        ones = torch.ones_like(x)
+        return torch.tanh(lin(x)) * (torch.nn.functional.dropout(ones, 0.5) * (torch.rand_like(x) + 0.5))
+
+    def fn(x):
+        y1 = checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+        y2 = checkpoint(block, y1, use_reentrant=False) if checkpointed else block(y1)
+        return y1, y2
+
+    compiled = torch.compile(fn, backend="fx2xla", options={"fallback": "error"})
+    dropped = []
+    for _ in range(2):
+        x = torch.randn(16, 8, requires_grad=True)
+        lin.zero_grad()
+        y1, y2 = compiled(x)
+        state = torch.get_rng_state()
+        (y1.sum() + y2.square().sum()).backward()
+        assert torch.equal(torch.get_rng_state(), state)  # the recomputation draws no seed
+        got = (x.grad, lin.weight.grad.clone(), lin.bias.grad.clone())
+        with torch.no_grad():
+            r1, r2 = y1 / torch.tanh(lin(x)), y2 / torch.tanh(lin(y1))
+        x_ref = x.detach().clone().requires_grad_()
+        lin.zero_grad()
+        e1 = torch.tanh(lin(x_ref)) * r1
+        e2 = torch.tanh(lin(e1)) * r2
+        (e1.sum() + e2.square().sum()).backward()
+        for a, e in zip(got, (x_ref.grad, lin.weight.grad, lin.bias.grad)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+        assert (r1 == 0).any() and (r2 == 0).any() and (r1 != 0).any()
+        dropped.append(r1 == 0)
+    assert not torch.equal(dropped[0], dropped[1])
