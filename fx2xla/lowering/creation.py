@@ -57,3 +57,31 @@ def _arange(ctx, start, end, step=1, **kwargs):
         acc = jnp.float64
     values = lax.iota(acc, n) * jnp.asarray(step, acc) + jnp.asarray(start, acc)
     return lax.convert_element_type(values, dtype)
+
+
+@register_lowering(aten.tril_indices.default, aten.triu_indices.default)
+def _tri_indices(ctx, row, col, offset=0, **kwargs):
+    """The [2, N] coordinates of a row x col matrix's lower (tril) or upper (triu) triangle from
+    diagonal `offset`, row by row as torch lists them: a constant."""
+    upper = "triu" in ctx.node.target.name()
+    mask = np.triu(np.ones((row, col), bool), offset) if upper else np.tril(np.ones((row, col), bool), offset)
+    return jnp.asarray(np.stack(np.nonzero(mask)).reshape(2, -1), ctx.out_dtype)
+
+
+def _static_output_size(node) -> bool:
+    """repeat_interleave(repeats) with an output_size: a result of known size."""
+    return node.kwargs.get("output_size") is not None or (len(node.args) > 1 and node.args[1] is not None)
+
+
+@register_lowering(aten.repeat_interleave.Tensor, accepts=_static_output_size)
+def _repeat_interleave(ctx, repeats, output_size=None):
+    """repeat_interleave(repeats, output_size=n): i repeated repeats[i] times, in order, as n
+    elements (the index half of `x.repeat_interleave(repeats, dim, output_size=n)`). Element j
+    is the number of running totals of repeats at or below j. Negative repeats, or totals other
+    than n, raise as in eager. Without output_size the size depends on the values: no rule."""
+    n = ctx.out_shape[0]
+    totals = jnp.cumsum(repeats)
+    ctx.check(jnp.any(repeats < 0), "repeats can not be negative")
+    ctx.check(totals[-1] != n if repeats.shape[0] else n != 0,
+              f"output_size {n} does not match the sum of repeats (eager: allocated size does not match required size)")
+    return jnp.searchsorted(totals, jnp.arange(n, dtype=totals.dtype), side="right").astype(ctx.out_dtype)

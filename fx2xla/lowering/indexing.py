@@ -9,13 +9,15 @@ Boolean-mask indexing that selects elements has a data-dependent shape and is re
 """
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import torch
 from jax import lax
 from torch.ops import aten
 
 from .dtypes import dtype_name
-from .registry import RejectedInput, register_lowering
+from .registry import RejectedInput, is_array, register_lowering
 from .shape import canonical_dim
 
 
@@ -130,12 +132,19 @@ def _leading_block(src, shape):
     return src if src.shape == tuple(shape) else lax.slice(src, (0,) * src.ndim, tuple(shape))
 
 
+def _nonempty(a):
+    """torch's gather and scatter read a 0-d tensor (input, index or source) as a 1-d one of
+    one element (ATen's ensure_nonempty_dim)."""
+    return lax.reshape(a, (1,)) if a.ndim == 0 else a
+
+
 @register_lowering(aten.gather.default)
 def _gather(ctx, x, dim, index, sparse_grad=False):
     _check_dim_index(ctx, x, dim, index)
-    if x.ndim == 0:
-        return lax.reshape(x, index.shape)  # the only valid index of a 0-d tensor is 0
-    return x[_coordinates(index, canonical_dim(dim, x.ndim))]
+    if index.size == 0:  # eager takes an empty index of any rank
+        return jnp.zeros(ctx.out_shape, x.dtype)
+    x1, index1 = _nonempty(x), _nonempty(index)
+    return jnp.reshape(x1[_coordinates(index1, canonical_dim(dim, x1.ndim))], ctx.out_shape)
 
 
 def _check_dim_index(ctx, x, dim, index) -> None:
@@ -144,22 +153,43 @@ def _check_dim_index(ctx, x, dim, index) -> None:
     ctx.check_index(index, x.shape[dim] if x.ndim else 1, negative=False, dim=dim)
 
 
-def _scatter_target(x, dim, index):
-    if x.ndim == 0:
-        return x.at[()]
-    return x.at[_coordinates(index, canonical_dim(dim, x.ndim))]
+def _scatter(x, dim, index, update):
+    """`update(target, index)` on x's elements `index` addresses along `dim` (0-d operands read
+    as 1-d: `_nonempty`), where target is jax's `.at[...]` of them: x's new value."""
+    if index.size == 0:  # eager takes an empty index of any rank: nothing to write
+        return x
+    x1, index1 = _nonempty(x), _nonempty(index)
+    out = update(x1.at[_coordinates(index1, canonical_dim(dim, x1.ndim))], index1)
+    return jnp.reshape(out, x.shape)
+
+
+def _source(src, index1, dtype):
+    """The elements of `src` a scatter reads: the index-shaped corner, in x's dtype."""
+    return _leading_block(_nonempty(src), index1.shape).astype(dtype)
 
 
 @register_lowering(aten.scatter.src)
 def _scatter_src(ctx, x, dim, index, src):
     _check_dim_index(ctx, x, dim, index)
-    return _scatter_target(x, dim, index).set(_leading_block(src, index.shape).astype(x.dtype))
+    return _scatter(x, dim, index, lambda t, i: t.set(_source(src, i, x.dtype)))
 
 
 @register_lowering(aten.scatter.value)
 def _scatter_value(ctx, x, dim, index, value):
     _check_dim_index(ctx, x, dim, index)
-    return _scatter_target(x, dim, index).set(jnp.asarray(value, x.dtype))
+    return _scatter(x, dim, index, lambda t, i: t.set(jnp.asarray(value, x.dtype)))
+
+
+@register_lowering(aten.scatter.reduce, aten.scatter.value_reduce)
+def _scatter_reduce_legacy(ctx, x, dim, index, src, reduce):
+    """`scatter(..., reduce="add" | "multiply")` (the older API, with a tensor or a scalar
+    source): every addressed element adds or multiplies in its sources, as scatter_reduce with
+    include_self."""
+    if reduce not in ("add", "multiply"):
+        raise RejectedInput(f"reduce argument must be either add or multiply. Got {reduce!r}")
+    if not is_array(src):
+        src = jnp.full(index.shape, src, x.dtype)
+    return _scatter_reduce(ctx, x, dim, index, src, "sum" if reduce == "add" else "prod")
 
 
 @register_lowering(aten.scatter_add.default)
@@ -187,23 +217,23 @@ def _scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
     if reduce not in ("sum", "prod", "mean", "amax", "amin"):
         raise ValueError(f"unknown scatter_reduce reduction {reduce!r}")
     _check_dim_index(ctx, x, dim, index)
-    src = _leading_block(src, index.shape).astype(x.dtype)
     if not include_self:
         # torch first overwrites every target with the reduction's identity.
-        x = _scatter_target(x, dim, index).set(_reduction_identity(reduce, x.dtype))
-    target = _scatter_target(x, dim, index)
-    if reduce in ("sum", "mean"):
-        out = target.max(src) if x.dtype == jnp.bool_ else target.add(src)
-    elif reduce == "prod":
-        out = target.min(src) if x.dtype == jnp.bool_ else target.multiply(src)
-    elif reduce == "amax":
-        out = target.max(src)
-    else:
-        out = target.min(src)
+        x = _scatter(x, dim, index, lambda t, i: t.set(_reduction_identity(reduce, x.dtype)))
+
+    def combine(target, index1):
+        source = _source(src, index1, x.dtype)
+        if reduce in ("sum", "mean"):
+            return target.max(source) if x.dtype == jnp.bool_ else target.add(source)
+        if reduce == "prod":
+            return target.min(source) if x.dtype == jnp.bool_ else target.multiply(source)
+        return target.max(source) if reduce == "amax" else target.min(source)
+
+    out = _scatter(x, dim, index, combine)
     if reduce != "mean":
         return out
-    count = jnp.full(x.shape, 1 if include_self else 0, x.dtype)
-    count = _scatter_target(count, dim, index).add(jnp.ones(index.shape, x.dtype))
+    count = _scatter(jnp.full(x.shape, 1 if include_self else 0, x.dtype), dim, index,
+                     lambda t, i: t.add(jnp.ones(i.shape, x.dtype)))
     count = jnp.where(count == 0, jnp.ones_like(count), count)
     if jnp.issubdtype(x.dtype, jnp.floating):
         return out / count
@@ -214,6 +244,38 @@ def _scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
 def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     ctx.check_index(indices, weight.shape[0], negative=False, what="embedding index")
     return weight[indices]
+
+
+@register_lowering(aten.embedding_renorm.default)
+def _embedding_renorm(ctx, weight, indices, max_norm, norm_type):
+    """nn.Embedding(max_norm=...)'s renormalization (functional `embedding_renorm_`): each row
+    `indices` names whose `norm_type`-norm exceeds max_norm is scaled by max_norm / (norm +
+    1e-7), as eager's CPU kernel: the norm in the weight's dtype, the scale in double, rounded
+    to the weight's dtype for the product. Indices as eager's row selection takes them
+    (negative ones count from the end); out of range raises."""
+    rows = weight.shape[0]
+    ctx.check_index(indices, rows, negative=True, what="embedding index")
+    flat = jnp.reshape(indices, (-1,)).astype(jnp.int64)
+    flat = jnp.where(flat < 0, flat + rows, flat)
+    named = jnp.zeros((rows,), bool).at[flat].set(True, mode="drop")
+    x = weight.astype(jnp.float32) if jnp.dtype(weight.dtype).itemsize < 4 else weight
+    a = jnp.abs(x)
+    if norm_type == math.inf:
+        norm = jnp.max(a, axis=1)
+    elif norm_type == -math.inf:
+        norm = jnp.min(a, axis=1)
+    elif norm_type == 0:
+        norm = jnp.sum((a != 0).astype(x.dtype), axis=1)
+    elif norm_type == 1:
+        norm = jnp.sum(a, axis=1)
+    elif norm_type == 2:
+        norm = jnp.sqrt(jnp.sum(a * a, axis=1))
+    else:
+        norm = jnp.sum(a ** norm_type, axis=1) ** (1.0 / norm_type)
+    norm = norm.astype(weight.dtype).astype(jnp.float64)
+    scale = (max_norm / (norm + 1e-7)).astype(weight.dtype)
+    shrink = named & (norm > max_norm)
+    return jnp.where(shrink[:, None], weight * scale[:, None], weight)
 
 
 @register_lowering(aten.embedding_dense_backward.default)

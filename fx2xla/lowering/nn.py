@@ -21,12 +21,13 @@ import numpy as np
 from jax import lax
 
 import torch
+import torch.fx
 from torch.ops import aten
 
 from .. import torch_kernels
 from .linalg import accumulation_dtype, dot, dot_result_dtype, matmul_precision
 from .dtypes import to_jax_dtype, to_torch_dtype
-from .registry import base_key, concrete_shape, current_platform, register_lowering
+from .registry import RejectedInput, base_key, concrete_shape, current_platform, register_lowering
 from .shape import canonical_dim
 
 
@@ -684,6 +685,80 @@ def _adaptive_avg_pool_backward(ctx, grad, x):
     return _vjp(lambda y: _adaptive_avg_pool(y, grad.shape[-_spatial_nd(ctx):]), (x,), grad)[0]
 
 
+def _adaptive_windows(n: int, o: int) -> tuple[np.ndarray, np.ndarray]:
+    """torch's adaptive windows of `o` outputs over `n` inputs: [floor(i*n/o), ceil((i+1)*n/o))
+    as (start, length) per output."""
+    i = np.arange(o)
+    start = (i * n) // o
+    return start, -(-((i + 1) * n) // o) - start
+
+
+def _adaptive_max_pool(x, out_size):
+    """(max, flat index) of adaptive max pooling over the last len(out_size) dims, as eager's
+    CPU kernel scans each window (row-major from its first element, taking an element greater
+    than the running max, or NaN): the first maximum, or the last NaN where a window has any.
+    The windows are gathered into one axis of the longest window's length, one spatial axis at
+    a time; the slots past a shorter window's end never count."""
+    nd = len(out_size)
+    lead = x.ndim - nd
+    size = x.shape[lead:]
+    strides = [math.prod(size[i + 1:]) for i in range(nd)]
+    positions, valids = [], []
+    y = x
+    for d, (n, o) in enumerate(zip(size, out_size)):
+        start, length = _adaptive_windows(n, o)
+        k = int(length.max())
+        pos = start[:, None] + np.arange(k)[None, :]  # [o, k]
+        positions.append(np.minimum(pos, n - 1))
+        valids.append(np.arange(k)[None, :] < length[:, None])
+        y = jnp.take(y, jnp.asarray(positions[-1].reshape(-1)), axis=lead + 2 * d)
+        y = y.reshape(y.shape[:lead + 2 * d] + (o, k) + y.shape[lead + 2 * d + 1:])
+    # [..., o1, k1, o2, k2, ...] -> [..., o1, o2, ..., k1 * k2 * ...]
+    order = list(range(lead)) + [lead + 2 * d for d in range(nd)] + [lead + 2 * d + 1 for d in range(nd)]
+    y = jnp.transpose(y, order).reshape(x.shape[:lead] + tuple(out_size) + (-1,))
+
+    def grid(parts, combine):  # per-dim [o, k] arrays -> [o1, o2, ..., k1 * k2 * ...]
+        arrays = [p.reshape((1,) * d + (p.shape[0],) + (1,) * (nd - 1 - d) + (1,) * d + (p.shape[1],)
+                            + (1,) * (nd - 1 - d)) for d, p in enumerate(parts)]
+        out = functools.reduce(combine, arrays)
+        return out.reshape(tuple(out_size) + (-1,))
+
+    valid = grid(valids, np.logical_and)
+    flat = grid([p * m for p, m in zip(positions, strides)], np.add)
+    nan = jnp.isnan(y) & valid
+    clean = jnp.where(valid & ~nan, y, jnp.asarray(-jnp.inf, y.dtype))
+    window = y.shape[-1]
+    last_nan = window - 1 - jnp.argmax(nan[..., ::-1], axis=-1)
+    has_nan = jnp.any(nan, axis=-1)
+    slot = jnp.where(has_nan, last_nan, jnp.argmax(clean, axis=-1))
+    value = jnp.where(has_nan, jnp.asarray(jnp.nan, y.dtype), jnp.max(clean, axis=-1))
+    index = jnp.take_along_axis(jnp.broadcast_to(jnp.asarray(flat), y.shape), slot[..., None], axis=-1)[..., 0]
+    return value, index
+
+
+@register_lowering(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def _adaptive_max_pool_rule(ctx, x, output_size):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        name = ctx.node.target.name().split("::")[-1].split(".")[0]
+        raise RejectedInput(f'"{name}" not implemented for \'{to_torch_dtype(x.dtype)}\': eager takes '
+                            "floating-point inputs only")
+    value, index = _adaptive_max_pool(x, ctx.out_shape[-_spatial_nd(ctx):])
+    return value, index.astype(jnp.int64)
+
+
+@register_lowering(aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default)
+def _adaptive_max_pool_backward(ctx, grad, x, indices):
+    """Each output's gradient added at its recorded input element (windows may overlap, so
+    elements can gather several), summed in float32 for reduced-precision grads."""
+    nd = _spatial_nd(ctx)
+    lead = x.ndim - nd
+    batch = math.prod(x.shape[:lead])
+    g = _opmath(grad).reshape(batch, -1)
+    idx = indices.reshape(batch, -1)
+    total = jnp.zeros((batch, math.prod(x.shape[lead:])), g.dtype).at[jnp.arange(batch)[:, None], idx].add(g)
+    return total.reshape(x.shape)
+
+
 # ---------------------------------------------------------------------------------------------
 # Upsampling (index/weight tables computed like ATen's CPU kernels, in float32 for float inputs)
 # ---------------------------------------------------------------------------------------------
@@ -759,6 +834,85 @@ def _upsample_bilinear2d_vec(ctx, x, output_size, align_corners, scale_factors):
 @register_lowering(aten.upsample_bilinear2d.default)
 def _upsample_bilinear2d_default(ctx, x, output_size, align_corners, scales_h=None, scales_w=None):
     return _upsample_bilinear2d(ctx, x, align_corners, scales_h, scales_w)
+
+
+def _aa_filter(interp_size: int, x, f):
+    """ATen's antialiasing filters: the triangle for bilinear, Keys' cubic with a = -0.5 (PIL's,
+    not the -0.75 of plain bicubic) for bicubic; `f` the weights' float type."""
+    x = np.abs(x)
+    if interp_size == 2:
+        return np.where(x < 1, f(1) - x, f(0)).astype(type(f(0)))
+    a = f(-0.5)
+    near = ((a + f(2)) * x - (a + f(3))) * x * x + f(1)
+    far = ((a * x - f(5) * a) * x + f(8) * a) * x - f(4) * a
+    return np.where(x < 1, near, np.where(x < 2, far, f(0))).astype(type(f(0)))
+
+
+def _aa_weights(out_size, in_size, align_corners, scale, interp_size, ftype) -> np.ndarray:
+    """The [out, in] matrix of ATen's antialiased resampling along one axis
+    (`_compute_indices_min_size_weights_aa`, in the input's float type as eager computes it):
+    output i reads inputs [xmin, xmin + xsize) around center = scale * (i + 0.5), with the filter
+    stretched by the scale when downsampling, weights normalized to sum 1."""
+    f = ftype.type
+    if align_corners:
+        s = f(in_size - 1) / f(out_size - 1) if out_size > 1 else f(0)
+    else:
+        s = f(1.0 / scale) if scale else f(in_size) / f(out_size)
+    support = f(interp_size * 0.5) * s if s >= 1 else f(interp_size * 0.5)
+    invscale = f(1) / s if s >= 1 else f(1)
+    max_size = int(math.ceil(support)) * 2 + 1
+    weights = np.zeros((out_size, in_size), ftype)
+    for i in range(out_size):
+        center = s * f(i + 0.5)
+        xmin = max(int(center - support + f(0.5)), 0)
+        xsize = min(max(min(int(center + support + f(0.5)), in_size) - xmin, 0), max_size)
+        j = np.arange(xsize)
+        w = _aa_filter(interp_size, (j.astype(ftype) + f(xmin) - center + f(0.5)) * invscale, f)
+        total = w.sum(dtype=ftype)  # eager sums them one by one; equal to rounding
+        weights[i, xmin:xmin + xsize] = w / total if total != 0 else w
+    return weights
+
+
+def _upsample_aa(ctx, x, out_hw, align_corners, sh, sw, interp_size):
+    """Antialiased bilinear/bicubic resizing (`F.interpolate(..., antialias=True)`,
+    torchvision's Resize): each axis whose size changes is one product with its weight matrix,
+    the last axis first, as eager's separable kernel; an axis of unchanged size is left alone."""
+    y = _opmath(x)
+    ftype = np.dtype(np.float64 if y.dtype == np.float64 else np.float32)
+    (h, w), (oh, ow) = x.shape[-2:], out_hw
+    if ow != w:
+        m = jnp.asarray(_aa_weights(ow, w, align_corners, sw, interp_size, ftype), y.dtype)
+        y = lax.dot_general(y, m, (((y.ndim - 1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
+    if oh != h:
+        m = jnp.asarray(_aa_weights(oh, h, align_corners, sh, interp_size, ftype), y.dtype)
+        y = jnp.moveaxis(lax.dot_general(y, m, (((y.ndim - 2,), (1,)), ((), ())),
+                                         precision=lax.Precision.HIGHEST), -1, -2)
+    return y
+
+
+def _aa_interp_size(ctx) -> int:
+    return 4 if "bicubic" in ctx.node.target.name() else 2
+
+
+def _aa_floats(node) -> bool:
+    """float32/float64 inputs: eager has no bf16/float16 kernel, and its uint8 one rounds
+    fixed-point weights; those run eagerly (an error, or eager's uint8 values)."""
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    return val is not None and val.dtype in (torch.float32, torch.float64)
+
+
+@register_lowering(aten._upsample_bilinear2d_aa.default, aten._upsample_bicubic2d_aa.default, accepts=_aa_floats)
+def _upsample_aa_rule(ctx, x, output_size, align_corners, scales_h=None, scales_w=None):
+    return _upsample_aa(ctx, x, ctx.out_shape[-2:], align_corners, scales_h, scales_w, _aa_interp_size(ctx))
+
+
+@register_lowering(aten._upsample_bilinear2d_aa_backward.default, aten._upsample_bicubic2d_aa_backward.default,
+                   accepts=_aa_floats)
+def _upsample_aa_backward(ctx, grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    shape = concrete_shape(input_size, ctx.sizes)
+    interp = _aa_interp_size(ctx)
+    return _vjp(lambda y: _upsample_aa(ctx, y, grad.shape[-2:], align_corners, scales_h, scales_w, interp),
+                (jnp.zeros(shape, grad.dtype),), grad)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,3 +70,12 @@ def test_arange(check):
         )
 
     check(fn, torch.randn(4))
+
+
+@pytest.mark.parametrize("row, col, offset", [(0, 0, 0), (3, 4, 1), (4, 3, -1), (5, 5, 0), (3, 3, 7), (3, 3, -9),
+                                              (1, 6, 2)])
+def test_tril_triu_indices(check, row, col, offset):
+    """tril_indices / triu_indices for square, wide, tall and empty shapes and offsets beyond
+    either corner, int64 and int32, exact (with an input, so the graph has one)."""
+    check(lambda x: (torch.tril_indices(row, col, offset) + x, torch.triu_indices(row, col, offset) + x,
+                     torch.tril_indices(row, col, offset, dtype=torch.int32) + x.int()), torch.tensor(1))

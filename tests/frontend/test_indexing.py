@@ -180,3 +180,53 @@ def test_masked_scatter(check, dtype):
     x, src = make((3, 4), dtype, 1), make((20,), dtype, 2)
     m = make((3, 4), torch.bool, 3)
     check(lambda x, m, s: (x.masked_scatter(m, s), x.masked_scatter(m[0], s), x.masked_scatter(m & False, s[:0])), x, m, src)
+
+
+def test_gather_scatter_zero_dim_and_empty_operands(check):
+    """gather and the scatters read a 0-d input, index or source as one element (eager's
+    rule): a 0-d index into a 1-d input, a 1-d index into a 0-d input (scatter_add sums both
+    sources into the one element); an empty index of higher rank than the input gathers an
+    empty result and scatters nothing. Exact at float32."""
+    v, s = torch.arange(4.0), torch.tensor(3.0)
+    check(lambda v, i: (torch.gather(v, 0, i), v.scatter(0, i, torch.tensor([5.0, 6.0])), v.scatter(0, i, 7.0),
+                        v.scatter_add(0, i, torch.tensor([5.0, 6.0])),
+                        v.scatter_reduce(0, i, torch.tensor(5.0), "amax")), v, torch.tensor(2))
+    check(lambda s, i: (torch.gather(s, 0, i), s.scatter_add(0, i, torch.tensor([5.0, 6.0])),
+                        s.scatter_reduce(0, i, torch.tensor([5.0, 6.0]), "mean", include_self=False)),
+          s, torch.tensor([0, 0]))
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    check(lambda v, i: (torch.gather(v, 0, i), v.scatter(0, i, torch.ones(2, 0)), v.scatter_add(0, i, torch.ones(2, 0)),
+                        v.scatter_reduce(0, i, torch.ones(2, 0), "mean")), v, empty)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_scatter_with_reduce_argument(check, dtype):
+    """The older `scatter(..., reduce="add" | "multiply")`, with a tensor and with a scalar
+    source, along both dims, repeated indices included; exact."""
+    x = torch.full((4, 3), 2, dtype=dtype)
+    index = torch.tensor([[0, 1, 0], [3, 3, 0]])
+    src = torch.arange(1, 7, dtype=dtype).reshape(2, 3)
+    check(lambda x, i, s: (x.scatter(0, i, s, reduce="add"), x.scatter(0, i, s, reduce="multiply"),
+                           x.scatter(0, i, 3, reduce="multiply"), x.scatter(1, i.clamp(max=2), 3, reduce="add")),
+          x, index, src)
+
+
+def test_repeat_interleave_with_output_size(check):
+    """repeat_interleave with output_size (a static result size) lowers: repeats with zeros,
+    leading zeros, int32 repeats, and `x.repeat_interleave(repeats, dim, output_size=)`, exact."""
+    check(lambda r: torch.repeat_interleave(r, output_size=6), torch.tensor([1, 2, 0, 3]))
+    check(lambda r: torch.repeat_interleave(r, output_size=3), torch.tensor([0, 0, 3], dtype=torch.int32))
+    check(lambda x, r: torch.repeat_interleave(x, r, dim=1, output_size=6), torch.arange(8.0).reshape(2, 4),
+          torch.tensor([1, 2, 0, 3]))
+
+
+@pytest.mark.parametrize("repeats, size, words", [([1, 2, 0, 3], 5, "does not match the sum"),
+                                                  ([3, -1], 2, "can not be negative")])
+def test_repeat_interleave_bad_output_size_raises(repeats, size, words):
+    """An output_size other than the repeats' sum, or a negative repeat, raises (eager raises
+    too), naming the op; never a silently short or padded result."""
+    import fx2xla
+
+    f = torch.compile(lambda r: torch.repeat_interleave(r, output_size=size), backend="fx2xla")
+    with pytest.raises(fx2xla.errors.Fx2XlaError, match=f"repeat_interleave.*{words}"):
+        f(torch.tensor(repeats))

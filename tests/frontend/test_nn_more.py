@@ -1,8 +1,11 @@
-"""More nn lowerings (fx2xla/lowering/nn.py) against eager PyTorch: 3-d pooling, cdist/pdist,
-grid_sampler_2d, col2im and embedding_bag. Ops the core-ATen table decomposes (col2im) or
-whose auxiliary outputs eager code never returns (_embedding_bag) are checked on make_fx
-graphs with test_nn's `check_graph`."""
+"""More nn lowerings (fx2xla/lowering/nn.py, indexing.py) against eager PyTorch: 3-d pooling,
+cdist/pdist, grid_sampler_2d, col2im, embedding_bag, adaptive max pooling, antialiased resizing
+and nn.Embedding(max_norm). Ops the core-ATen table decomposes (col2im) or whose auxiliary
+outputs eager code never returns (_embedding_bag) are checked on make_fx graphs with test_nn's
+`check_graph`."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -213,3 +216,156 @@ def test_embedding_bag_aux_outputs(check_graph, op):
     w = make(10, 3)
     w[5] = w[4]  # a tie
     check_graph(fn, w, torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 2, 2, 5]), ops=[op])
+
+
+# ---------------------------------------------------------------------------------------------
+# Adaptive max pooling
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT)
+def test_adaptive_max_pool(check, dtype):
+    """adaptive_max_pool1d/2d/3d with indices: equal windows, overlapping ones (7 of 10), more
+    outputs than inputs (13 of 10), global (1x1) and unbatched, exact values and indices at
+    float32 and bfloat16 (a max is one of its inputs)."""
+    x = make(2, 3, 10, 7, dtype=dtype)
+
+    def fn(x):
+        return (*(t for o in [(1, 1), (5, 7), (3, 4), (7, 5), (13, 9)]
+                  for t in F.adaptive_max_pool2d(x, o, return_indices=True)),
+                *F.adaptive_max_pool2d(x[0], (4, 3), return_indices=True),
+                *F.adaptive_max_pool1d(x[:, :, 0], 4, return_indices=True))
+
+    check(fn, x)
+    check(lambda x: F.adaptive_max_pool3d(x, (2, 3, 2), return_indices=True), make(2, 2, 5, 7, 3, dtype=dtype))
+
+
+def test_adaptive_max_pool_nan_ties_and_infinities(check):
+    """Eager's scan order: the last NaN of a window wins (value NaN), ties keep the first
+    maximum, a window of -inf returns its first element's index."""
+    x = make(2, 3, 10, 7)
+    x[0, 1, 2, 3] = x[0, 1, 2, 5] = float("nan")
+    x[1, 2] = -INF
+    x[1, 0, 0, 0:3] = 5.0
+    check(lambda x: tuple(t for o in [(1, 1), (3, 4), (4, 3)] for t in F.adaptive_max_pool2d(x, o, return_indices=True)),
+          x)
+
+
+@pytest.mark.parametrize("nd, out", [(2, (3, 4)), (2, (1, 1)), (2, (7, 5)), (3, (2, 3, 2))])
+def test_adaptive_max_pool_backward(nd, out):
+    """The gradient of nn.AdaptiveMaxPool2d/3d, overlapping windows included (an element that
+    is the maximum of two windows gathers both gradients), against eager's at float32 (rtol /
+    atol 1e-6), with the forward and backward lowered whole (fallback="error")."""
+    x = make(2, 3, 10, 7) if nd == 2 else make(2, 2, 5, 7, 3)
+    x.requires_grad_()
+    pool = torch.nn.AdaptiveMaxPool2d(out) if nd == 2 else torch.nn.AdaptiveMaxPool3d(out)
+
+    def loss(x):
+        return (pool(x) * torch.arange(1.0, 1.0 + math.prod(out)).reshape(out)).square().sum()
+
+    actual, = torch.autograd.grad(torch.compile(loss, backend="fx2xla", options={"fallback": "error"})(x), x)
+    expected, = torch.autograd.grad(loss(x), x)
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_adaptive_max_pool_rejects_integers():
+    """An integer input is eager's error, named with the op, not a silent result."""
+    import fx2xla
+
+    f = torch.compile(lambda x: F.adaptive_max_pool2d(x, 2), backend="fx2xla")
+    with pytest.raises(fx2xla.errors.InvalidInputError, match="adaptive_max_pool2d.*not implemented"):
+        f(torch.ones(1, 1, 4, 4, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# Antialiased resizing
+# ---------------------------------------------------------------------------------------------
+
+AA_SIZES = [dict(size=(5, 7)), dict(size=(40, 11)), dict(size=(17, 9)), dict(scale_factor=0.37),
+            dict(scale_factor=(2.5, 0.5)), dict(size=(6, 8), align_corners=True), dict(size=(1, 1))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_interpolate_antialias(check, mode, dtype):
+    """F.interpolate(antialias=True) (torchvision's Resize on tensors): down- and upsampling,
+    one axis unchanged, scale factors, align_corners, to 1x1, against eager at conftest's
+    tolerance for the dtype, lowered whole."""
+    x = make(2, 3, 17, 23, dtype=dtype, scale=3)
+    check(lambda x: tuple(F.interpolate(x, mode=mode, antialias=True, **kw) for kw in AA_SIZES), x)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_interpolate_antialias_backward(mode):
+    """The gradient of antialiased resizing (down, up, by a scale factor) against eager's at
+    float32 (rtol 1e-4 / atol 1e-5), forward and backward lowered whole."""
+    x = make(2, 3, 17, 23).requires_grad_()
+
+    def loss(x):
+        return sum(F.interpolate(x, mode=mode, antialias=True, **kw).square().sum() for kw in AA_SIZES[:4])
+
+    actual, = torch.autograd.grad(torch.compile(loss, backend="fx2xla", options={"fallback": "error"})(x), x)
+    expected, = torch.autograd.grad(loss(x), x)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_interpolate_antialias_other_dtypes_run_eagerly():
+    """uint8 (eager's fixed-point kernel) runs eagerly with eager's exact values (under
+    fallback="error" it is an UnsupportedOpError); bf16, which eager rejects, raises eager's
+    error."""
+    import fx2xla
+
+    x = torch.randint(0, 256, (1, 3, 17, 23), dtype=torch.uint8)
+
+    def resize(x):
+        return F.interpolate(x, size=(5, 7), mode="bilinear", antialias=True)
+
+    fn = torch.compile(resize, backend="fx2xla")
+    torch.testing.assert_close(fn(x), resize(x), rtol=0, atol=0)
+    with pytest.raises(Exception, match="not implemented for 'BFloat16'"):
+        fn(x.to(torch.bfloat16))
+    torch._dynamo.reset()
+    strict = torch.compile(resize, backend="fx2xla", options={"fallback": "error"})
+    with pytest.raises(fx2xla.errors.UnsupportedOpError, match="_upsample_bilinear2d_aa"):
+        strict(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# nn.Embedding(max_norm=...)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, INF, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_embedding_max_norm(norm_type, dtype):
+    """nn.Embedding(max_norm=...) renormalizes the rows it reads in place
+    (`embedding_renorm_`), lowered whole: the lookup and the weight after two calls (rows
+    read twice, rows never read, rows under the limit) match eager's, float64 at 1e-12 and
+    float32 at 1e-6 (the norm's summation order)."""
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(12, 5, max_norm=1.5, norm_type=norm_type).to(dtype)
+    with torch.no_grad():
+        model.weight[3] *= 0.1  # under the limit: left as it is
+    twin = torch.nn.Embedding(12, 5, max_norm=1.5, norm_type=norm_type).to(dtype)
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="fx2xla", options={"fallback": "error"})
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    for idx in (torch.tensor([[1, 2, 2], [5, 1, 3]]), torch.tensor([7, 1])):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(idx), twin(idx), **tol)
+        torch.testing.assert_close(model.weight, twin.weight, **tol)
+    assert torch.equal(model.weight[0], twin.weight[0])  # never read: untouched
+
+
+def test_embedding_max_norm_training():
+    """A training step through nn.Embedding(max_norm=...): output, the renormalized weight and
+    its gradient match eager's at float32 (rtol / atol 1e-6)."""
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(10, 4, max_norm=1.0)
+    twin = torch.nn.Embedding(10, 4, max_norm=1.0)
+    twin.load_state_dict(model.state_dict())
+    idx = torch.tensor([[1, 2, 2], [5, 1, 9]])
+    out = torch.compile(model, backend="fx2xla", options={"fallback": "error"})(idx)
+    (out * torch.arange(4.0)).sum().backward()
+    ref = twin(idx)
+    (ref * torch.arange(4.0)).sum().backward()
+    for a, e in [(out, ref), (model.weight, twin.weight), (model.weight.grad, twin.weight.grad)]:
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
