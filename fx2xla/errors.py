@@ -1,6 +1,8 @@
 """Errors a user can hit, each naming the op, its inputs and the user's source line."""
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx
 
@@ -30,10 +32,12 @@ def describe_node_inputs(node) -> str:
 
 
 def user_source_line(node) -> str:
-    """The last frame of the node's recorded stack trace (the user's line), or a note."""
+    """The last frame of the node's recorded stack trace (the user's line); where Dynamo
+    recorded none (an op torch.nn's own code calls from a module the user compiled), the
+    innermost module it ran in; else a note."""
     st = node.meta.get("stack_trace")
     if not st:
-        return "(no source line recorded for this node)"
+        return _module_of(node) or "(no source line recorded for this node)"
     lines = [l for l in st.rstrip().splitlines() if l.strip()]
     # Keep the innermost 'File ..., line N' frame and the code line under it.
     for i in range(len(lines) - 1, -1, -1):
@@ -41,6 +45,19 @@ def user_source_line(node) -> str:
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             return f"{lines[i].strip()}\n    {code}"
     return lines[-1].strip()
+
+
+def _module_of(node) -> str | None:
+    """`module 1.pool (torch.nn.modules.pooling.FractionalMaxPool2d)`: the innermost entry of
+    the node's nn_module_stack, its path relative to the compiled module (Dynamo's `L['fn']`
+    or `L['self']` root dropped)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    path, cls = list(stack.values())[-1][:2]
+    path = re.sub(r"^L\['[^']*'\]\.?", "", str(path)) or "(the compiled module)"
+    name = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else str(cls)
+    return f"module {path} ({name}); no line of yours calls the op, torch's code does"
 
 
 def passthrough_base(public: bool | None = None) -> type:
@@ -101,6 +118,12 @@ class IndexOutOfRangeError(Fx2XlaError, IndexError):
 class LinAlgError(Fx2XlaError, torch.linalg.LinAlgError):
     """A matrix eager's linear algebra rejects (singular, not positive-definite), found when the
     compiled graph ran: a torch.linalg.LinAlgError, as eager raises for that input."""
+
+
+class InvalidValueError(Fx2XlaError):
+    """An input value eager rejects other than an index or a matrix (a negative repeat count, a
+    probability that is NaN or negative), found when the compiled graph ran: a RuntimeError,
+    as eager raises for that input."""
 
 
 def op_name(node) -> str:

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 import torch
 
 from . import sharded_call, torch_kernels
-from .errors import IndexOutOfRangeError, LinAlgError
-from .lowering.checks import INDEX, LINALG
+from .errors import IndexOutOfRangeError, InvalidValueError, LinAlgError
+from .lowering.checks import INDEX, LINALG, VALUE
 from .metrics import counters
 from .plan import NOT_TENSORS, GraphPlan, InputKind, Move, OutputKind, OutputPlan, orders_after_torch
 from .runtime.client import device_of
@@ -860,7 +860,7 @@ def draw_seed(device) -> torch.Tensor:
 
 
 # -- index checks -----------------------------------------------------------------------------
-_CHECK_ERRORS = {INDEX: IndexOutOfRangeError, LINALG: LinAlgError}
+_CHECK_ERRORS = {INDEX: IndexOutOfRangeError, LINALG: LinAlgError, VALUE: InvalidValueError}
 
 
 def _raise_failed_now(code: torch.Tensor, records) -> None:

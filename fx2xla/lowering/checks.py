@@ -25,9 +25,11 @@ from jax import lax
 CODE_DTYPE = jnp.int32
 
 
-# The errors a failed check raises (CheckRecord.error): fx2xla.IndexOutOfRangeError, and
-# fx2xla.LinAlgError (a torch.linalg.LinAlgError, as eager's linear algebra raises).
-INDEX, LINALG = "index", "linalg"
+# The errors a failed check raises (CheckRecord.error): fx2xla.IndexOutOfRangeError,
+# fx2xla.LinAlgError (a torch.linalg.LinAlgError, as eager's linear algebra raises), and
+# fx2xla.InvalidValueError (another value eager rejects: a negative repeat count, a NaN
+# probability).
+INDEX, LINALG, VALUE = "index", "linalg", "value"
 
 
 @dataclass(frozen=True)

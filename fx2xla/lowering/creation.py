@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 from torch.ops import aten
 
+from .checks import VALUE
 from .registry import register_lowering
 
 
@@ -81,7 +82,8 @@ def _repeat_interleave(ctx, repeats, output_size=None):
     than n, raise as in eager. Without output_size the size depends on the values: no rule."""
     n = ctx.out_shape[0]
     totals = jnp.cumsum(repeats)
-    ctx.check(jnp.any(repeats < 0), "repeats can not be negative")
+    ctx.check(jnp.any(repeats < 0), "repeats can not be negative", error=VALUE)
     ctx.check(totals[-1] != n if repeats.shape[0] else n != 0,
-              f"output_size {n} does not match the sum of repeats (eager: allocated size does not match required size)")
+              f"output_size {n} does not match the sum of repeats (eager: allocated size does not match required size)",
+              error=VALUE)
     return jnp.searchsorted(totals, jnp.arange(n, dtype=totals.dtype), side="right").astype(ctx.out_dtype)

@@ -10,7 +10,7 @@ import torch.fx
 from jax import lax
 from torch.ops import aten, higher_order
 
-from .registry import base_key, register_lowering
+from .registry import RejectedInput, base_key, register_lowering
 
 
 def _float_dtype(ctx):
@@ -198,3 +198,99 @@ def _run_and_save_rng_state(ctx, op, *args, **kwargs):
 def _run_with_rng_state(ctx, state, op, *args, **kwargs):
     like = base_key(jnp.zeros((), jnp.int64))
     return _run_inner(ctx, _key_from_bytes(state, like), op, ctx.node.args[2:], ctx.node.kwargs, args, kwargs)
+
+
+# More distributions (the functional forms of the in-place `Tensor.cauchy_`, `log_normal_`,
+# `geometric_`; torch.multinomial; nn.RReLU in training). Like the others, real randomness from
+# the call's seed: the distributions are eager's, the bits are not.
+
+def _uniform_open(ctx, dtype):
+    """Uniform draws in (0, 1), never 0: for the logarithms and tangents below."""
+    u = jax.random.uniform(ctx.rng_key(), ctx.out_shape, dtype=dtype)
+    return jnp.maximum(u, jnp.finfo(dtype).tiny)
+
+
+def _compute_dtype(ctx):
+    dt = ctx.out_dtype
+    return jnp.float64 if dt == jnp.float64 else jnp.float32
+
+
+@register_lowering(aten.cauchy.default, random=True)
+def _cauchy(ctx, x, median=0.0, sigma=1.0, generator=None):
+    u = _uniform_open(ctx, _compute_dtype(ctx))
+    return median + sigma * jnp.tan(jnp.pi * (u - 0.5))
+
+
+@register_lowering(aten.log_normal.default, random=True)
+def _log_normal(ctx, x, mean=1.0, std=2.0, generator=None):
+    z = jax.random.normal(ctx.rng_key(), ctx.out_shape, dtype=_compute_dtype(ctx))
+    return jnp.exp(z * std + mean)
+
+
+@register_lowering(aten.geometric.default, random=True)
+def _geometric(ctx, x, p, generator=None):
+    """The number of Bernoulli(p) trials up to the first success (1, 2, ...), as eager's
+    ceil(log(u) / log(1 - p)); for integer tensors too."""
+    dt = _compute_dtype(ctx)
+    u = _uniform_open(ctx, dt)
+    return jnp.maximum(jnp.ceil(jnp.log(u) / jnp.log1p(-jnp.asarray(p, dt))), 1)
+
+
+@register_lowering(aten.rrelu_with_noise_functional.default, random=True)
+def _rrelu_with_noise(ctx, x, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None):
+    """nn.RReLU: in training each negative element is scaled by its own slope drawn from
+    U(lower, upper), which `noise` records for the backward (1 for the others); in eval the
+    slope is (lower + upper) / 2 and `noise` is returned as it came."""
+    if not training:
+        slope = jnp.asarray((lower + upper) / 2, x.dtype)
+        return jnp.where(x >= 0, x, x * slope), noise
+    dt = _compute_dtype(ctx)
+    r = jax.random.uniform(ctx.rng_key(), x.shape, dtype=dt, minval=lower, maxval=upper)
+    negative = x < 0
+    slope = jnp.where(negative, r, jnp.ones((), dt))
+    return (x.astype(dt) * slope).astype(x.dtype), slope.astype(noise.dtype)
+
+
+@register_lowering(aten.rrelu_with_noise_backward.default)
+def _rrelu_with_noise_backward(ctx, grad, x, noise, lower, upper, training, self_is_result):
+    """In training, the gradient times the recorded slopes; in eval, leaky ReLU's with the mean
+    slope."""
+    if training:
+        return grad * noise.astype(grad.dtype)
+    slope = jnp.asarray((lower + upper) / 2, grad.dtype)
+    return jnp.where(x > 0, grad, grad * slope)
+
+
+@register_lowering(aten.multinomial.default, random=True)
+def _multinomial(ctx, probs, num_samples, replacement=False, generator=None):
+    """torch.multinomial over the last dim (1-D or 2-D weights, not necessarily normalized):
+    with replacement, independent categorical draws; without, the first num_samples of the
+    categories ordered by Gumbel-perturbed log weights, which draws them one after another
+    without replacement in proportion to the weights left. Weights that are negative, NaN or
+    infinite, rows that sum to 0, and rows with fewer than num_samples nonzero weights (without
+    replacement) raise, as in eager."""
+    from .checks import VALUE
+
+    k = probs.shape[-1]
+    if not replacement and num_samples > k:
+        raise RejectedInput(f"cannot sample n_sample > prob_dist.size(-1) samples without replacement "
+                            f"(n_sample = {num_samples}, size(-1) = {k})")
+    dt = _compute_dtype(ctx)
+    w = probs.astype(dt)
+    if num_samples == 0:
+        return jnp.zeros(ctx.out_shape, jnp.int64)
+    ctx.check(jnp.any(~jnp.isfinite(w) | (w < 0)), "probability tensor contains either `inf`, `nan` or element < 0",
+              error=VALUE)
+    ctx.check(jnp.any(jnp.sum(w, axis=-1) <= 0), "invalid multinomial distribution (sum of probabilities <= 0)",
+              error=VALUE)
+    logits = jnp.where(w > 0, jnp.log(jnp.where(w > 0, w, 1)), -jnp.inf)
+    if replacement:
+        out = jax.random.categorical(ctx.rng_key(), logits[..., None, :], axis=-1,
+                                     shape=probs.shape[:-1] + (num_samples,))
+        return out.astype(jnp.int64)
+    ctx.check(jnp.any(jnp.sum(w > 0, axis=-1) < num_samples),
+              "invalid multinomial distribution (with replacement=False, not enough non-negative category to sample)",
+              error=VALUE)
+    gumbel = jax.random.gumbel(ctx.rng_key(), probs.shape, dtype=dt)
+    _, picked = lax.top_k(logits + gumbel, num_samples)
+    return picked.astype(jnp.int64)

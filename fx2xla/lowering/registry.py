@@ -279,7 +279,7 @@ class LoweringContext:
     def check(self, failed, message: str, *, error: str = INDEX) -> None:
         """Record a run-time check: `failed` (a traced boolean scalar) True raises, with
         `message`, the op, its inputs and the source line, fx2xla.IndexOutOfRangeError (`error`
-        "index") or fx2xla.LinAlgError ("linalg")."""
+        "index"), fx2xla.LinAlgError ("linalg") or fx2xla.InvalidValueError ("value")."""
         if self.checks is None:
             return
         text = (f"fx2xla: {op_name(self.node)}: {message}\n  inputs: {describe_node_inputs(self.node)}\n"

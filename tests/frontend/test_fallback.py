@@ -1,4 +1,5 @@
 """Ops with no lowering rule run eagerly between XLA subgraphs; one warning per op kind."""
+import re
 import warnings
 
 import pytest
@@ -202,3 +203,24 @@ def test_training_patterns_lower_whole():
         params.append([p.detach().clone() for p in m.parameters()])
     for a, e in zip(params[1], params[0], strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_ops_torch_nn_calls_are_placed_by_module(monkeypatch):
+    """An op with no rule that torch.nn's own code calls (Dynamo records no line of the user's
+    for it) is placed by the module it ran in, in the fallback warning and in the
+    fallback="error" message: `module 1 (torch.nn.modules.pooling.FractionalMaxPool2d)`.
+    (FractionalMaxPool2d stands for any such op while it has no rule.)"""
+    import fx2xla.partition
+
+    monkeypatch.setattr(fx2xla.partition, "warned_ops", set())
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.FractionalMaxPool2d(2, output_size=(3, 3)))
+    x = torch.randn(1, 3, 9, 9)
+    where = "module 1 (torch.nn.modules.pooling.FractionalMaxPool2d)"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="fx2xla")(x)
+    assert any("fractional_max_pool2d" in m and where in m for m in _fallback_warnings(record)), \
+        _fallback_warnings(record)
+    torch._dynamo.reset()
+    with pytest.raises(fx2xla.errors.UnsupportedOpError, match=re.escape(where)):
+        torch.compile(model, backend="fx2xla", options={"fallback": "error"})(x)

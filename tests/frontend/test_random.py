@@ -212,3 +212,83 @@ def test_checkpointed_random_ops_recompute_the_forwards_bits(checkpointed):
         assert (r1 == 0).any() and (r2 == 0).any() and (r1 != 0).any()
         dropped.append(r1 == 0)
     assert not torch.equal(dropped[0], dropped[1])
+
+
+def _strict(fn):
+    return torch.compile(fn, backend="fx2xla", options={"fallback": "error"})
+
+
+def test_cauchy_log_normal_geometric():
+    """Tensor.cauchy_, log_normal_ and geometric_ lower and draw their distributions: KS tests
+    against scipy's Cauchy(1, 2) and lognormal(0.5, 0.3) at p > 0.01 (seeded, so fixed), and
+    geometric(0.2) means within 2% of 1/p with a minimum of 1, in float32 and int64."""
+    torch.manual_seed(0)
+    x = torch.zeros(N)
+    a = _strict(lambda x: x.clone().cauchy_(1.0, 2.0))(x)
+    assert scipy.stats.kstest(a.numpy(), "cauchy", args=(1.0, 2.0)).pvalue > 0.01
+    a = _strict(lambda x: x.clone().log_normal_(0.5, 0.3))(x)
+    assert scipy.stats.kstest(a.numpy(), "lognorm", args=(0.3, 0, float(torch.tensor(0.5).exp()))).pvalue > 0.01
+    for dtype in (torch.float32, torch.int64):
+        g = _strict(lambda x: x.to(dtype).geometric_(0.2))(x)
+        assert g.dtype == dtype and g.min() == 1
+        assert abs(g.double().mean().item() - 5.0) < 0.1
+
+
+def test_multinomial_with_and_without_replacement():
+    """torch.multinomial lowers: with replacement the category frequencies are the normalized
+    weights (within 0.01 over 50,000 draws); without, each row's draws are distinct, a zero
+    weight is never drawn, and the first and second draws follow sequential sampling's
+    distributions (within 0.015). 1-D and 2-D weights; int64 results; seeded runs repeat."""
+    torch.manual_seed(0)
+    w = torch.tensor([1.0, 0.0, 6.0, 3.0])
+    p = w / w.sum()
+    draws = _strict(lambda w: torch.multinomial(w, 50_000, replacement=True))(w)
+    assert draws.dtype == torch.int64 and draws.shape == (50_000,)
+    assert torch.allclose(torch.bincount(draws, minlength=4) / 50_000, p, atol=0.01)
+    rows = 20_000
+    f = _strict(lambda w: torch.multinomial(w, 3))
+    torch.manual_seed(1)
+    picked = f(w.repeat(rows, 1))
+    torch.manual_seed(1)
+    assert torch.equal(picked, f(w.repeat(rows, 1)))
+    assert picked.shape == (rows, 3) and (picked != 1).all()
+    assert all(len(set(r)) == 3 for r in picked[:500].tolist())
+    second = torch.tensor([sum(p[i] * p[j] / (1 - p[i]) for i in range(4) if i != j) for j in range(4)])
+    assert torch.allclose(torch.bincount(picked[:, 0], minlength=4) / rows, p, atol=0.015)
+    assert torch.allclose(torch.bincount(picked[:, 1], minlength=4) / rows, second.float(), atol=0.015)
+
+
+@pytest.mark.parametrize("weights, samples, words", [
+    ([0.5, -0.1], 1, "element < 0"), ([float("nan"), 1.0], 1, "element < 0"), ([float("inf"), 1.0], 1, "inf"),
+    ([0.0, 0.0], 1, "sum of probabilities <= 0"), ([0.0, 1.0, 0.0], 2, "not enough non-negative category")])
+def test_multinomial_rejects_invalid_distributions(weights, samples, words):
+    """Weights eager rejects raise fx2xla.InvalidValueError with eager's words when the graph
+    runs (never a silent draw); more samples than categories without replacement is rejected
+    while compiling."""
+    import fx2xla
+
+    with pytest.raises(fx2xla.InvalidValueError, match=words):
+        _strict(lambda w: torch.multinomial(w, samples))(torch.tensor(weights))
+    torch._dynamo.reset()
+    with pytest.raises(fx2xla.InvalidInputError, match="without replacement"):
+        _strict(lambda w: torch.multinomial(w, 3))(torch.tensor([0.5, 0.5]))
+
+
+def test_rrelu_training_and_eval():
+    """nn.RReLU in training scales each negative element by its own slope in [lower, upper)
+    (mean within 0.002 of the middle), keeps positives, and its gradient is that slope; in eval
+    it equals eager's (float32, rtol 1e-4 / atol 1e-5). Lowered whole, backward included."""
+    torch.manual_seed(0)
+    m = torch.nn.RReLU(0.1, 0.3).train()
+    x = torch.randn(N, requires_grad=True)
+    y = _strict(m)(x)
+    slope = (y / x).detach()
+    negative = x.detach() < 0
+    assert slope[negative].min() >= 0.1 and slope[negative].max() < 0.3
+    assert abs(slope[negative].mean().item() - 0.2) < 0.002 and (slope[~negative] == 1).all()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, slope, rtol=1e-4, atol=1e-5)
+    m.eval()
+    torch._dynamo.reset()
+    xe = torch.randn(64)
+    torch.testing.assert_close(_strict(m)(xe), m(xe), rtol=1e-4, atol=1e-5)
