@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
+import torch
+import torch.fx
 from jax import lax
-
 from torch.ops import aten, higher_order
 
 from .checks import LINALG
@@ -424,6 +425,28 @@ def _linalg_eigh(ctx, a, UPLO="L", compute_v=True):
     if not compute_v:
         v = _empty(ctx, 1, a.dtype)
     return w.astype(real), v
+
+
+def _on_cpu(node) -> bool:
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    return val is not None and val.device.type == "cpu"
+
+
+@register_lowering(aten.linalg_eig.default, accepts=_on_cpu)
+def _linalg_eig(ctx, a):
+    """(eigenvalues, right eigenvectors as columns), complex, of a general square matrix:
+    LAPACK's geev on the CPU, as eager's (each eigenvector of unit norm; the order is geev's,
+    which torch does not promise either). XLA has eig on the CPU only: a GPU tensor's runs
+    eagerly."""
+    _check_dtype(ctx, a, "linalg.eig")
+    if a.shape[-1] != a.shape[-2]:
+        raise RejectedInput(f"linalg.eig: A must be batches of square matrices, but they are {a.shape[-2]} by "
+                            f"{a.shape[-1]} matrices")
+    complex_dtype = ctx.out_dtype
+    if a.size == 0:
+        return jnp.zeros(a.shape[:-1], complex_dtype), jnp.zeros(a.shape, complex_dtype)
+    w, v = lax.linalg.eig(a, compute_left_eigenvectors=False, compute_right_eigenvectors=True)
+    return w.astype(complex_dtype), v.astype(complex_dtype)
 
 
 @register_lowering(aten._linalg_svd.default)

@@ -1,5 +1,5 @@
 """Linear-algebra lowerings (fx2xla/lowering/solvers.py) against eager PyTorch: Cholesky, triangular
-solves, LU and its solves, inverses, determinants, QR, eigh, SVD, pinv and matrix_exp.
+solves, LU and its solves, inverses, determinants, QR, eigh, eig, SVD, pinv and matrix_exp.
 
 Every function is compiled with `torch.compile(fn, backend="fx2xla", fullgraph=True,
 options={"fallback": "error"})`, so an op without a rule fails the test instead of running eagerly.
@@ -7,7 +7,7 @@ Tolerances (TOL), asserted with torch.testing.assert_close on every compared out
 float32/complex64 rtol 1e-4, atol 1e-5; float64/complex128 rtol 1e-10, atol 1e-10. Integer
 outputs (pivots, info) are compared exactly (assert_close's default for integer dtypes), and
 dtype and shape of every output always. Vectors torch documents as unique only up to sign/phase
-(QR's Q, eigh's and SVD's vectors) are compared through invariants (reconstruction,
+(QR's Q, eigh's, eig's and SVD's vectors) are compared through invariants (reconstruction,
 orthonormality, eigen-equation) at the same tolerances scaled by the matrix size.
 """
 from __future__ import annotations
@@ -369,3 +369,35 @@ def test_matrix_exp_matches_eager(dtype):
     a = make(2, 5, 5, dtype=dtype)
     run_both(lambda a: (torch.linalg.matrix_exp(a), torch.linalg.matrix_exp(3 * a),
                         torch.linalg.matrix_exp(a[:, :1, :1])), a, scale=100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linalg_eig(dtype):
+    """linalg.eig and eigvals of a general [3, 5, 5] batch (real inputs give complex results, as
+    eager's): eager's dtypes, shapes and eigenvalues, in eager's order (both are LAPACK's geev),
+    within TOL x 10; each eigenvector of unit norm, A V = V diag(w), and each the same as eager's
+    up to a phase (|v^H v_eager| = 1). An empty batch and 0 x 0 matrices give eager's shapes.
+    The gradient of the eigenvalues' real parts (the trace's) matches eager's within TOL x 10."""
+    a = make(3, 5, 5, dtype=dtype)
+    (w, v), wv = compiled(torch.linalg.eig)(a), compiled(torch.linalg.eigvals)(a)
+    we, ve = torch.linalg.eig(a)
+    tol = _tol(we, 10)
+    for x, e in ((w, we), (v, ve), (wv, we)):
+        assert x.dtype == e.dtype and x.shape == e.shape, (x.dtype, x.shape, e.dtype, e.shape)
+    torch.testing.assert_close(w, we, **tol)
+    torch.testing.assert_close(wv, we, **tol)
+    torch.testing.assert_close(torch.linalg.vector_norm(v, dim=-2), torch.ones(3, 5, dtype=w.real.dtype), **tol)
+    torch.testing.assert_close(a.to(v.dtype) @ v, v * w.unsqueeze(-2), **tol)
+    overlap = (v.conj() * ve).sum(-2).abs()
+    torch.testing.assert_close(overlap, torch.ones_like(overlap), **tol)
+    for shape in ((0, 3, 3), (2, 0, 0)):
+        empty = torch.zeros(shape, dtype=dtype)
+        check_same(compiled(torch.linalg.eig)(empty), torch.linalg.eig(empty))
+    x = a.clone().requires_grad_()
+
+    def loss(x):
+        return torch.linalg.eigvals(x).real.sum()
+
+    actual, = torch.autograd.grad(compiled(loss)(x), x)
+    expected, = torch.autograd.grad(loss(x), x)
+    torch.testing.assert_close(actual, expected, **_tol(expected, 10))
