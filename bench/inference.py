@@ -1,6 +1,6 @@
 """Inference latency of eager, Inductor and fx2xla, measured in one run.
 
-    .venv/bin/python bench/inference.py [--models tiny,mlp,cnn,resnet,gpt2,bert,llama,gpt2_24l,mixtral] [--rounds 15]
+    .venv/bin/python bench/inference.py [--models tiny,mlp,cnn,resnet,gpt2,bert,llama,gpt2_24l,mixtral,encoder] [--rounds 15]
 
 Prints a table of medians and ratios (÷ eager, ÷ Inductor), the first call of each compiler
 (Inductor with a fresh, cold TORCHINDUCTOR_CACHE_DIR), and fx2xla's per-call overhead on a
@@ -62,9 +62,18 @@ def cases() -> list[ModelCase]:
     """model_cases(), and, not in the default list, `gpt2_24l`: a 24-layer GPT-2 (hidden 256) at
     batch 1 x 128, whose layer stack fx2xla folds into one loop by default; `mixtral`: a 4-layer
     Mixtral (hidden 256, 8 experts, top 2) at batch 4 x 128, whose experts transformers computes
-    with a grouped matmul."""
+    with a grouped matmul; `encoder`: torch.nn.TransformerEncoder (6 layers, d_model 256, 8 heads,
+    feed-forward 1024, eval) at batch 8 x 128, whose layers take torch's fused inference path
+    (`_transformer_encoder_layer_fwd`) in eager and under no_grad, which fx2xla decomposes."""
     return [*model_cases(), ModelCase("gpt2_24l", lambda: LogitsOnly(gpt2(24, 256)), lambda: (token_ids(1, 128),)),
-            ModelCase("mixtral", lambda: LogitsOnly(mixtral()), lambda: (token_ids(4, 128),))]
+            ModelCase("mixtral", lambda: LogitsOnly(mixtral()), lambda: (token_ids(4, 128),)),
+            ModelCase("encoder", nn_encoder, lambda: (torch.randn(8, 128, 256),))]
+
+
+def nn_encoder() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False).eval()
 
 
 def tiny(x):
