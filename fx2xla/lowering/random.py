@@ -152,39 +152,33 @@ def _key_from_bytes(state, like):
 
 def _run_inner(ctx, key, op, arg_nodes, kwarg_nodes, args, kwargs):
     """`op(*args, **kwargs)` lowered by its own rule, drawing from `key`: as the only op of a
-    graph whose placeholders are the HOP's tensor arguments."""
+    graph whose placeholders are the HOP's tensor arguments (`arg_nodes` / `kwarg_nodes`, the
+    FX arguments whose traced values are `args` / `kwargs`)."""
     from .graph import run_nodes
 
-    graph, env, holders = torch.fx.Graph(), {}, {}
+    graph, env = torch.fx.Graph(), {}
+    holders: dict = {}
 
-    def hold(node):
-        if node not in holders:
-            holders[node] = graph.placeholder(f"arg{len(holders)}")
-            holders[node].meta["val"] = node.meta.get("val")
-        return holders[node]
+    def bind(a, value):  # each FX node argument -> a placeholder bound to its traced value
+        if isinstance(a, torch.fx.Node):
+            if a not in holders:
+                holders[a] = graph.placeholder(f"arg{len(holders)}")
+                holders[a].meta["val"] = a.meta.get("val")
+                env[holders[a]] = value
+            return holders[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(bind(x, v) for x, v in zip(a, value))
+        return a
 
-    inner_args = torch.fx.node.map_arg(tuple(arg_nodes), hold)
-    inner_kwargs = torch.fx.node.map_arg(dict(kwarg_nodes), hold)
+    inner_args = tuple(bind(a, v) for a, v in zip(arg_nodes, args))
+    inner_kwargs = {k: bind(a, kwargs[k]) for k, a in kwarg_nodes.items()}
     node = graph.call_function(op, inner_args, inner_kwargs)
     node.meta.update(ctx.node.meta)
     node.meta["val"] = op(*torch.fx.node.map_arg(tuple(arg_nodes), lambda n: n.meta["val"]),
                           **torch.fx.node.map_arg(dict(kwarg_nodes), lambda n: n.meta["val"]))
     graph.output(node)
-    values = dict(zip((holders[n] for n in holders), (_value_of(n, arg_nodes, kwarg_nodes, args, kwargs)
-                                                       for n in holders)))
-    env.update(values)
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     return run_nodes(gm, graph.nodes, env, ctx.sizes, key, ctx.checks)[node]
-
-
-def _value_of(node, arg_nodes, kwarg_nodes, args, kwargs):
-    for a, v in zip(arg_nodes, args):
-        if a is node:
-            return v
-    for k, a in kwarg_nodes.items():
-        if a is node:
-            return kwargs[k]
-    raise KeyError(node)
 
 
 @register_lowering(higher_order.run_and_save_rng_state, random=True, accepts=_inner_rule_lowers)
