@@ -725,8 +725,16 @@ def _adaptive_max_pool(x, out_size):
 
     valid = grid(valids, np.logical_and)
     flat = grid([p * m for p, m in zip(positions, strides)], np.add)
-    nan = jnp.isnan(y) & valid
-    clean = jnp.where(valid & ~nan, y, jnp.asarray(-jnp.inf, y.dtype))
+    return _window_max(y, flat, valid)
+
+
+def _window_max(y, flat, valid=None):
+    """(max, flat input index) over the last axis of windows `y` as eager's pooling kernels
+    scan them in order: the first maximum, or the last NaN where a window has any. `flat`: each
+    slot's input index (broadcast to y); `valid`: the slots that belong to their window."""
+    nan = jnp.isnan(y) if valid is None else jnp.isnan(y) & valid
+    keep = ~nan if valid is None else valid & ~nan
+    clean = jnp.where(keep, y, jnp.asarray(-jnp.inf, y.dtype))
     window = y.shape[-1]
     last_nan = window - 1 - jnp.argmax(nan[..., ::-1], axis=-1)
     has_nan = jnp.any(nan, axis=-1)
@@ -734,6 +742,64 @@ def _adaptive_max_pool(x, out_size):
     value = jnp.where(has_nan, jnp.asarray(jnp.nan, y.dtype), jnp.max(clean, axis=-1))
     index = jnp.take_along_axis(jnp.broadcast_to(jnp.asarray(flat), y.shape), slot[..., None], axis=-1)[..., 0]
     return value, index
+
+
+def _fractional_floats(node) -> bool:
+    """float32/float64: eager computes bf16/float16 window starts in the tensor's own type,
+    rounding each step; those run eagerly."""
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    return val is not None and val.dtype in (torch.float32, torch.float64)
+
+
+@register_lowering(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default,
+                   accepts=_fractional_floats)
+def _fractional_max_pool(ctx, x, kernel_size, output_size, samples):
+    """nn.FractionalMaxPool2d/3d given its random samples (one per spatial dim per (batch,
+    plane), drawn by the module): eager's pseudo-random window starts, int((i + u) * alpha) -
+    int(u * alpha) with alpha = (in - k) / (out - 1) in the input's type and the last window
+    ending at the input's end, then each k-window's max and index in eager's scan order. The 2-d
+    kernel reads the samples as (width, height), the 3-d one as (time, height, width)."""
+    nd = _spatial_nd(ctx)
+    k, out = _per_dim(kernel_size, nd), ctx.out_shape[-nd:]
+    lead = x.ndim - nd
+    size = x.shape[lead:]
+    order = (1, 0) if nd == 2 else (0, 1, 2)  # which sample each spatial dim reads
+    u = jnp.reshape(samples, x.shape[:lead] + (nd,)).astype(x.dtype)  # [..., C, nd] (batch 1 if unbatched)
+    positions = []
+    for d, (n, o, kk) in enumerate(zip(size, out, k)):
+        s = u[..., order[d]][..., None]
+        if o > 1:
+            alpha = jnp.asarray(n - kk, x.dtype) / jnp.asarray(o - 1, x.dtype)
+            i = jnp.arange(o, dtype=x.dtype)
+            start = ((i + s) * alpha).astype(jnp.int32) - (s * alpha).astype(jnp.int32)
+            start = jnp.where(jnp.arange(o) == o - 1, n - kk, start)
+        else:
+            start = jnp.full(s.shape[:-1] + (o,), n - kk, jnp.int32)
+        positions.append(start[..., None] + jnp.arange(kk, dtype=jnp.int32))  # [..., C, o, k]
+    y = x
+    for d in range(nd):  # gather each axis' windows: [..., o_d, k_d] in place of its n_d
+        axis = lead + 2 * d
+        pos = positions[d]
+        shape = pos.shape[:-2] + (1,) * (2 * d) + (pos.shape[-2] * pos.shape[-1],) + (1,) * (nd - d - 1)
+        y = jnp.take_along_axis(y, jnp.reshape(pos, shape), axis=axis)
+        y = jnp.reshape(y, y.shape[:axis] + pos.shape[-2:] + y.shape[axis + 1:])
+    order_axes = list(range(lead)) + [lead + 2 * d for d in range(nd)] + [lead + 2 * d + 1 for d in range(nd)]
+    y = jnp.transpose(y, order_axes).reshape(x.shape[:lead] + tuple(out) + (-1,))
+    strides = [math.prod(size[i + 1:]) for i in range(nd)]
+    flat = 0
+    for d in range(nd):  # [..., C, o1.., k1..] grid of flat indices
+        p = positions[d]
+        shape = p.shape[:-2] + tuple(p.shape[-2] if e == d else 1 for e in range(nd)) \
+            + tuple(p.shape[-1] if e == d else 1 for e in range(nd))
+        flat = flat + jnp.reshape(p, shape).astype(jnp.int64) * strides[d]
+    flat = jnp.reshape(jnp.broadcast_to(flat, x.shape[:lead] + tuple(out) + tuple(k)), y.shape)
+    value, index = _window_max(y, flat)
+    return value, index.astype(jnp.int64)
+
+
+@register_lowering(aten.fractional_max_pool2d_backward.default, aten.fractional_max_pool3d_backward.default)
+def _fractional_max_pool_backward(ctx, grad, x, kernel_size, output_size, indices):
+    return _scatter_pool_grad(ctx, grad, x, indices)
 
 
 @register_lowering(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
@@ -748,6 +814,10 @@ def _adaptive_max_pool_rule(ctx, x, output_size):
 
 @register_lowering(aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default)
 def _adaptive_max_pool_backward(ctx, grad, x, indices):
+    return _scatter_pool_grad(ctx, grad, x, indices)
+
+
+def _scatter_pool_grad(ctx, grad, x, indices):
     """Each output's gradient added at its recorded input element (windows may overlap, so
     elements can gather several), summed in float32 for reduced-precision grads."""
     nd = _spatial_nd(ctx)

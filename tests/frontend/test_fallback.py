@@ -209,12 +209,14 @@ def test_ops_torch_nn_calls_are_placed_by_module(monkeypatch):
     """An op with no rule that torch.nn's own code calls (Dynamo records no line of the user's
     for it) is placed by the module it ran in, in the fallback warning and in the
     fallback="error" message: `module 1 (torch.nn.modules.pooling.FractionalMaxPool2d)`.
-    (FractionalMaxPool2d stands for any such op while it has no rule.)"""
+    (FractionalMaxPool2d in bf16, whose rule takes float32/float64 only, stands for any such
+    op.)"""
     import fx2xla.partition
 
     monkeypatch.setattr(fx2xla.partition, "warned_ops", set())
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.FractionalMaxPool2d(2, output_size=(3, 3)))
-    x = torch.randn(1, 3, 9, 9)
+    model = model.to(torch.bfloat16)
+    x = torch.randn(1, 3, 9, 9, dtype=torch.bfloat16)
     where = "module 1 (torch.nn.modules.pooling.FractionalMaxPool2d)"
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

@@ -1,8 +1,8 @@
 """More nn lowerings (fx2xla/lowering/nn.py, indexing.py) against eager PyTorch: 3-d pooling,
-cdist/pdist, grid_sampler_2d, col2im, embedding_bag, adaptive max pooling, antialiased resizing
-and nn.Embedding(max_norm). Ops the core-ATen table decomposes (col2im) or whose auxiliary
-outputs eager code never returns (_embedding_bag) are checked on make_fx graphs with test_nn's
-`check_graph`."""
+cdist/pdist, grid_sampler_2d, col2im, embedding_bag, adaptive and fractional max pooling,
+antialiased resizing and nn.Embedding(max_norm). Ops the core-ATen table decomposes (col2im) or
+whose auxiliary outputs eager code never returns (_embedding_bag) are checked on make_fx graphs
+with test_nn's `check_graph`."""
 from __future__ import annotations
 
 import math
@@ -369,3 +369,40 @@ def test_embedding_max_norm_training():
     (ref * torch.arange(4.0)).sum().backward()
     for a, e in [(out, ref), (model.weight, twin.weight), (model.weight.grad, twin.weight.grad)]:
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fractional max pooling
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fractional_max_pool(check, dtype):
+    """fractional_max_pool2d/3d given their random samples: eager's window starts, values and
+    indices exactly, for overlapping and tiling windows, an unbatched input and a 1x1 output."""
+    x2, x3 = make(2, 3, 9, 11, dtype=dtype), make(2, 2, 7, 8, 9, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    s2, s3 = torch.rand(2, 3, 2, generator=g, dtype=dtype), torch.rand(2, 2, 3, generator=g, dtype=dtype)
+    check(lambda x, s: (*aten.fractional_max_pool2d(x, (3, 2), (4, 5), s),
+                        *aten.fractional_max_pool2d(x, (2, 2), (1, 1), s),
+                        *aten.fractional_max_pool2d(x[0], (2, 3), (3, 2), s[:1])), x2, s2)
+    check(lambda x, s: tuple(aten.fractional_max_pool3d(x, (2, 3, 2), (3, 3, 4), s)), x3, s3)
+
+
+def test_fractional_max_pool_module_backward():
+    """nn.FractionalMaxPool2d with fixed samples (`_random_samples`) in a training step: output
+    and input gradient equal eager's (float32, rtol / atol 1e-6), lowered whole; with its own
+    samples (drawn in the graph) two calls pick different windows, each of eager's shapes."""
+    x = make(2, 3, 10, 12).requires_grad_()
+    samples = torch.rand(2, 3, 2, generator=torch.Generator().manual_seed(1))
+    pool = torch.nn.FractionalMaxPool2d(3, output_size=(4, 5), _random_samples=samples)
+
+    def loss(x):
+        return (pool(x) * torch.arange(20.0).reshape(4, 5)).sum()
+
+    actual, = torch.autograd.grad(torch.compile(loss, backend="fx2xla", options={"fallback": "error"})(x), x)
+    expected, = torch.autograd.grad(loss(x), x)
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+    free = torch.compile(torch.nn.FractionalMaxPool2d(3, output_size=(4, 5), return_indices=True), backend="fx2xla",
+                         options={"fallback": "error"})
+    (a, ia), (b, ib) = free(x.detach()), free(x.detach())
+    assert a.shape == b.shape == (2, 3, 4, 5) and not torch.equal(ia, ib)
