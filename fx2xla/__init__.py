@@ -17,7 +17,8 @@ from .sharding import Mesh, ShardedTensor, ShardingError, clear_sharding, explai
 
 from .version import __version__
 __all__ = ["metrics", "metrics_report", "scan", "scan_layers", "warmup", "no_recompile", "TensorSpec", "RecompileError",
-           "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "InvalidValueError", "LinAlgError", "export", "load", "LoadedModel",
+           "Fx2XlaError", "IndexOutOfRangeError", "InvalidInputError", "InvalidValueError", "LinAlgError",
+           "export", "load", "LoadedModel",
            "PackageError", "place_to_host", "place_to_device", "explain_memory", "OffloadError", "Mesh", "ShardedTensor", "mark_sharding", "clear_sharding", "explain_sharding", "shard_module", "fsdp", "ShardingError", "InfeasibleBudget",
            "release_host_memory",
            "__version__"]

@@ -246,8 +246,8 @@ def test_adaptive_max_pool_nan_ties_and_infinities(check):
     x[0, 1, 2, 3] = x[0, 1, 2, 5] = float("nan")
     x[1, 2] = -INF
     x[1, 0, 0, 0:3] = 5.0
-    check(lambda x: tuple(t for o in [(1, 1), (3, 4), (4, 3)] for t in F.adaptive_max_pool2d(x, o, return_indices=True)),
-          x)
+    check(lambda x: tuple(t for o in [(1, 1), (3, 4), (4, 3)]
+                          for t in F.adaptive_max_pool2d(x, o, return_indices=True)), x)
 
 
 @pytest.mark.parametrize("nd, out", [(2, (3, 4)), (2, (1, 1)), (2, (7, 5)), (3, (2, 3, 2))])

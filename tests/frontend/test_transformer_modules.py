@@ -40,9 +40,9 @@ def eager_no_grad(model, *args, **kwargs):
 
 def masks(batch, seq, dtype):
     """Every mask kind the fast path distinguishes, by name: a key-padding mask with one batch
-    row fully masked (eager gives NaN there), a causal float mask, a bool attention mask,
-    a bool attention mask and the padding at once (merged into [B, H, T, T]), and a float mask with finite nonzero entries
-    (which eager's fast path reads as masked, not as additive)."""
+    row fully masked (eager gives NaN there), a causal float mask, a bool attention mask, a bool
+    attention mask and the padding at once (merged into [B, H, T, T]), and a float mask with
+    finite nonzero entries (which eager's fast path reads as masked, not as additive)."""
     pad = torch.zeros(batch, seq, dtype=torch.bool)
     pad[0, seq - 2:] = True
     pad[-1, :] = True
