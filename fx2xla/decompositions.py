@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 
+import jax.numpy as jnp
+import numpy as np
 import torch
 from torch._decomp import core_aten_decompositions
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes, get_computation_dtype
@@ -49,15 +50,8 @@ def attention_op_table() -> dict:
 def _rounded(value: float, dtype: torch.dtype) -> float:
     """`value` as the nearest `dtype` number (a Python float, for a scalar kernels hold in
     the tensor's own type)."""
-    if dtype == torch.float64:
-        return value
-    bits = struct.unpack("<I", struct.pack("<f", value))[0]
-    if dtype == torch.bfloat16:  # round to nearest even on the upper 16 bits
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return struct.unpack("<f", struct.pack("<I", bits))[0]
-    if dtype == torch.float16:
-        return struct.unpack("<e", struct.pack("<e", value))[0]
-    return struct.unpack("<f", struct.pack("<f", value))[0]
+    kind = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: jnp.bfloat16}.get(dtype)
+    return value if kind is None else float(np.asarray(value, kind))
 
 
 def _native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight,

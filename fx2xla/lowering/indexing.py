@@ -9,7 +9,6 @@ Boolean-mask indexing that selects elements has a data-dependent shape and is re
 """
 from __future__ import annotations
 
-import math
 
 import jax.numpy as jnp
 import torch
@@ -17,6 +16,7 @@ from jax import lax
 from torch.ops import aten
 
 from .dtypes import dtype_name
+from .reductions import p_norm
 from .registry import RejectedInput, is_array, register_lowering
 from .shape import canonical_dim
 
@@ -259,20 +259,7 @@ def _embedding_renorm(ctx, weight, indices, max_norm, norm_type):
     flat = jnp.where(flat < 0, flat + rows, flat)
     named = jnp.zeros((rows,), bool).at[flat].set(True, mode="drop")
     x = weight.astype(jnp.float32) if jnp.dtype(weight.dtype).itemsize < 4 else weight
-    a = jnp.abs(x)
-    if norm_type == math.inf:
-        norm = jnp.max(a, axis=1)
-    elif norm_type == -math.inf:
-        norm = jnp.min(a, axis=1)
-    elif norm_type == 0:
-        norm = jnp.sum((a != 0).astype(x.dtype), axis=1)
-    elif norm_type == 1:
-        norm = jnp.sum(a, axis=1)
-    elif norm_type == 2:
-        norm = jnp.sqrt(jnp.sum(a * a, axis=1))
-    else:
-        norm = jnp.sum(a ** norm_type, axis=1) ** (1.0 / norm_type)
-    norm = norm.astype(weight.dtype).astype(jnp.float64)
+    norm = p_norm(jnp.abs(x), norm_type, (1,)).astype(weight.dtype).astype(jnp.float64)
     scale = (max_norm / (norm + 1e-7)).astype(weight.dtype)
     shrink = named & (norm > max_norm)
     return jnp.where(shrink[:, None], weight * scale[:, None], weight)

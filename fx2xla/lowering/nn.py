@@ -713,9 +713,7 @@ def _adaptive_max_pool(x, out_size):
         valids.append(np.arange(k)[None, :] < length[:, None])
         y = jnp.take(y, jnp.asarray(positions[-1].reshape(-1)), axis=lead + 2 * d)
         y = y.reshape(y.shape[:lead + 2 * d] + (o, k) + y.shape[lead + 2 * d + 1:])
-    # [..., o1, k1, o2, k2, ...] -> [..., o1, o2, ..., k1 * k2 * ...]
-    order = list(range(lead)) + [lead + 2 * d for d in range(nd)] + [lead + 2 * d + 1 for d in range(nd)]
-    y = jnp.transpose(y, order).reshape(x.shape[:lead] + tuple(out_size) + (-1,))
+    y = _windows_last(y, lead, nd)
 
     def grid(parts, combine):  # per-dim [o, k] arrays -> [o1, o2, ..., k1 * k2 * ...]
         arrays = [p.reshape((1,) * d + (p.shape[0],) + (1,) * (nd - 1 - d) + (1,) * d + (p.shape[1],)
@@ -726,6 +724,15 @@ def _adaptive_max_pool(x, out_size):
     valid = grid(valids, np.logical_and)
     flat = grid([p * m for p, m in zip(positions, strides)], np.add)
     return _window_max(y, flat, valid)
+
+
+def _windows_last(y, lead: int, nd: int):
+    """Gathered windows [..., o1, k1, o2, k2, ...] (`lead` dims before them) as
+    [..., o1, o2, ..., k1 * k2 * ...]: each output's window on the last axis, in row-major
+    (scan) order."""
+    order = list(range(lead)) + [lead + 2 * d for d in range(nd)] + [lead + 2 * d + 1 for d in range(nd)]
+    y = jnp.transpose(y, order)
+    return y.reshape(y.shape[:lead + nd] + (-1,))
 
 
 def _window_max(y, flat, valid=None):
@@ -744,15 +751,17 @@ def _window_max(y, flat, valid=None):
     return value, index
 
 
-def _fractional_floats(node) -> bool:
-    """float32/float64: eager computes bf16/float16 window starts in the tensor's own type,
-    rounding each step; those run eagerly."""
+def _float32_or_64(node) -> bool:
+    """The op's input is float32/float64. Rules accepting only these leave other dtypes to
+    eager: fractional pooling (eager computes bf16/float16 window starts in the tensor's own
+    type, rounding each step) and antialiased resizing (eager has no bf16/float16 kernel, and
+    its uint8 one rounds fixed-point weights)."""
     val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     return val is not None and val.dtype in (torch.float32, torch.float64)
 
 
 @register_lowering(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default,
-                   accepts=_fractional_floats)
+                   accepts=_float32_or_64)
 def _fractional_max_pool(ctx, x, kernel_size, output_size, samples):
     """nn.FractionalMaxPool2d/3d given its random samples (one per spatial dim per (batch,
     plane), drawn by the module): eager's pseudo-random window starts, int((i + u) * alpha) -
@@ -783,8 +792,7 @@ def _fractional_max_pool(ctx, x, kernel_size, output_size, samples):
         shape = pos.shape[:-2] + (1,) * (2 * d) + (pos.shape[-2] * pos.shape[-1],) + (1,) * (nd - d - 1)
         y = jnp.take_along_axis(y, jnp.reshape(pos, shape), axis=axis)
         y = jnp.reshape(y, y.shape[:axis] + pos.shape[-2:] + y.shape[axis + 1:])
-    order_axes = list(range(lead)) + [lead + 2 * d for d in range(nd)] + [lead + 2 * d + 1 for d in range(nd)]
-    y = jnp.transpose(y, order_axes).reshape(x.shape[:lead] + tuple(out) + (-1,))
+    y = _windows_last(y, lead, nd)
     strides = [math.prod(size[i + 1:]) for i in range(nd)]
     flat = 0
     for d in range(nd):  # [..., C, o1.., k1..] grid of flat indices
@@ -964,20 +972,13 @@ def _aa_interp_size(ctx) -> int:
     return 4 if "bicubic" in ctx.node.target.name() else 2
 
 
-def _aa_floats(node) -> bool:
-    """float32/float64 inputs: eager has no bf16/float16 kernel, and its uint8 one rounds
-    fixed-point weights; those run eagerly (an error, or eager's uint8 values)."""
-    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-    return val is not None and val.dtype in (torch.float32, torch.float64)
-
-
-@register_lowering(aten._upsample_bilinear2d_aa.default, aten._upsample_bicubic2d_aa.default, accepts=_aa_floats)
+@register_lowering(aten._upsample_bilinear2d_aa.default, aten._upsample_bicubic2d_aa.default, accepts=_float32_or_64)
 def _upsample_aa_rule(ctx, x, output_size, align_corners, scales_h=None, scales_w=None):
     return _upsample_aa(ctx, x, ctx.out_shape[-2:], align_corners, scales_h, scales_w, _aa_interp_size(ctx))
 
 
 @register_lowering(aten._upsample_bilinear2d_aa_backward.default, aten._upsample_bicubic2d_aa_backward.default,
-                   accepts=_aa_floats)
+                   accepts=_float32_or_64)
 def _upsample_aa_backward(ctx, grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
     shape = concrete_shape(input_size, ctx.sizes)
     interp = _aa_interp_size(ctx)

@@ -10,7 +10,8 @@ import torch.fx
 from jax import lax
 from torch.ops import aten, higher_order
 
-from .registry import RejectedInput, base_key, register_lowering
+from .checks import VALUE
+from .registry import RejectedInput, base_key, lowering_for, register_lowering
 
 
 def _float_dtype(ctx):
@@ -130,8 +131,6 @@ KEY_BYTES = 16
 
 def _inner_rule_lowers(node) -> bool:
     """The checkpointed op (the HOP's op argument) has a rule for every node of it."""
-    from .registry import lowering_for
-
     index = 1 if node.target is higher_order.run_with_rng_state else 0
     op = node.args[index] if len(node.args) > index else None
     rule = lowering_for(op) if isinstance(op, torch._ops.OpOverload) else None
@@ -263,8 +262,6 @@ def _multinomial(ctx, probs, num_samples, replacement=False, generator=None):
     without replacement in proportion to the weights left. Weights that are negative, NaN or
     infinite, rows that sum to 0, and rows with fewer than num_samples nonzero weights (without
     replacement) raise, as in eager."""
-    from .checks import VALUE
-
     k = probs.shape[-1]
     if not replacement and num_samples > k:
         raise RejectedInput(f"cannot sample n_sample > prob_dist.size(-1) samples without replacement "

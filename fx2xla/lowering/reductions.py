@@ -94,8 +94,12 @@ def _var_dim(ctx, x, dim=None, unbiased=True, keepdim=False):
 
 @register_lowering(aten.linalg_vector_norm.default)
 def _vector_norm(ctx, x, ord=2, dim=None, keepdim=False, dtype=None):  # noqa: A002 (aten's name)
-    axes = _axes(x, dim)
-    a = lax.abs(_accumulate(ctx, x))
+    return p_norm(lax.abs(_accumulate(ctx, x)), ord, _axes(x, dim), keepdim)
+
+
+def p_norm(a, ord, axes, keepdim=False):  # noqa: A002 (aten's name)
+    """The `ord`-norm over `axes` of `a`, already absolute and in the accumulation dtype
+    (inf/-inf: max/min, 0: the nonzero count, else (sum a^ord)^(1/ord))."""
     if ord == math.inf:
         return jnp.max(a, axis=axes, keepdims=keepdim)
     if ord == -math.inf:
