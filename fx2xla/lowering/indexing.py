@@ -5,7 +5,7 @@ which torch rejects at run time and XLA would clamp (gathers) or drop (scatters)
 at run time (`ctx.check_index`, see checks.py) by every op eager checks; `_unsafe_index*`,
 which torch's own decompositions emit with indices known to be in range, are not.
 Boolean-mask indexing that selects elements has a data-dependent shape and is rejected;
-`nonzero` is not registered for the same reason.
+`nonzero` is not registered for the same reason (`nonzero_static`, whose size is given, is).
 """
 from __future__ import annotations
 
@@ -238,6 +238,59 @@ def _scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
     if jnp.issubdtype(x.dtype, jnp.floating):
         return out / count
     return jnp.floor_divide(out, count)  # torch divides integer means with rounding mode floor
+
+
+_INDEX_REDUCTIONS = ("prod", "mean", "amax", "amin")
+
+
+@register_lowering(aten.index_reduce.default)
+def _index_reduce(ctx, x, dim, index, source, reduce, *, include_self=True):
+    """Tensor.index_reduce: source's slice k along `dim` reduced into x's slice index[k] (prod,
+    mean, amax, amin; integer means rounded down, as eager's): scatter_reduce with the index
+    broadcast over the slices. Indices lie in [0, size), as eager checks."""
+    if reduce not in _INDEX_REDUCTIONS:
+        raise RejectedInput(f"index_reduce(): Expected reduce to be one of prod, mean, amax or amin but got {reduce}.")
+    if x.ndim == 0:
+        return _scatter_reduce(ctx, x, 0, index.reshape(()) if index.size == 1 else index, source,
+                               reduce, include_self)
+    axis = canonical_dim(dim, x.ndim)
+    shape = [1] * source.ndim
+    shape[axis] = index.shape[0] if index.ndim else 1
+    full = jnp.broadcast_to(index.reshape(shape), source.shape)
+    return _scatter_reduce(ctx, x, axis, full, source, reduce, include_self)
+
+
+@register_lowering(aten.put.default)
+def _put(ctx, x, index, source, accumulate=False):
+    """Tensor.put: x read as 1-d, its elements `index` (negative ones count from the end) set to
+    source's elements in order, or with accumulate added to them (repeated indices add up;
+    without it which repeated write wins is unspecified, in eager too)."""
+    ctx.check_index(index, x.size, negative=True)
+    if index.size == 0:
+        return x
+    flat, idx = x.reshape(-1), index.reshape(-1)
+    idx = jnp.where(idx < 0, idx + x.size, idx)
+    values = source.reshape(-1)[: idx.size].astype(x.dtype)
+    target = flat.at[idx]
+    if accumulate:
+        out = target.max(values) if x.dtype == jnp.bool_ else target.add(values)
+    else:
+        out = target.set(values)
+    return out.reshape(x.shape)
+
+
+@register_lowering(aten.nonzero_static.default)
+def _nonzero_static(ctx, x, *, size, fill_value=-1):
+    """The coordinates (size, x.ndim) of x's first `size` nonzero elements in row-major order,
+    rows past the last one filled with `fill_value`: nonzero with a static number of rows."""
+    if size < 0:
+        raise RejectedInput(f"nonzero_static: 'size' must be an non-negative integer, but got size {size}")
+    if x.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    if x.size == 0:  # (jnp.nonzero fills an empty input's rows with 0, not fill_value)
+        return jnp.full((size, x.ndim), fill_value, jnp.int64)
+    coords = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(coords, axis=1).astype(jnp.int64)
 
 
 @register_lowering(aten.embedding.default)

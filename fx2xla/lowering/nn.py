@@ -278,6 +278,18 @@ def _bn_functional(ctx, x, weight, bias, running_mean, running_var, training, mo
     return out, mean, rstd, new_mean, new_var
 
 
+@register_lowering(aten._batch_norm_with_update_functional.default)
+def _bn_with_update_functional(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
+    """Training batch norm as torch.export and pre-dispatch graphs carry it: (out, save_mean,
+    save_invstd, reserve, new running mean, new running var); `reserve` is the cuDNN workspace,
+    empty on the CPU (its shape and dtype from the op's meta)."""
+    out, mean, rstd, new_mean, new_var = _bn_functional(ctx, x, weight, bias, running_mean, running_var, True,
+                                                        momentum, eps)
+    reserve = ctx.out[3]
+    return (out, mean, rstd, jnp.zeros(concrete_shape(reserve.shape, ctx.sizes), to_jax_dtype(reserve.dtype)),
+            new_mean, new_var)
+
+
 def _group_norm(x, weight, bias, n, c, hxw, group, eps):
     x = _opmath(x)
     y = x.reshape(n, group, (c // group) * hxw)
@@ -1739,65 +1751,172 @@ def _pdist_forward(ctx, x, p=2):
 # Sampling and folding
 # ---------------------------------------------------------------------------------------------
 
-def _reflect(coord, twice_low, twice_high):
-    """ATen's reflect_coordinates: reflect `coord` into [twice_low / 2, twice_high / 2]."""
-    if twice_low == twice_high:
-        return jnp.zeros_like(coord)
-    low, span = twice_low / 2, (twice_high - twice_low) / 2
-    c = jnp.abs(coord - low)
-    extra = jnp.fmod(c, span)
-    flips = jnp.floor(c / span)
-    return jnp.where(jnp.fmod(flips, 2) == 0, extra + low, span - extra + low)
+# Grid sampling (F.grid_sample): ATen's CPU kernels (GridSamplerKernel.cpp for 2-d, the scalar
+# GridSampler.cpp for 3-d). Coordinates follow each kernel's arithmetic; gradients are jax's
+# derivatives of the same formulas, which the clip and reflection below are written so that
+# they equal ATen's hand-written ones, borders included.
 
-
-def _source_coord(coord, size, padding_mode, align_corners):
-    """ATen's grid_sampler_compute_source_index: grid coordinate in [-1, 1] -> pixel index."""
+def _unnormalize(coord, size, align_corners, kernel_2d):
+    """A grid coordinate in [-1, 1] as a pixel coordinate: the vectorized 2-d kernel's
+    `(c + 1) * scale - 0.5`, or the scalar 3-d kernel's `((c + 1) * size - 1) / 2` (and their
+    align_corners forms): equal in exact arithmetic, rounded differently."""
+    one = jnp.ones((), coord.dtype)
+    if kernel_2d:
+        if align_corners:
+            return (coord + one) * jnp.asarray((size - 1) / 2, coord.dtype)
+        return (coord + one) * jnp.asarray(size / 2, coord.dtype) - jnp.asarray(0.5, coord.dtype)
     if align_corners:
-        coord = (coord + 1) / 2 * (size - 1)
+        return (coord + one) / 2 * (size - 1)
+    return ((coord + one) * size - one) / 2
+
+
+def _clip(coord, size):
+    """Clamp into [0, size - 1], NaN to 0; the derivative is 0 on and beyond both borders
+    (ATen: "borders are considered out of bounds" for the gradient)."""
+    zero, hi = jnp.zeros((), coord.dtype), jnp.asarray(size - 1, coord.dtype)
+    return jnp.where(coord > zero, jnp.where(coord < hi, coord, hi), zero)
+
+
+def _reflect(coord, size, align_corners, kernel_2d):
+    """Reflect into [-0.5, size - 0.5] (align_corners: [0, size - 1]) as ATen's
+    reflect_coordinates: the 2-d kernel takes whole double spans off |c - low|, the 3-d one
+    counts single-span flips with fmod. The derivative is +-1 by the flips' parity and the sign."""
+    if align_corners:
+        if size <= 1:
+            return jnp.zeros_like(coord)
+        low, twice_span = 0.0, 2.0 * (size - 1)
     else:
-        coord = ((coord + 1) * size - 1) / 2
-    if padding_mode == 1:  # border
-        return jnp.clip(coord, 0, size - 1)
-    if padding_mode == 2:  # reflection
-        coord = _reflect(coord, 0, 2 * (size - 1)) if align_corners else _reflect(coord, -1, 2 * size - 1)
-        return jnp.clip(coord, 0, size - 1)
+        low, twice_span = -0.5, 2.0 * size
+    low = jnp.asarray(low, coord.dtype)
+    a = coord - low
+    a = jnp.where(a < 0, -a, a)
+    if kernel_2d:
+        twice_span = jnp.asarray(twice_span, coord.dtype)
+        extra = a - jnp.trunc(a / twice_span) * twice_span
+        other = twice_span - extra
+        return jnp.where(extra > other, other, extra) + low
+    span = jnp.asarray(twice_span / 2, coord.dtype)
+    extra = jnp.fmod(a, span)
+    odd = jnp.fmod(jnp.floor(a / span), 2) != 0
+    return jnp.where(odd, span - extra + low, extra + low)
+
+
+def _pad_coordinate(coord, size, padding_mode, align_corners, kernel_2d):
+    """ATen's compute_coordinates: border clips, reflection reflects then clips, zeros keeps."""
+    if padding_mode == 1:
+        return _clip(coord, size)
+    if padding_mode == 2:
+        return _clip(_reflect(coord, size, align_corners, kernel_2d), size)
     return coord
 
 
-def _bilinear_or_nearest(node) -> bool:
-    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("interpolation_mode")
-    return mode in (0, 1)
+def _cubic_weights(t):
+    """The four bicubic convolution weights (A = -0.75, ATen's) of taps -1, 0, 1, 2 at
+    fractional offset t."""
+    a = jnp.asarray(-0.75, t.dtype)
+    one, two = jnp.ones((), t.dtype), jnp.asarray(2, t.dtype)
+
+    def near(x):  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + one
+
+    def far(x):  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    return far(t + one), near(t), near(one - t), far(two - t)
 
 
-# (Bicubic sampling, mode 2, has no rule: it runs eagerly.)
-@register_lowering(aten.grid_sampler_2d.default, accepts=_bilinear_or_nearest)
-def _grid_sampler_2d(ctx, x, grid, interpolation_mode, padding_mode, align_corners):
-    # ATen's bf16/f16 kernel computes coordinates and weights in the input dtype (rounding
-    # each step), which moves samples by up to a few percent of a pixel: do the same.
-    y = _opmath(x)
-    n, c, h, w = y.shape
-    ho, wo = grid.shape[1:3]
-    ix = _source_coord(grid[..., 0], w, padding_mode, align_corners)
-    iy = _source_coord(grid[..., 1], h, padding_mode, align_corners)
-    flat = y.reshape(n, c, h * w)
+def _grid_sample(x, grid, mode, padding_mode, align_corners):
+    """F.grid_sample of x (N, C, [D,] H, W) at grid (N, [Do,] Ho, Wo, nd): grid[..., 0] indexes
+    W, grid[..., 1] H, grid[..., 2] D. Modes: 0 bilinear/trilinear, 1 nearest, 2 bicubic (2-d).
 
-    def tap(yy, xx):
-        """Input values at integer pixels (yy, xx) of shape (N, Ho, Wo); 0 outside the image."""
-        inside = (yy >= 0) & (yy < h) & (xx >= 0) & (xx < w)
-        idx = (jnp.clip(yy, 0, h - 1) * w + jnp.clip(xx, 0, w - 1)).astype(jnp.int32)
-        v = jnp.take_along_axis(flat, jnp.broadcast_to(idx.reshape(n, 1, -1), (n, c, ho * wo)), axis=2)
-        return jnp.where(inside.reshape(n, 1, -1), v, jnp.zeros((), v.dtype)).reshape(n, c, ho, wo)
+    Computed in x's dtype with each kernel's formulas and order of operations: ATen's bf16/f16
+    kernels round every step (coordinates, weights, products, sums) to the input dtype, and
+    with the same steps the results are eager's, bit for bit."""
+    nd = grid.shape[-1]
+    n, c = x.shape[:2]
+    sizes = x.shape[2:]
+    out_spatial = grid.shape[1:-1]
+    kernel_2d = nd == 2
+    flat = x.reshape(n, c, -1)
+    strides = [int(np.prod(sizes[k + 1:])) for k in range(nd)]
+    zeros_mode = padding_mode == 0
+    # coordinates per input dim (D, H, W order), in the grid's dtype as ATen computes them
+    raw = [grid[..., nd - 1 - k] for k in range(nd)]
 
-    if interpolation_mode == 1:  # nearest: round half to even, like nearbyint
-        return tap(jnp.round(iy), jnp.round(ix))
-    x0, y0 = jnp.floor(ix), jnp.floor(iy)
-    x1, y1 = x0 + 1, y0 + 1
-    wx1, wy1 = ix - x0, iy - y0
-    wx0, wy0 = x1 - ix, y1 - iy
+    def tap(index):
+        """x at integer-valued coordinates `index` (one array per input dim), 0 outside."""
+        inside = None
+        lin = 0
+        for i, size, stride in zip(index, sizes, strides):
+            ok = (i > -1) & (i < size)
+            inside = ok if inside is None else inside & ok
+            lin = lin + jnp.clip(i, 0, size - 1).astype(jnp.int32) * stride
+        v = jnp.take_along_axis(flat, jnp.broadcast_to(lin.reshape(n, 1, -1), (n, c, lin[0].size)), axis=2)
+        if zeros_mode:
+            v = jnp.where(inside.reshape(n, 1, -1), v, jnp.zeros((), v.dtype))
+        return v.reshape((n, c) + out_spatial)
+
+    def weighted(w):
+        return w[:, None]
+
+    if mode == 2:  # bicubic: padding applies to each tap, not to the sampling point
+        pos = [_unnormalize(r, s, align_corners, kernel_2d) for r, s in zip(raw, sizes)]
+        base = [jnp.floor(p) for p in pos]
+        wy, wx = (_cubic_weights(p - b) for p, b in zip(pos, base))
+        out = 0
+        for j in range(4):
+            yy = jnp.trunc(_pad_coordinate(base[0] + (j - 1), sizes[0], padding_mode, align_corners, True))
+            row = 0
+            for i in range(4):
+                xx = jnp.trunc(_pad_coordinate(base[1] + (i - 1), sizes[1], padding_mode, align_corners, True))
+                row = row + tap([yy, xx]) * weighted(wx[i])
+            out = out + row * weighted(wy[j])
+        return out
+    pos = [_pad_coordinate(_unnormalize(r, s, align_corners, kernel_2d), s, padding_mode, align_corners, kernel_2d)
+           for r, s in zip(raw, sizes)]
+    if mode == 1:  # nearest: round half to even, as nearbyint
+        return tap([jnp.round(p) for p in pos])
+    lo = [jnp.floor(p) for p in pos]
+    one = jnp.ones((), grid.dtype)
+    # Corner weights: the 2-d kernel's (c - lo, 1 - (c - lo)), products y * x; the 3-d kernel's
+    # (c - lo, lo + 1 - c), products x * y * z. Corners in ATen's order (nw, ne, sw, se, ...).
+    if kernel_2d:
+        near = [p - b for p, b in zip(pos, lo)]
+        sides = [(one - f, f) for f in near]
+        order = range(nd)
+    else:
+        sides = [((b + one) - p, p - b) for p, b in zip(pos, lo)]
+        order = range(nd - 1, -1, -1)
     out = 0
-    for yy, xx, wgt in ((y0, x0, wy0 * wx0), (y0, x1, wy0 * wx1), (y1, x0, wy1 * wx0), (y1, x1, wy1 * wx1)):
-        out = out + tap(yy, xx) * _opmath(wgt)[:, None]
+    for corner in itertools.product((0, 1), repeat=nd):
+        weight = None
+        for k in order:
+            wk = sides[k][corner[k]]
+            weight = wk if weight is None else weight * wk
+        out = out + tap([b + bit for b, bit in zip(lo, corner)]) * weighted(weight)
     return out
+
+
+def _grid_sampler_mode(node) -> bool:
+    """A known interpolation mode (argument 2 of the forward, 3 of the backward)."""
+    at = 3 if "backward" in node.target.name() else 2
+    mode = node.args[at] if len(node.args) > at else node.kwargs.get("interpolation_mode")
+    return mode in (0, 1, 2)
+
+
+@register_lowering(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default, accepts=_grid_sampler_mode)
+def _grid_sampler(ctx, x, grid, interpolation_mode, padding_mode, align_corners):
+    if interpolation_mode == 2 and grid.shape[-1] != 2:
+        raise RejectedInput("grid_sampler(): bicubic interpolation only supports 4D input")
+    return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
+
+
+@register_lowering(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default,
+                   accepts=_grid_sampler_mode)
+def _grid_sampler_backward(ctx, grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    dx, dgrid = _vjp(lambda a, g: _grid_sample(a, g, interpolation_mode, padding_mode, align_corners),
+                     (x, grid), grad)
+    return _masked((dx, dgrid), output_mask)
 
 
 @register_lowering(aten.col2im.default)

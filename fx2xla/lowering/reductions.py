@@ -13,6 +13,7 @@ from jax import lax
 
 from torch.ops import aten
 
+from .checks import VALUE
 from .registry import RejectedInput, register_lowering
 
 _F32 = np.dtype(jnp.float32)
@@ -305,7 +306,7 @@ def _histc(ctx, x, bins=100, min=0, max=0):
         else:
             lo, hi = jnp.min(flat), jnp.max(flat)
         ctx.check(~(jnp.isfinite(lo) & jnp.isfinite(hi)),
-                  "histc: range of [min, max] of the input is not finite")
+                  "histc: range of [min, max] of the input is not finite", error=VALUE)
         same = lo == hi
         lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
     else:
@@ -319,3 +320,147 @@ def _histc(ctx, x, bins=100, min=0, max=0):
     pos = jnp.clip(pos, 0, bins - 1)  # an element equal to max lands in the last bin
     counts = jnp.zeros((bins,), jnp.float32).at[pos].add(counted.astype(jnp.float32))
     return counts.astype(x.dtype)
+
+
+def _linspace(lo, hi, steps: int, dtype):
+    """torch's CPU linspace in `dtype` from (traced) ends: start + step * i for the first half,
+    end - step * (steps - 1 - i) for the rest, so both ends are exact. Eager's compiler fuses
+    each multiply-add into one rounding, which XLA has no op for: inner edges may differ from
+    eager's by an ulp."""
+    lo, hi = lo.astype(dtype), hi.astype(dtype)
+    step = (hi - lo) / jnp.asarray(steps - 1, dtype)
+    i = jnp.arange(steps)
+    head = lo + step * i.astype(dtype)
+    tail = hi - step * (steps - 1 - i).astype(dtype)
+    return jnp.where(i < steps // 2, head, tail)
+
+
+def _histogram_counts(x2, edges, weight, density, dtype):
+    """Counts (or weights) of the points x2 (M, N) per cell of the N edge sequences: bin i of a
+    dim holds [edges[i], edges[i+1]), its last bin also the right edge; points outside and NaNs
+    are not counted. density divides by the total and by each cell's volume."""
+    n_bins = [e.shape[0] - 1 for e in edges]
+    counted = jnp.ones(x2.shape[:1], bool)
+    cell = jnp.zeros(x2.shape[:1], jnp.int64)
+    for d, (e, n) in enumerate(zip(edges, n_bins)):
+        v = x2[:, d]
+        counted = counted & (v >= e[0]) & (v <= e[-1])
+        pos = jnp.clip(jnp.searchsorted(e, v, side="right") - 1, 0, n - 1)
+        cell = cell * n + pos
+    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    w = jnp.ones(x2.shape[:1], acc) if weight is None else weight.reshape(-1).astype(acc)
+    total = math.prod(n_bins)
+    hist = jnp.zeros((total,), acc).at[cell].add(jnp.where(counted, w, jnp.zeros((), acc)))
+    hist = hist.astype(dtype).reshape(n_bins)
+    if density:
+        hist = hist / jnp.sum(hist)
+        for d, e in enumerate(edges):
+            shape = [1] * len(edges)
+            shape[d] = n_bins[d]
+            hist = hist / (e[1:] - e[:-1]).reshape(shape)
+    return hist
+
+
+def _float_histogram_input(ctx, x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise RejectedInput(f'"histogram_cpu" not implemented for \'{ctx.arg_meta(0).dtype}\'')
+
+
+def _points(x):
+    """histogramdd's input (..., N) as M points of N coordinates."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def _equal_bin_edges(ctx, x2, bins, range_, dtype):
+    """Each dim's len(bins[d]) + 1 equally spaced edges over range_[2d:2d+2], or over the
+    points' own [min, max] ([0, 1] without points), widened by 0.5 each way where the two are
+    equal; a non-finite data range raises fx2xla.InvalidValueError, as eager raises."""
+    n = x2.shape[1]
+    for d, b in enumerate(bins):
+        if b <= 0:
+            raise RejectedInput(f"torch.histogram(): bins must be > 0, but got {b} for dimension {d}")
+    if range_ is not None:
+        vals = [float(v) for v in range_]
+        if len(vals) != 2 * n:
+            raise RejectedInput(f"torch.histogramdd: for a {n}-dimensional histogram range should have {2 * n} "
+                                f"elements, but got {len(vals)}")
+        for d in range(n):
+            lo, hi = vals[2 * d], vals[2 * d + 1]
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                raise RejectedInput(f"torch.histogramdd: dimension {d}'s range [{lo}, {hi}] is not finite")
+            if lo > hi:
+                raise RejectedInput(f"torch.histogramdd: min should not exceed max, but got min {lo} max {hi} "
+                                    f"for dimension {d}")
+        lo, hi = jnp.asarray(vals[0::2], jnp.float64), jnp.asarray(vals[1::2], jnp.float64)
+    elif x2.shape[0] == 0:
+        lo, hi = jnp.zeros((n,), jnp.float64), jnp.ones((n,), jnp.float64)
+    else:
+        lo, hi = jnp.min(x2, axis=0).astype(jnp.float64), jnp.max(x2, axis=0).astype(jnp.float64)
+        ctx.check(~jnp.all(jnp.isfinite(lo) & jnp.isfinite(hi)),
+                  "the range [min(input), max(input)] of a dimension is not finite", error=VALUE)
+    same = lo == hi
+    lo, hi = jnp.where(same, lo - 0.5, lo), jnp.where(same, hi + 0.5, hi)
+    return [_linspace(lo[d], hi[d], bins[d] + 1, dtype) for d in range(n)]
+
+
+@register_lowering(aten.histogram.bin_ct)
+def _histogram_bin_ct(ctx, x, bins=100, *, range=None, weight=None, density=False):  # noqa: A002 (aten's name)
+    """torch.histogram(x, bins: int): `bins` equal bins over `range`, or over [min(x), max(x)]
+    (widened by 0.5 each way where they are equal; [0, 1] for an empty x), edges as torch's
+    linspace computes them in x's dtype."""
+    _float_histogram_input(ctx, x)
+    x2 = x.reshape(-1, 1)
+    edges = _equal_bin_edges(ctx, x2, [bins], range, x.dtype)
+    return _histogram_counts(x2, edges, weight, density, x.dtype), edges[0]
+
+
+@register_lowering(aten.histogram.bins_tensor)
+def _histogram_bins_tensor(ctx, x, bins, *, weight=None, density=False):
+    """torch.histogram(x, bins: Tensor): the given edges (increasing, as eager requires)."""
+    _float_histogram_input(ctx, x)
+    return _histogram_counts(x.reshape(-1, 1), [bins], weight, density, x.dtype), bins
+
+
+@register_lowering(aten._histogramdd_bin_edges.default)
+def _histogramdd_bin_edges(ctx, x, bins, *, range=None, weight=None, density=False):  # noqa: A002
+    _float_histogram_input(ctx, x)
+    return _equal_bin_edges(ctx, _points(x), list(bins), range, x.dtype)
+
+
+@register_lowering(aten._histogramdd_from_bin_cts.default)
+def _histogramdd_from_bin_cts(ctx, x, bins, *, range=None, weight=None, density=False):  # noqa: A002
+    """torch.histogramdd(x, bins: ints): the cell counts over _histogramdd_bin_edges' edges."""
+    _float_histogram_input(ctx, x)
+    x2 = _points(x)
+    edges = _equal_bin_edges(ctx, x2, list(bins), range, x.dtype)
+    return _histogram_counts(x2, edges, weight, density, x.dtype)
+
+
+@register_lowering(aten._histogramdd_from_bin_tensors.default)
+def _histogramdd_from_bin_tensors(ctx, x, bins, *, weight=None, density=False):
+    _float_histogram_input(ctx, x)
+    return _histogram_counts(_points(x), list(bins), weight, density, x.dtype)
+
+
+def _hash_bits(x):
+    """x's elements as uint64: floats widened to float64 and bool/integers to 64 bits (signed
+    ones sign-extended), then the bits reinterpreted."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return lax.bitcast_convert_type(x.astype(jnp.float64), jnp.uint64)
+    if jnp.issubdtype(x.dtype, jnp.signedinteger):
+        return lax.bitcast_convert_type(x.astype(jnp.int64), jnp.uint64)
+    return x.astype(jnp.uint64)
+
+
+@register_lowering(aten.hash_tensor.default)
+def _hash_tensor(ctx, x, dim=(), *, keepdim=False, mode=0):
+    """torch.hash_tensor (mode 0): the xor of the elements' 64-bit patterns over `dim` (all
+    dims by default), as uint64."""
+    if mode != 0:
+        raise RejectedInput(f"hash_tensor only supports mode=0 (xor reduction), got mode={mode}")
+    if jnp.iscomplexobj(x):
+        raise RejectedInput("hash_tensor does not support complex inputs")
+    axes = _axes(x, list(dim))
+    bits = _hash_bits(x)
+    out = lax.reduce(bits, jnp.zeros((), jnp.uint64), lax.bitwise_xor, axes) if axes else bits
+    return jnp.expand_dims(out, axes) if keepdim and axes else out

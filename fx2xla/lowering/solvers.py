@@ -411,6 +411,47 @@ def _linalg_qr(ctx, a, mode="reduced"):
     return q, r
 
 
+@register_lowering(aten.geqrf.default)
+def _geqrf(ctx, a):
+    """LAPACK's geqrf: R on and above the diagonal, the Householder vectors below it, and their
+    scalars tau (min(m, n)); jax runs the same routine on the CPU, as eager does."""
+    _check_dtype(ctx, a, "geqrf")
+    k = min(a.shape[-2:])
+    if a.size == 0:
+        return a, jnp.zeros(a.shape[:-2] + (k,), a.dtype)
+    h, tau = jnp.linalg.qr(a, mode="raw")  # numpy's raw mode: LAPACK's array, transposed
+    return _mT(h), tau
+
+
+@register_lowering(aten.linalg_householder_product.default)
+def _householder_product(ctx, a, tau):
+    """The first n columns of H_1 ... H_k, H_i = I - tau_i v_i v_i^H with v_i below the
+    diagonal of a's column i (LAPACK's orgqr/ungqr)."""
+    _check_dtype(ctx, a, "linalg.householder_product")
+    m, n = a.shape[-2:]
+    if m < n:
+        raise RejectedInput("torch.linalg.householder_product: input.shape[-2] must be greater than or equal to "
+                            "input.shape[-1]")
+    if tau.shape[-1] > n:
+        raise RejectedInput("torch.linalg.householder_product: input.shape[-1] must be greater than or equal to "
+                            "tau.shape[-1]")
+    if a.size == 0:
+        return a
+    if tau.shape[-1] == 0:
+        return jnp.broadcast_to(jnp.eye(m, n, dtype=a.dtype), a.shape)
+    return lax.linalg.householder_product(a, tau)
+
+
+@register_lowering(aten.ormqr.default)
+def _ormqr(ctx, a, tau, other, left=True, transpose=False):
+    """other multiplied by Q = H_1 ... H_k (the reflectors geqrf leaves in a and tau): Q C, Q^H C
+    (transpose), C Q or C Q^H (left=False), by LAPACK's ormqr/unmqr as eager's."""
+    _check_dtype(ctx, a, "ormqr")
+    if other.size == 0 or a.size == 0 or tau.shape[-1] == 0:  # Q is the identity
+        return other
+    return lax.linalg.ormqr(a, tau, other, left=left, transpose=transpose)
+
+
 @register_lowering(aten._linalg_eigh.default)
 def _linalg_eigh(ctx, a, UPLO="L", compute_v=True):
     """(eigenvalues ascending, real; eigenvectors as columns, or an empty tensor)."""

@@ -24,6 +24,8 @@ def make(shape, dtype=torch.float32, seed=0):
         return torch.rand(shape, generator=g) > 0.5
     if dtype.is_floating_point:
         return torch.randn(shape, generator=g).to(dtype)
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
     return torch.randint(-9, 10, shape, generator=g, dtype=dtype)
 
 
@@ -230,3 +232,81 @@ def test_repeat_interleave_bad_output_size_raises(repeats, size, words):
     f = torch.compile(lambda r: torch.repeat_interleave(r, output_size=size), backend="fx2xla")
     with pytest.raises(fx2xla.InvalidValueError, match=f"repeat_interleave.*{words}"):
         f(torch.tensor(repeats))
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
+def test_index_reduce(check, reduce, dtype):
+    """Tensor.index_reduce along dims 0 and 1, with and without include_self, repeated and
+    unused indices, and a 0-d input: eager's values (integer means rounded down; f32 rtol 1e-4 /
+    atol 1e-5, bf16 1.6e-2 / 1e-2, int64 exact)."""
+    x, src, src1 = make((4, 3), dtype, 1), make((5, 3), dtype, 2), make((4, 2), dtype, 3)
+
+    def fn(x, src, src1, idx, idx1, s0, s1):
+        return (x.index_reduce(0, idx, src, reduce), x.index_reduce(0, idx, src, reduce, include_self=False),
+                x.index_reduce(1, idx1, src1, reduce, include_self=False), x.index_reduce(-1, idx1, src1, reduce),
+                s0.index_reduce(0, idx[:1] * 0, s1, reduce))
+
+    check(fn, x, src, src1, ind(3, 0, 3, 1, 3), ind(2, 2), make((), dtype, 4), make((), dtype, 5))
+
+
+def test_index_reduce_rejections():
+    """An index outside [0, size) raises fx2xla.IndexOutOfRangeError (eager: IndexError), and a
+    reduction index_reduce lacks is rejected with eager's words."""
+    import fx2xla
+
+    x, src = make((3, 2)), make((2, 2), seed=1)
+    f = torch.compile(lambda x, i, s: x.index_reduce(0, i, s, "amax"), backend="fx2xla")
+    for bad in (ind(0, 3), ind(0, -1)):
+        with pytest.raises(IndexError):
+            x.index_reduce(0, bad, src, "amax")
+        with pytest.raises(fx2xla.IndexOutOfRangeError, match="index_reduce"):
+            f(x, bad, src)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Expected reduce to be one of prod, mean, amax or amin"):
+        torch.compile(lambda x, i, s: x.index_reduce(0, i, s, "sum"), backend="fx2xla",
+                      options={"fallback": "error"})(x, ind(0, 1), src)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.complex64])
+def test_put(check, dtype):
+    """Tensor.put: x read as 1-d, written at distinct indices (negative ones from the end), or
+    added at repeated ones with accumulate; an empty index leaves x as it is. Exact."""
+    x, src = make((3, 4), dtype, 1), make((2, 3), dtype, 2)
+
+    def fn(x, src, idx, rep):
+        return (x.put(idx, src), x.put(rep, src[0], accumulate=True), x.put(idx[:0], src[:0]),
+                x.t().put(idx, src))
+
+    check(fn, x, src, ind([0, -1, 5], [7, 2, -12]), ind(1, 1, -11))
+
+
+def test_put_index_out_of_range():
+    import fx2xla
+
+    f = torch.compile(lambda x, i, s: x.put(i, s), backend="fx2xla")
+    with pytest.raises(IndexError, match="out of range"):
+        make((3, 3)).put(ind(9), make((1,)))
+    with pytest.raises(fx2xla.IndexOutOfRangeError, match="put"):
+        f(make((3, 3)), ind(9), make((1,)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_nonzero_static(check, dtype):
+    """torch.nonzero_static: the first `size` nonzero coordinates in row-major order, the rest
+    filled with fill_value; sizes below and above the count, 0-d, 1-d and 3-d inputs, a NaN
+    (nonzero), an all-zero input, an empty one. Exact, int64."""
+    x = make((3, 4, 2), dtype, 1)
+    if dtype == torch.float32:
+        x[x.abs() < 0.8] = 0
+        x[1, 2, 0] = float("nan")
+    elif dtype == torch.int64:
+        x[x.abs() < 5] = 0
+
+    def fn(x, z):
+        return (torch.nonzero_static(x, size=30), torch.nonzero_static(x, size=3),
+                torch.nonzero_static(x.reshape(-1), size=5, fill_value=-7), torch.nonzero_static(x[0, 0, 0], size=2),
+                torch.nonzero_static(z, size=4, fill_value=0), torch.nonzero_static(x, size=0),
+                torch.nonzero_static(x[:, :0], size=2))
+
+    check(fn, x, torch.zeros((2, 3), dtype=dtype))

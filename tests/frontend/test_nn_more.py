@@ -1,5 +1,5 @@
 """More nn lowerings (fx2xla/lowering/nn.py, indexing.py) against eager PyTorch: 3-d pooling,
-cdist/pdist, grid_sampler_2d, col2im, embedding_bag, adaptive and fractional max pooling,
+cdist/pdist, grid sampling (2-d and 3-d, and their backward), col2im, embedding_bag, adaptive and fractional max pooling,
 antialiased resizing and nn.Embedding(max_norm). Ops the core-ATen table decomposes (col2im) or
 whose auxiliary outputs eager code never returns (_embedding_bag) are checked on make_fx graphs
 with test_nn's `check_graph`."""
@@ -115,44 +115,79 @@ def test_pdist(check, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# grid_sampler_2d, col2im
+# grid sampling, col2im
 # ---------------------------------------------------------------------------------------------
 
 # (mode, padding_mode, align_corners) combinations, chosen so each value meets the others.
 GRID_CASES = [("bilinear", "zeros", False), ("bilinear", "border", True), ("bilinear", "reflection", False),
               ("bilinear", "reflection", True), ("nearest", "zeros", True), ("nearest", "border", False),
-              ("nearest", "reflection", False)]
+              ("nearest", "reflection", False), ("bicubic", "zeros", False), ("bicubic", "border", True),
+              ("bicubic", "reflection", False), ("bicubic", "reflection", True)]
+GRID_CASES_3D = [c for c in GRID_CASES if c[0] != "bicubic"]  # eager: bicubic is 2-d only
 
 
 def _grid_samples(x, grid, cases=GRID_CASES):
     return tuple(F.grid_sample(x, grid, mode=m, padding_mode=p, align_corners=a) for m, p, a in cases)
 
 
+def _grid(*shape, seed=1, spread=3.2, dtype=torch.float32):
+    """Grid points uniform in [-spread/2, spread/2]: inside, near and beyond the borders."""
+    g = torch.rand(*shape, generator=torch.Generator().manual_seed(seed))
+    return (g * spread - spread / 2).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT)
 def test_grid_sample(check, dtype):
-    grid = (torch.rand(2, 4, 7, 2, generator=torch.Generator().manual_seed(1)) * 3.2 - 1.6).to(dtype)
+    """2-d sampling, every mode (bicubic included) and padding: f32 rtol 1e-4 / atol 1e-5; bf16
+    (coordinates rounded in bf16 as eager's kernel does) rtol 1.6e-2 / atol 1e-2."""
     cases = GRID_CASES if dtype == torch.float32 else GRID_CASES[::2]  # bf16: fewer, for time
-    check(lambda x, g: _grid_samples(x, g, cases), make(2, 3, 5, 6, dtype=dtype), grid)
+    check(lambda x, g: _grid_samples(x, g, cases), make(2, 3, 5, 6, dtype=dtype), _grid(2, 4, 7, 2, dtype=dtype))
 
 
-def test_grid_sample_bicubic_runs_eagerly(monkeypatch):
-    """Bicubic grid sampling (no rule) beside bilinear (a rule) in one graph: the bicubic node
-    runs eagerly, the rest in XLA, and both results equal eager's (float32, rtol/atol 1e-5);
-    the warning names grid_sampler_2d as having no rule for these arguments."""
-    import fx2xla.partition
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_grid_sample_3d(check, dtype):
+    """3-d (trilinear and nearest) sampling in every padding mode; an empty output grid."""
+    cases = GRID_CASES_3D if dtype != torch.bfloat16 else GRID_CASES_3D[::2]
+    x = make(2, 3, 4, 5, 6, dtype=dtype)
+    check(lambda x, g, e: _grid_samples(x, g, cases) + (F.grid_sample(x, e, align_corners=False),),
+          x, _grid(2, 3, 4, 5, 3, dtype=dtype), _grid(2, 0, 4, 5, 3, dtype=dtype))
 
-    monkeypatch.setattr(fx2xla.partition, "warned_ops", set())
-    grid = torch.rand(2, 4, 7, 2, generator=torch.Generator().manual_seed(1)) * 2.4 - 1.2
 
-    def fn(x, g):
-        return F.grid_sample(x * 2, g, mode="bicubic", align_corners=False), F.grid_sample(x, g, align_corners=False)
-
-    x = make(2, 3, 5, 6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_grid_sample_grads(check_grads, dtype):
+    """Gradients for the input and the grid (eager's hand-written backward kernels), 2-d in
+    every case and 3-d: f32 rtol 1e-4 / atol 1e-5, f64 1e-7."""
+    check_grads(lambda x, g: _grid_samples(x, g), make(2, 3, 5, 6, dtype=dtype), _grid(2, 4, 7, 2, dtype=dtype))
     torch._dynamo.reset()
-    with pytest.warns(UserWarning, match="grid_sampler_2d.default has no lowering rule for these arguments"):
-        actual = torch.compile(fn, backend="fx2xla")(x, grid)
-    for a, e in zip(actual, fn(x, grid), strict=True):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    check_grads(lambda x, g: _grid_samples(x, g, GRID_CASES_3D), make(1, 2, 4, 5, 3, dtype=dtype),
+                _grid(1, 3, 2, 4, 3, dtype=dtype))
+
+
+def test_grid_sample_grads_at_borders(check_grads):
+    """Grid points on pixel centres, on the borders and far outside, where eager's gradient
+    for the grid is 0 on and beyond a clipped border and flips sign with each reflection: the
+    same gradients as eager's (float64, 1e-7), in every case, 2-d and 3-d."""
+    pts = torch.tensor([-1.0, 1.0, 0.0, 5.0, -7.0, -0.25, 0.6, -1.0 - 1 / 3, 1 + 1 / 3], dtype=torch.float64)
+    g2 = torch.stack(torch.meshgrid(pts, pts, indexing="ij"), -1)[None]
+    check_grads(lambda x, g: _grid_samples(x, g), make(1, 2, 3, 4, dtype=torch.float64), g2)
+    torch._dynamo.reset()
+    g3 = torch.stack(torch.meshgrid(pts[:5], pts[4:], pts[2:7], indexing="ij"), -1)[None]
+    check_grads(lambda x, g: _grid_samples(x, g, GRID_CASES_3D), make(1, 2, 3, 4, 2, dtype=torch.float64), g3)
+
+
+def test_grid_sample_grad_input_only(check_grads):
+    """A grid that needs no gradient (the backward op's output_mask asks for the input's
+    only), and a spatial transformer's affine grid that needs one for its parameters."""
+    grid = _grid(2, 4, 7, 2)
+
+    def stn(x, theta):
+        g = F.affine_grid(theta, (2, 3, 4, 7), align_corners=False)
+        return F.grid_sample(x, g, mode="bilinear", padding_mode="border", align_corners=False)
+
+    check_grads(lambda x: _grid_samples(x, grid, GRID_CASES[::3]), make(2, 3, 5, 6))
+    torch._dynamo.reset()
+    theta = torch.tensor([[[0.9, -0.2, 0.1], [0.3, 1.1, -0.2]], [[1.2, 0.0, 0.3], [0.1, 0.8, 0.0]]])
+    check_grads(stn, make(2, 3, 5, 6), theta)
 
 
 def test_grid_sample_exact_points(check):
@@ -406,3 +441,22 @@ def test_fractional_max_pool_module_backward():
                          options={"fallback": "error"})
     (a, ia), (b, ib) = free(x.detach()), free(x.detach())
     assert a.shape == b.shape == (2, 3, 4, 5) and not torch.equal(ia, ib)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch norm as export graphs carry it
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batch_norm_with_update_functional(check, dtype):
+    """aten._batch_norm_with_update_functional (training batch norm in torch.export and
+    pre-dispatch graphs): the output, the batch mean and 1/std, the empty CPU reserve and the
+    updated running statistics, against eager's kernel (f32 rtol 1e-4 / atol 1e-5, f64 1e-7),
+    for 3-d and 4-d inputs."""
+    op = torch.ops.aten._batch_norm_with_update_functional.default
+
+    def fn(x, x4, w, b, rm, rv):
+        return (*op(x, w, b, rm, rv, 0.1, 1e-5), *op(x4, w, b, rm, rv, 0.3, 1e-3))
+
+    check(fn, make(4, 3, 5, dtype=dtype), make(2, 3, 4, 4, dtype=dtype, seed=1), make(3, dtype=dtype, seed=2),
+          make(3, dtype=dtype, seed=3), make(3, dtype=dtype, seed=4), make(3, dtype=dtype, seed=5).abs())

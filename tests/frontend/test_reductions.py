@@ -220,7 +220,7 @@ def test_histc_matches_eager(dtype):
     last bin), with the data's own range (min == max == 0), with a constant input (the range
     widened by 1 each way), with a range that splits bins unevenly, and on expert ids as a MoE
     layer counts them: each count equal to eager's exactly, in the input's dtype; and a data range
-    that is not finite raises as eager does (fx2xla.IndexOutOfRangeError against RuntimeError)."""
+    that is not finite raises as eager does (fx2xla.InvalidValueError against RuntimeError)."""
     import fx2xla
 
     x = torch.tensor([0., 1, 1, 2, 3, 3, 3, 7, 7.5, -1, nan, 2.999], dtype=dtype)
@@ -236,5 +236,93 @@ def test_histc_matches_eager(dtype):
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="not finite"):
         torch.histc(x, bins=4)
-    with pytest.raises(fx2xla.IndexOutOfRangeError, match="not finite"):
+    with pytest.raises(fx2xla.InvalidValueError, match="not finite"):
         torch.compile(lambda v: torch.histc(v, bins=4), backend="fx2xla")(x)
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="fx2xla", fullgraph=True, options={"fallback": "error"})
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.float64], ids=str)
+def test_histogram_matches_eager(dtype):
+    """torch.histogram with a bin count (the data's range, a given range, a constant input whose
+    range is widened by 0.5, an empty input over [0, 1], NaN and values outside the range not
+    counted, weights, density) and with given edges: bin edges within 2 ulps of the largest edge
+    of eager's (eager's
+    compiler fuses linspace's start + step * i into one multiply-add; XLA rounds twice) and the
+    outer edges exact, counts exact, weighted and density values at rtol 1e-6 (f32) / 1e-12
+    (f64); a data range that is not finite raises fx2xla.InvalidValueError where eager raises
+    RuntimeError."""
+    import fx2xla
+
+    x = torch.tensor([0., 1, 1, 2, 3, 3, 3, 7, 7.5, -1, nan, 2.999], dtype=dtype)
+    r = torch.randn(1000, dtype=dtype)
+    w = torch.rand(1000, dtype=dtype)
+    tol = dict(rtol=1e-6, atol=1e-7) if dtype == F32 else dict(rtol=1e-12, atol=1e-14)
+    ulps = 2 * torch.finfo(dtype).eps
+    cases = [
+        (lambda v: torch.histogram(v, 7), r), (lambda v: torch.histogram(v, 13), r * 1e3 + 5),
+        (lambda v: torch.histogram(v, 4, range=(0., 3.)), x), (lambda v: torch.histogram(v, 3), x[:9]),
+        (lambda v: torch.histogram(v, 3), torch.full((5,), 2., dtype=dtype)),
+        (lambda v: torch.histogram(v, 3), torch.zeros(0, dtype=dtype)),
+        (lambda v: torch.histogram(v, 5, range=(2., 2.)), x[:9]),
+        (lambda v: torch.histogram(v.reshape(10, 100), 6, weight=w.reshape(10, 100)), r),
+        (lambda v: torch.histogram(v, 6, range=(-1., 1.5), weight=w, density=True), r),
+        (lambda v: torch.histogram(v, torch.tensor([-1., 0., 0.25, 2.], dtype=dtype)), r),
+        (lambda v: torch.histogram(v, torch.tensor([-1., 0., 0.25, 2.], dtype=dtype), weight=w, density=True), r),
+    ]
+    for fn, values in cases:
+        hist, edges = _compiled(fn)(values)
+        expected_hist, expected_edges = fn(values)
+        assert hist.dtype == expected_hist.dtype == dtype and edges.dtype == dtype
+        span = expected_edges.abs().max().item()
+        torch.testing.assert_close(edges, expected_edges, rtol=0, atol=ulps * span)
+        torch.testing.assert_close(edges[[0, -1]], expected_edges[[0, -1]], rtol=0, atol=0)
+        torch.testing.assert_close(hist, expected_hist, **tol)
+    with pytest.raises(RuntimeError, match="not finite"):
+        torch.histogram(x, 4)
+    with pytest.raises(fx2xla.InvalidValueError, match="not finite"):
+        _compiled(lambda v: torch.histogram(v, 4))(x)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64, BOOL, torch.int8, torch.uint8, torch.float64], ids=str)
+def test_hash_tensor(dtype):
+    """torch.hash_tensor: the xor of the elements' 64-bit patterns (floats widened to float64,
+    signed integers sign-extended), over everything, one dim, two dims with keepdim, and an empty
+    row: uint64, equal to eager's exactly."""
+    x = (torch.randn(4, 5, 3) * 50).to(dtype) if dtype != BOOL else torch.rand(4, 5, 3) > 0.5
+
+    def fn(x):
+        return (torch.hash_tensor(x), torch.hash_tensor(x, 1), torch.hash_tensor(x, [0, 2], keepdim=True),
+                torch.hash_tensor(x[:, :0], 0))
+
+    for a, e in zip(_compiled(fn)(x), fn(x), strict=True):
+        assert a.dtype == e.dtype == torch.uint64 and a.shape == e.shape
+        assert torch.equal(a, e)
+
+
+def test_histogramdd_matches_eager():
+    """torch.histogramdd with bin counts (the points' range, a given range, a constant dim),
+    with weights and density, and with given edge tensors; 2-d and 3-d points, an empty set:
+    edges within 2 ulps of eager's largest edge (float32), counts exact, densities at rtol 1e-6."""
+    g = torch.Generator().manual_seed(0)
+    pts = torch.randn(200, 3, generator=g)
+    pts[:, 2] = 1.5
+    w = torch.rand(200, generator=g)
+    edges = [torch.tensor([-2., 0., 0.5, 3.]), torch.tensor([-1., 1.])]
+    cases = [
+        (lambda p: torch.histogramdd(p, [3, 4, 2]), pts),
+        (lambda p: torch.histogramdd(p[:, :2], [5, 2], range=[-1., 1., 0., 2.]), pts),
+        (lambda p: torch.histogramdd(p.reshape(10, 20, 3), [2, 3, 2], weight=w.reshape(10, 20), density=True), pts),
+        (lambda p: torch.histogramdd(p[:, :2], edges, weight=w), pts),
+        (lambda p: torch.histogramdd(p[:0], [2, 2, 3]), pts),
+    ]
+    ulps = 2 * torch.finfo(F32).eps
+    for fn, values in cases:
+        actual, expected = _compiled(fn)(values), fn(values)
+        torch.testing.assert_close(actual.hist, expected.hist, rtol=1e-6, atol=1e-7)
+        assert len(actual.bin_edges) == len(expected.bin_edges)
+        for a, e in zip(actual.bin_edges, expected.bin_edges):
+            torch.testing.assert_close(a, e, rtol=0, atol=ulps * e.abs().max().item())

@@ -401,3 +401,24 @@ def test_linalg_eig(dtype):
     actual, = torch.autograd.grad(compiled(loss)(x), x)
     expected, = torch.autograd.grad(loss(x), x)
     torch.testing.assert_close(actual, expected, **_tol(expected, 10))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_geqrf_householder_product_ormqr(dtype):
+    """geqrf (tall, wide, batched, empty), linalg.householder_product with every and with fewer
+    reflectors, and ormqr in its four forms (Q C, Q^H C, C Q, C Q^H) from geqrf's reflectors:
+    eager's values at TOL (LAPACK's own routines on both sides, so no sign is left free)."""
+    g = torch.Generator().manual_seed(0)
+    tall = torch.randn(6, 4, dtype=dtype, generator=g)
+    wide = torch.randn(2, 3, 5, dtype=dtype, generator=g)
+    run_both(lambda a, b: (*torch.geqrf(a), *torch.geqrf(b), *torch.geqrf(a[:0])), tall, wide)
+    h, tau = torch.geqrf(tall)
+    run_both(lambda h, t: (torch.linalg.householder_product(h, t), torch.linalg.householder_product(h, t[:2]),
+                           torch.linalg.householder_product(h[:, :3], t[:0])), h, tau)
+    c_left, c_right = torch.randn(6, 3, dtype=dtype, generator=g), torch.randn(2, 6, dtype=dtype, generator=g)
+    run_both(lambda h, t, cl, cr: tuple(torch.ormqr(h, t, c, left=left, transpose=tr)
+                                        for left, c in ((True, cl), (False, cr)) for tr in (False, True)),
+             h, tau, c_left, c_right)
+    hb, taub = torch.geqrf(torch.randn(3, 5, 5, dtype=dtype, generator=g))
+    run_both(lambda h, t, c: (torch.ormqr(h, t, c), torch.ormqr(h[..., :2], t[..., :2], c, transpose=True)),
+             hb, taub, torch.randn(3, 5, 2, dtype=dtype, generator=g))
