@@ -1,7 +1,8 @@
 """Training with fx2xla matches eager PyTorch: loss trajectories, gradients and parameters
 after compiled forward/backward and compiled optimizer steps (SGD with momentum, Adam, AdamW;
 foreach, single-tensor and fused), whole compiled train steps, a full-graph functional step,
-autocast, dropout, gradient accumulation, train/eval switching and `transformers.Trainer`.
+autocast, dropout, gradient accumulation, train/eval switching, `transformers.Trainer` and a
+spatial transformer network (grid sampling and its gradients).
 
 Every comparison runs the same model twice from identical copies (same seed, same inputs):
 once eagerly, once compiled with fx2xla. Dropout is switched off in the transformer models
@@ -556,3 +557,50 @@ def test_trainer_with_fx2xla_compiled_model(tmp_path, monkeypatch):
         losses = _trainer_losses(tmp_path, monkeypatch, model)
     assert count.graphs >= 2, "Trainer did not run the fx2xla-compiled model"
     _assert_learns(losses)
+
+
+class _SpatialTransformer(torch.nn.Module):
+    """A spatial transformer network (Jaderberg et al.): a localization net predicts an affine
+    transform, F.affine_grid / F.grid_sample warp the image with it, a small classifier reads
+    the warped image. Trains the grid sampler's gradients for the input and the grid."""
+
+    def __init__(self, mode: str, padding_mode: str):
+        super().__init__()
+        self.mode, self.padding_mode = mode, padding_mode
+        self.loc = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4),
+                                       torch.nn.Flatten(), torch.nn.Linear(64, 6))
+        with torch.no_grad():  # start near the identity, as STNs are initialised
+            self.loc[-1].weight.mul_(0.1)
+            self.loc[-1].bias.copy_(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0]))
+        self.head = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                        torch.nn.Linear(4 * 12 * 12, 5))
+
+    def forward(self, x):
+        theta = self.loc(x).view(-1, 2, 3)
+        grid = F.affine_grid(theta, (x.shape[0], 1, 12, 12), align_corners=False)
+        return self.head(F.grid_sample(x, grid, mode=self.mode, padding_mode=self.padding_mode, align_corners=False))
+
+
+@pytest.mark.parametrize("mode,padding_mode", [("bilinear", "zeros"), ("bicubic", "reflection"),
+                                               ("bilinear", "border")])
+def test_spatial_transformer_training_matches_eager(mode, padding_mode):
+    """Four SGD-with-momentum steps of a spatial transformer network, compiled with
+    fallback="error" (the grid sampler and its backward lower): losses and parameters after
+    every step match eager's at the "trajectory" tolerance (float32)."""
+    torch.manual_seed(0)
+    model = _SpatialTransformer(mode, padding_mode)
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 3, 1, 4])
+    step = torch.compile(lambda m, x: F.cross_entropy(m(x), y), backend="fx2xla", options={"fallback": "error"})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, twin)]
+    for i in range(4):
+        losses = []
+        for m, opt, fn in ((model, opts[0], step), (twin, opts[1], lambda m, x: F.cross_entropy(m(x), y))):
+            opt.zero_grad()
+            loss = fn(m, x)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        assert_close(losses[0], losses[1], kind="trajectory", msg=f"loss at step {i}")
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert_close(p, q, kind="trajectory", msg=f"{name} after step {i}")
