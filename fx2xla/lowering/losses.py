@@ -84,7 +84,7 @@ def _linear_cross_entropy_chunked(ctx, x, w, target, b, weight, reduction, ignor
 def _chunks(x, target, ignore_index, chunk):
     """x and target as [chunks, chunk rows, ...], the last chunk padded with ignored rows."""
     n = x.shape[0]
-    chunk = n if not chunk or chunk >= n else int(chunk)
+    chunk = max(1, n if not chunk or chunk >= n else int(chunk))
     k = -(-n // chunk)
     pad = k * chunk - n
     xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(k, chunk, x.shape[1])

@@ -1829,16 +1829,20 @@ def _grid_sample(x, grid, mode, padding_mode, align_corners):
     """F.grid_sample of x (N, C, [D,] H, W) at grid (N, [Do,] Ho, Wo, nd): grid[..., 0] indexes
     W, grid[..., 1] H, grid[..., 2] D. Modes: 0 bilinear/trilinear, 1 nearest, 2 bicubic (2-d).
 
-    Computed in x's dtype with each kernel's formulas and order of operations: ATen's bf16/f16
-    kernels round every step (coordinates, weights, products, sums) to the input dtype, and
-    with the same steps the results are eager's, bit for bit."""
+    Coordinates and weights are computed in the grid's dtype, values in x's, with each kernel's
+    formulas and order of operations: ATen's bf16/f16 kernels round every step (coordinates,
+    weights, products, sums) to the input dtype, and with the same steps the results are
+    eager's, bit for bit. (The backward passes x in float32 and the grid as it is: the
+    gradients are those of the very points the forward sampled, summed in float32.)"""
     nd = grid.shape[-1]
     n, c = x.shape[:2]
     sizes = x.shape[2:]
     out_spatial = grid.shape[1:-1]
     kernel_2d = nd == 2
     flat = x.reshape(n, c, -1)
-    strides = [int(np.prod(sizes[k + 1:])) for k in range(nd)]
+    strides = [math.prod(sizes[k + 1:]) for k in range(nd)]
+    index_dtype = jnp.int32 if math.prod(sizes) < 2 ** 31 else jnp.int64
+    points = math.prod(out_spatial)
     zeros_mode = padding_mode == 0
     # coordinates per input dim (D, H, W order), in the grid's dtype as ATen computes them
     raw = [grid[..., nd - 1 - k] for k in range(nd)]
@@ -1850,14 +1854,14 @@ def _grid_sample(x, grid, mode, padding_mode, align_corners):
         for i, size, stride in zip(index, sizes, strides):
             ok = (i > -1) & (i < size)
             inside = ok if inside is None else inside & ok
-            lin = lin + jnp.clip(i, 0, size - 1).astype(jnp.int32) * stride
-        v = jnp.take_along_axis(flat, jnp.broadcast_to(lin.reshape(n, 1, -1), (n, c, lin[0].size)), axis=2)
+            lin = lin + jnp.clip(i, 0, size - 1).astype(index_dtype) * stride
+        v = jnp.take_along_axis(flat, jnp.broadcast_to(lin.reshape(n, 1, -1), (n, c, points)), axis=2)
         if zeros_mode:
             v = jnp.where(inside.reshape(n, 1, -1), v, jnp.zeros((), v.dtype))
         return v.reshape((n, c) + out_spatial)
 
-    def weighted(w):
-        return w[:, None]
+    def weighted(w):  # a weight per point, against every channel's values
+        return w.astype(x.dtype)[:, None]
 
     if mode == 2:  # bicubic: padding applies to each tap, not to the sampling point
         pos = [_unnormalize(r, s, align_corners, kernel_2d) for r, s in zip(raw, sizes)]
@@ -1914,8 +1918,9 @@ def _grid_sampler(ctx, x, grid, interpolation_mode, padding_mode, align_corners)
 @register_lowering(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default,
                    accepts=_grid_sampler_mode)
 def _grid_sampler_backward(ctx, grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
-    dx, dgrid = _vjp(lambda a, g: _grid_sample(a, g, interpolation_mode, padding_mode, align_corners),
-                     (x, grid), grad)
+    out, pull = jax.vjp(lambda a, g: _grid_sample(a, g, interpolation_mode, padding_mode, align_corners),
+                        _opmath(x), grid)
+    dx, dgrid = pull(grad.astype(out.dtype))
     return _masked((dx, dgrid), output_mask)
 
 

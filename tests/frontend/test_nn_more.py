@@ -163,6 +163,25 @@ def test_grid_sample_grads(check_grads, dtype):
                 _grid(1, 3, 2, 4, 3, dtype=dtype))
 
 
+def test_grid_sample_grads_bf16():
+    """bf16 gradients are those of the points the bf16 forward sampled (coordinates rounded in
+    bf16, as eager's kernel rounds them; a float64 run samples elsewhere): within 5% of the
+    largest element of eager's, for the input and the grid, 2-d (every mode) and 3-d."""
+    from test_nn import grads
+
+    cases = [(make(2, 3, 6, 7, dtype=torch.bfloat16), _grid(2, 4, 5, 2, dtype=torch.bfloat16), GRID_CASES[::2]),
+             (make(1, 2, 4, 5, 3, dtype=torch.bfloat16), _grid(1, 3, 2, 4, 3, dtype=torch.bfloat16), GRID_CASES_3D[::2])]
+    for x, grid, cases_ in cases:
+        def fn(x, g):
+            return _grid_samples(x, g, cases_)
+
+        torch._dynamo.reset()
+        actual = grads(torch.compile(fn, backend="fx2xla", fullgraph=True), x, grid)
+        for a, e in zip(actual, grads(fn, x, grid), strict=True):
+            assert a.dtype == e.dtype == torch.bfloat16 and a.shape == e.shape
+            torch.testing.assert_close(a.float(), e.float(), rtol=0, atol=0.05 * e.float().abs().max().item() + 1e-3)
+
+
 def test_grid_sample_grads_at_borders(check_grads):
     """Grid points on pixel centres, on the borders and far outside, where eager's gradient
     for the grid is 0 on and beyond a clipped border and flips sign with each reflection: the
