@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -464,3 +465,111 @@ def _hash_tensor(ctx, x, dim=(), *, keepdim=False, mode=0):
     bits = _hash_bits(x)
     out = lax.reduce(bits, jnp.zeros((), jnp.uint64), lax.bitwise_xor, axes) if axes else bits
     return jnp.expand_dims(out, axes) if keepdim and axes else out
+
+
+# torch.segment_reduce: reductions over consecutive runs ("segments") of data along `axis`, the
+# runs given by their lengths or their offsets, one row of them per index of the dims before
+# `axis`. Each element gets its segment's id (past the last run: none), and jax's segment ops
+# reduce by id.
+
+_SEGMENT_REDUCTIONS = ("sum", "mean", "max", "min", "prod")
+
+
+def _segments(ctx, data, lengths, offsets, axis, unsafe):
+    """(data as [B * N, rest], each element's flat segment id (B * S where it has none), B, S,
+    the lengths [B, S]) for data [*lead, N, *rest] with B = prod(lead)."""
+    axis = axis % data.ndim
+    lead, n, rest = data.shape[:axis], data.shape[axis], data.shape[axis + 1:]
+    b = math.prod(lead)
+    if lengths is not None:
+        lengths = lengths.reshape(b, -1).astype(jnp.int64)
+        starts = jnp.concatenate([jnp.zeros((b, 1), jnp.int64), jnp.cumsum(lengths, axis=1)], axis=1)
+        if not unsafe:
+            ctx.check(jnp.any(lengths < 0), "lengths contains negative value!", error=VALUE)
+            ctx.check(jnp.any(starts[:, -1] != n), "Expected all rows of lengths along axis to sum to "
+                      f"data.size(lengths.dim()-1) ({n}) when !unsafe.", error=VALUE)
+    else:
+        starts = offsets.reshape(b, -1).astype(jnp.int64)
+        lengths = starts[:, 1:] - starts[:, :-1]
+    s = starts.shape[1] - 1
+    j = jnp.arange(n, dtype=jnp.int64)
+    # [B, N]: how many runs end at or before j (starts never decrease: lengths are >= 0)
+    seg = jax.vmap(lambda st: jnp.searchsorted(st[1:], j, side="right"))(starts).astype(jnp.int64)
+    valid = (j[None, :] >= starts[:, :1]) & (seg < s)
+    ids = jnp.where(valid, jnp.arange(b, dtype=jnp.int64)[:, None] * s + seg, b * s).reshape(-1)
+    return data.reshape((b * n,) + rest), ids, b, s, lengths, (lead, rest)
+
+
+def _segment_values(ctx, data, reduce, lengths, offsets, axis, unsafe, initial):
+    """(the [B * S, *rest] reductions, the ids, B, S, lengths, shapes), in data's opmath dtype."""
+    flat, ids, b, s, lengths, shapes = _segments(ctx, _opmath_of(data), lengths, offsets, axis, unsafe)
+    k = b * s
+    if reduce in ("sum", "mean"):
+        out = jax.ops.segment_sum(flat, ids, num_segments=k)
+    elif reduce == "prod":
+        out = jax.ops.segment_prod(flat, ids, num_segments=k)
+    else:
+        out = (jax.ops.segment_max if reduce == "max" else jax.ops.segment_min)(flat, ids, num_segments=k)
+    count = lengths.reshape((k,) + (1,) * (flat.ndim - 1)).astype(flat.dtype)
+    init = None if initial is None else jnp.asarray(initial, flat.dtype)
+    if reduce == "mean":
+        total = out if init is None else out + init
+        out = total / count if init is None else jnp.where(count == 0, init, total / count)
+    elif init is not None:
+        out = {"sum": jnp.add, "prod": jnp.multiply, "max": jnp.maximum, "min": jnp.minimum}[reduce](out, init)
+    return out, ids, b, s, count, shapes
+
+
+def _opmath_of(x):
+    return x.astype(jnp.float32) if np.dtype(x.dtype) in _REDUCED else x
+
+
+def _check_segment_args(data, reduce, lengths, offsets):
+    if reduce not in _SEGMENT_REDUCTIONS:
+        raise RejectedInput(f"segment_reduce: reduce must be one of {', '.join(_SEGMENT_REDUCTIONS)}, got {reduce!r}")
+    if (lengths is None) == (offsets is None):
+        raise RejectedInput("segment_reduce: exactly one of lengths and offsets must be given")
+    if not jnp.issubdtype(data.dtype, jnp.floating):
+        raise RejectedInput(f'"_segment_reduce_cpu" not implemented for \'{data.dtype}\'')
+
+
+@register_lowering(aten.segment_reduce.default)
+def _segment_reduce(ctx, data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
+                    initial=None):
+    """torch.segment_reduce (sum, mean, max, min, prod): an empty segment gives `initial`, or
+    else 0 / NaN / -inf / inf / 1; mean with `initial` is (initial + sum) / length."""
+    _check_segment_args(data, reduce, lengths, offsets)
+    out, _, _, s, _, (lead, rest) = _segment_values(ctx, data, reduce, lengths, offsets, axis, unsafe, initial)
+    return out.reshape(lead + (s,) + rest).astype(data.dtype)
+
+
+@register_lowering(aten._segment_reduce_backward.default)
+def _segment_reduce_backward(ctx, grad, output, data, reduce, *, lengths=None, offsets=None, axis=0, initial=None):
+    """The gradient of segment_reduce for data, as eager's: each element gets its segment's
+    gradient (mean: divided by the length); max/min: split equally among the elements equal to
+    the result (none where `initial` won); prod: the product of the others (with `initial`), 0
+    in a segment with two zeros or more."""
+    _check_segment_args(data, reduce, lengths, offsets)
+    flat, ids, b, s, lengths, (lead, rest) = _segments(ctx, _opmath_of(data), lengths, offsets, axis, True)
+    k = b * s
+    g = jnp.concatenate([_opmath_of(grad).reshape((k,) + rest), jnp.zeros((1,) + rest, flat.dtype)])
+    out = jnp.concatenate([_opmath_of(output).reshape((k,) + rest), jnp.zeros((1,) + rest, flat.dtype)])
+    ge, oe = g[ids], out[ids]  # each element's segment's gradient and result (0 for none)
+    if reduce == "sum":
+        dx = ge
+    elif reduce == "mean":
+        count = jnp.concatenate([lengths.reshape(-1), jnp.ones((1,), lengths.dtype)])[ids].astype(flat.dtype)
+        dx = ge / count.reshape((-1,) + (1,) * len(rest))
+    elif reduce in ("max", "min"):
+        hit = flat == oe
+        ties = jax.ops.segment_sum(hit.astype(flat.dtype), ids, num_segments=k + 1)[ids]
+        dx = jnp.where(hit, ge / jnp.where(ties == 0, 1, ties), 0)
+    else:  # prod
+        zero = flat == 0
+        zeros = jax.ops.segment_sum(zero.astype(flat.dtype), ids, num_segments=k + 1)[ids]
+        others = jax.ops.segment_prod(jnp.where(zero, 1, flat), ids, num_segments=k + 1)[ids]
+        if initial is not None:
+            others = others * jnp.asarray(initial, flat.dtype)
+        safe = jnp.where(zero, 1, flat)
+        dx = jnp.where(zeros == 0, ge * oe / safe, jnp.where((zeros == 1) & zero, ge * others, 0))
+    return dx.reshape(data.shape).astype(data.dtype)
