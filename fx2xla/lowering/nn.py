@@ -764,24 +764,33 @@ def _window_max(y, flat, valid=None):
 
 
 def _float32_or_64(node) -> bool:
-    """The op's input is float32/float64. Rules accepting only these leave other dtypes to
-    eager: fractional pooling (eager computes bf16/float16 window starts in the tensor's own
-    type, rounding each step) and antialiased resizing (eager has no bf16/float16 kernel, and
-    its uint8 one rounds fixed-point weights)."""
+    """The op's input is float32/float64. Antialiased resizing accepts only these and leaves
+    other dtypes to eager (eager has no bf16/float16 kernel, and its uint8 one rounds
+    fixed-point weights)."""
     val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     return val is not None and val.dtype in (torch.float32, torch.float64)
 
 
+def _floating(node) -> bool:
+    """The op's input is a float tensor (fractional pooling: eager has no integer kernel)."""
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    return val is not None and val.dtype.is_floating_point
+
+
 @register_lowering(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default,
-                   accepts=_float32_or_64)
+                   accepts=_floating)
 def _fractional_max_pool(ctx, x, kernel_size, output_size, samples):
     """nn.FractionalMaxPool2d/3d given its random samples (one per spatial dim per (batch,
     plane), drawn by the module): eager's pseudo-random window starts, int((i + u) * alpha) -
-    int(u * alpha) with alpha = (in - k) / (out - 1) in the input's type and the last window
+    int(u * alpha) with alpha = (in - k) / (out - 1) in the input's type (bf16/float16 rounded at
+    each step, as eager's kernel rounds them, so the windows are eager's) and the last window
     ending at the input's end, then each k-window's max and index in eager's scan order. The 2-d
     kernel reads the samples as (width, height), the 3-d one as (time, height, width)."""
     nd = _spatial_nd(ctx)
     k, out = _per_dim(kernel_size, nd), ctx.out_shape[-nd:]
+    if x.size == 0:  # an empty batch or no planes: nothing to pool
+        shape = tuple(ctx.out_shape)
+        return jnp.zeros(shape, x.dtype), jnp.zeros(shape, jnp.int64)
     lead = x.ndim - nd
     size = x.shape[lead:]
     order = (1, 0) if nd == 2 else (0, 1, 2)  # which sample each spatial dim reads

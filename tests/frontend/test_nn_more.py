@@ -429,17 +429,26 @@ def test_embedding_max_norm_training():
 # Fractional max pooling
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_fractional_max_pool(check, dtype):
     """fractional_max_pool2d/3d given their random samples: eager's window starts, values and
-    indices exactly, for overlapping and tiling windows, an unbatched input and a 1x1 output."""
+    indices exactly, for overlapping and tiling windows, an unbatched input, an empty batch and a
+    1x1 output; in bf16/float16 too (window starts rounded at each step as eager's kernel rounds them)."""
     x2, x3 = make(2, 3, 9, 11, dtype=dtype), make(2, 2, 7, 8, 9, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     s2, s3 = torch.rand(2, 3, 2, generator=g, dtype=dtype), torch.rand(2, 2, 3, generator=g, dtype=dtype)
     check(lambda x, s: (*aten.fractional_max_pool2d(x, (3, 2), (4, 5), s),
                         *aten.fractional_max_pool2d(x, (2, 2), (1, 1), s),
-                        *aten.fractional_max_pool2d(x[0], (2, 3), (3, 2), s[:1])), x2, s2)
+                        *aten.fractional_max_pool2d(x[0], (2, 3), (3, 2), s[:1]),
+                        *aten.fractional_max_pool2d(x[:0], (2, 2), (3, 3), s[:0])), x2, s2)
     check(lambda x, s: tuple(aten.fractional_max_pool3d(x, (2, 3, 2), (3, 3, 4), s)), x3, s3)
+    if dtype in (torch.bfloat16, torch.float16):  # long rows, where rounding the starts matters
+        torch._dynamo.reset()
+        big, s_big = make(1, 2, 300, 129, dtype=dtype), torch.rand(1, 2, 2, generator=g).to(dtype)
+        f = torch.compile(lambda x, s: aten.fractional_max_pool2d(x, (3, 3), (150, 43), s), backend="fx2xla",
+                          options={"fallback": "error"})
+        for a, e in zip(f(big, s_big), aten.fractional_max_pool2d(big, (3, 3), (150, 43), s_big), strict=True):
+            assert torch.equal(a, e)
 
 
 def test_fractional_max_pool_module_backward():
