@@ -78,10 +78,15 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     if any(_is_mask(i) for i in indices):
         return _masked_put(x, indices, values, accumulate)
     _check_indices(ctx, x, indices)
-    ref = x.at[_index_tuple(indices)]
+    return _write(x.at[_index_tuple(indices)], values, accumulate)
+
+
+def _write(ref, values, accumulate: bool):
+    """`ref` (jax's `x.at[...]`) set to `values` (duplicate indices: an unspecified winner, as
+    in torch), or with accumulate added to it (or-ed for bool)."""
     if not accumulate:
-        return ref.set(values)  # duplicate indices: unspecified winner, as in torch
-    return ref.max(values) if x.dtype == jnp.bool_ else ref.add(values)
+        return ref.set(values)
+    return ref.max(values) if values.dtype == jnp.bool_ else ref.add(values)
 
 
 def _masked_put(x, indices, values, accumulate):
@@ -271,12 +276,7 @@ def _put(ctx, x, index, source, accumulate=False):
     flat, idx = x.reshape(-1), index.reshape(-1)
     idx = jnp.where(idx < 0, idx + x.size, idx)
     values = source.reshape(-1)[: idx.size].astype(x.dtype)
-    target = flat.at[idx]
-    if accumulate:
-        out = target.max(values) if x.dtype == jnp.bool_ else target.add(values)
-    else:
-        out = target.set(values)
-    return out.reshape(x.shape)
+    return _write(flat.at[idx], values, accumulate).reshape(x.shape)
 
 
 @register_lowering(aten.nonzero_static.default)

@@ -39,17 +39,22 @@ def _acc(x, acc_dtype):
 
 
 def _per_row(x, w, b, target, weight, ignore_index, acc):
-    """(each row's loss, each row's class weight; both 0 for an ignored row)."""
+    """Each row's loss, weighted by its class weight (0 for an ignored row)."""
     x, w = x.astype(acc), w.astype(acc)
     logits = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=matmul_precision(acc))
     if b is not None:
         logits = logits + b.astype(acc)
+    t = jnp.where(target != ignore_index, target, 0)
+    picked = jnp.take_along_axis(logits, t[:, None], axis=1)[:, 0]
+    return (jax.nn.logsumexp(logits, axis=1) - picked) * _row_weights(target, weight, ignore_index, acc)
+
+
+def _row_weights(target, weight, ignore_index, acc):
+    """Each row's class weight (1 without class weights), 0 for an ignored row."""
     valid = target != ignore_index
     t = jnp.where(valid, target, 0)
-    picked = jnp.take_along_axis(logits, t[:, None], axis=1)[:, 0]
     cw = jnp.ones(t.shape, acc) if weight is None else weight.astype(acc)[t]
-    cw = jnp.where(valid, cw, jnp.zeros((), acc))
-    return (jax.nn.logsumexp(logits, axis=1) - picked) * cw, cw
+    return jnp.where(valid, cw, jnp.zeros((), acc))
 
 
 @register_lowering("torch_nn._linear_cross_entropy_batch_chunked.default")
@@ -68,9 +73,7 @@ def _linear_cross_entropy_chunked(ctx, x, w, target, b, weight, reduction, ignor
     acc = _acc(x, acc_dtype)
     total, (gx, gw, gb) = _chunked_sum(x, w, b, target, weight, ignore_index, acc, batch_chunk_size)
     if reduction == "mean":  # the summed weights do not depend on x, w or b: scale the sum's gradients
-        valid = target != ignore_index
-        cw = jnp.ones(target.shape, acc) if weight is None else weight.astype(acc)[jnp.where(valid, target, 0)]
-        denom = jnp.sum(jnp.where(valid, cw, jnp.zeros((), acc)))
+        denom = jnp.sum(_row_weights(target, weight, ignore_index, acc))
         total, gx, gw = total / denom, gx / denom, gw / denom
         gb = None if gb is None else gb / denom
     out = x.dtype
@@ -101,7 +104,7 @@ def _chunked_sum(x, w, b, target, weight, ignore_index, acc, chunk):
         xc, tc = inputs
 
         def loss_of(xc_, w_, b_):
-            return jnp.sum(_per_row(xc_, w_, b_, tc, weight, ignore_index, acc)[0])
+            return jnp.sum(_per_row(xc_, w_, b_, tc, weight, ignore_index, acc))
 
         value, pull = jax.vjp(loss_of, xc, w, b)
         gxc, gwc, gbc = pull(jnp.ones((), value.dtype))
@@ -123,7 +126,7 @@ def _linear_cross_entropy_chunked_none(ctx, x, w, target, b, weight, ignore_inde
     xs, ts, n = _chunks(x, target, ignore_index, batch_chunk_size)
 
     def body(_, inputs):
-        return None, _per_row(inputs[0], w, b, inputs[1], weight, ignore_index, acc)[0]
+        return None, _per_row(inputs[0], w, b, inputs[1], weight, ignore_index, acc)
 
     _, losses = jax.lax.scan(body, None, (xs, ts))
     return losses.reshape(-1)[:n].astype(x.dtype)

@@ -763,18 +763,23 @@ def _window_max(y, flat, valid=None):
     return value, index
 
 
+def _input_dtype(node):
+    """The dtype of the op's first (tensor) argument, or None where the graph does not say."""
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    return None if val is None else val.dtype
+
+
 def _float32_or_64(node) -> bool:
     """The op's input is float32/float64. Antialiased resizing accepts only these and leaves
     other dtypes to eager (eager has no bf16/float16 kernel, and its uint8 one rounds
     fixed-point weights)."""
-    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-    return val is not None and val.dtype in (torch.float32, torch.float64)
+    return _input_dtype(node) in (torch.float32, torch.float64)
 
 
 def _floating(node) -> bool:
     """The op's input is a float tensor (fractional pooling: eager has no integer kernel)."""
-    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-    return val is not None and val.dtype.is_floating_point
+    dtype = _input_dtype(node)
+    return dtype is not None and dtype.is_floating_point
 
 
 @register_lowering(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default,
@@ -935,6 +940,17 @@ def _upsample_bilinear2d_default(ctx, x, output_size, align_corners, scales_h=No
     return _upsample_bilinear2d(ctx, x, align_corners, scales_h, scales_w)
 
 
+def _keys_near(x, a):
+    """Keys' cubic convolution kernel with parameter `a` on |x| <= 1, in ATen's order of
+    operations (numpy or jax values; the integer constants are weak, so x's dtype holds)."""
+    return ((a + 2) * x - (a + 3)) * x * x + 1
+
+
+def _keys_far(x, a):
+    """The same kernel on 1 < |x| < 2."""
+    return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+
 def _aa_filter(interp_size: int, x, f):
     """ATen's antialiasing filters: the triangle for bilinear, Keys' cubic with a = -0.5 (PIL's,
     not the -0.75 of plain bicubic) for bicubic; `f` the weights' float type."""
@@ -942,9 +958,7 @@ def _aa_filter(interp_size: int, x, f):
     if interp_size == 2:
         return np.where(x < 1, f(1) - x, f(0)).astype(type(f(0)))
     a = f(-0.5)
-    near = ((a + f(2)) * x - (a + f(3))) * x * x + f(1)
-    far = ((a * x - f(5) * a) * x + f(8) * a) * x - f(4) * a
-    return np.where(x < 1, near, np.where(x < 2, far, f(0))).astype(type(f(0)))
+    return np.where(x < 1, _keys_near(x, a), np.where(x < 2, _keys_far(x, a), f(0))).astype(type(f(0)))
 
 
 def _aa_weights(out_size, in_size, align_corners, scale, interp_size, ftype) -> np.ndarray:
@@ -1823,15 +1837,7 @@ def _cubic_weights(t):
     """The four bicubic convolution weights (A = -0.75, ATen's) of taps -1, 0, 1, 2 at
     fractional offset t."""
     a = jnp.asarray(-0.75, t.dtype)
-    one, two = jnp.ones((), t.dtype), jnp.asarray(2, t.dtype)
-
-    def near(x):  # |x| <= 1
-        return ((a + 2) * x - (a + 3)) * x * x + one
-
-    def far(x):  # 1 < |x| < 2
-        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-
-    return far(t + one), near(t), near(one - t), far(two - t)
+    return _keys_far(t + 1, a), _keys_near(t, a), _keys_near(1 - t, a), _keys_far(2 - t, a)
 
 
 def _grid_sample(x, grid, mode, padding_mode, align_corners):
@@ -1876,14 +1882,14 @@ def _grid_sample(x, grid, mode, padding_mode, align_corners):
         pos = [_unnormalize(r, s, align_corners, kernel_2d) for r, s in zip(raw, sizes)]
         base = [jnp.floor(p) for p in pos]
         wy, wx = (_cubic_weights(p - b) for p, b in zip(pos, base))
+        ys, xs = ([jnp.trunc(_pad_coordinate(b + (t - 1), size, padding_mode, align_corners, True)) for t in range(4)]
+                  for b, size in zip(base, sizes))
         out = 0
-        for j in range(4):
-            yy = jnp.trunc(_pad_coordinate(base[0] + (j - 1), sizes[0], padding_mode, align_corners, True))
+        for yy, w_row in zip(ys, wy):
             row = 0
-            for i in range(4):
-                xx = jnp.trunc(_pad_coordinate(base[1] + (i - 1), sizes[1], padding_mode, align_corners, True))
-                row = row + tap([yy, xx]) * weighted(wx[i])
-            out = out + row * weighted(wy[j])
+            for xx, w_col in zip(xs, wx):
+                row = row + tap([yy, xx]) * weighted(w_col)
+            out = out + row * weighted(w_row)
         return out
     pos = [_pad_coordinate(_unnormalize(r, s, align_corners, kernel_2d), s, padding_mode, align_corners, kernel_2d)
            for r, s in zip(raw, sizes)]

@@ -15,6 +15,7 @@ from jax import lax
 from torch.ops import aten
 
 from .checks import VALUE
+from .elementwise import opmath
 from .registry import RejectedInput, register_lowering
 
 _F32 = np.dtype(jnp.float32)
@@ -500,30 +501,6 @@ def _segments(ctx, data, lengths, offsets, axis, unsafe):
     return data.reshape((b * n,) + rest), ids, b, s, lengths, (lead, rest)
 
 
-def _segment_values(ctx, data, reduce, lengths, offsets, axis, unsafe, initial):
-    """(the [B * S, *rest] reductions, the ids, B, S, lengths, shapes), in data's opmath dtype."""
-    flat, ids, b, s, lengths, shapes = _segments(ctx, _opmath_of(data), lengths, offsets, axis, unsafe)
-    k = b * s
-    if reduce in ("sum", "mean"):
-        out = jax.ops.segment_sum(flat, ids, num_segments=k)
-    elif reduce == "prod":
-        out = jax.ops.segment_prod(flat, ids, num_segments=k)
-    else:
-        out = (jax.ops.segment_max if reduce == "max" else jax.ops.segment_min)(flat, ids, num_segments=k)
-    count = lengths.reshape((k,) + (1,) * (flat.ndim - 1)).astype(flat.dtype)
-    init = None if initial is None else jnp.asarray(initial, flat.dtype)
-    if reduce == "mean":
-        total = out if init is None else out + init
-        out = total / count if init is None else jnp.where(count == 0, init, total / count)
-    elif init is not None:
-        out = {"sum": jnp.add, "prod": jnp.multiply, "max": jnp.maximum, "min": jnp.minimum}[reduce](out, init)
-    return out, ids, b, s, count, shapes
-
-
-def _opmath_of(x):
-    return x.astype(jnp.float32) if np.dtype(x.dtype) in _REDUCED else x
-
-
 def _check_segment_args(data, reduce, lengths, offsets):
     if reduce not in _SEGMENT_REDUCTIONS:
         raise RejectedInput(f"segment_reduce: reduce must be one of {', '.join(_SEGMENT_REDUCTIONS)}, got {reduce!r}")
@@ -539,7 +516,20 @@ def _segment_reduce(ctx, data, reduce, *, lengths=None, indices=None, offsets=No
     """torch.segment_reduce (sum, mean, max, min, prod): an empty segment gives `initial`, or
     else 0 / NaN / -inf / inf / 1; mean with `initial` is (initial + sum) / length."""
     _check_segment_args(data, reduce, lengths, offsets)
-    out, _, _, s, _, (lead, rest) = _segment_values(ctx, data, reduce, lengths, offsets, axis, unsafe, initial)
+    flat, ids, b, s, lengths, (lead, rest) = _segments(ctx, opmath(data), lengths, offsets, axis, unsafe)
+    k = b * s
+    if reduce in ("sum", "mean"):
+        out = jax.ops.segment_sum(flat, ids, num_segments=k)
+    elif reduce == "prod":
+        out = jax.ops.segment_prod(flat, ids, num_segments=k)
+    else:
+        out = (jax.ops.segment_max if reduce == "max" else jax.ops.segment_min)(flat, ids, num_segments=k)
+    init = None if initial is None else jnp.asarray(initial, flat.dtype)
+    if reduce == "mean":
+        count = lengths.reshape((k,) + (1,) * len(rest)).astype(flat.dtype)
+        out = out / count if init is None else jnp.where(count == 0, init, (out + init) / count)
+    elif init is not None:
+        out = {"sum": jnp.add, "prod": jnp.multiply, "max": jnp.maximum, "min": jnp.minimum}[reduce](out, init)
     return out.reshape(lead + (s,) + rest).astype(data.dtype)
 
 
@@ -550,16 +540,20 @@ def _segment_reduce_backward(ctx, grad, output, data, reduce, *, lengths=None, o
     the result (none where `initial` won); prod: the product of the others (with `initial`), 0
     in a segment with two zeros or more."""
     _check_segment_args(data, reduce, lengths, offsets)
-    flat, ids, b, s, lengths, (lead, rest) = _segments(ctx, _opmath_of(data), lengths, offsets, axis, True)
+    flat, ids, b, s, lengths, (lead, rest) = _segments(ctx, opmath(data), lengths, offsets, axis, True)
     k = b * s
-    g = jnp.concatenate([_opmath_of(grad).reshape((k,) + rest), jnp.zeros((1,) + rest, flat.dtype)])
-    out = jnp.concatenate([_opmath_of(output).reshape((k,) + rest), jnp.zeros((1,) + rest, flat.dtype)])
-    ge, oe = g[ids], out[ids]  # each element's segment's gradient and result (0 for none)
+
+    def per_element(v, none, inner):
+        """Per-segment values (k of shape `inner`) at each element's segment, `none` where it
+        has none."""
+        v = v.reshape((k,) + inner).astype(flat.dtype)
+        return jnp.concatenate([v, jnp.full((1,) + inner, none, flat.dtype)])[ids]
+
+    ge, oe = per_element(opmath(grad), 0, rest), per_element(opmath(output), 0, rest)
     if reduce == "sum":
         dx = ge
     elif reduce == "mean":
-        count = jnp.concatenate([lengths.reshape(-1), jnp.ones((1,), lengths.dtype)])[ids].astype(flat.dtype)
-        dx = ge / count.reshape((-1,) + (1,) * len(rest))
+        dx = ge / per_element(lengths, 1, (1,) * len(rest))
     elif reduce in ("max", "min"):
         hit = flat == oe
         ties = jax.ops.segment_sum(hit.astype(flat.dtype), ids, num_segments=k + 1)[ids]
