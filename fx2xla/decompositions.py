@@ -30,6 +30,7 @@ def decomposition_table() -> dict:
     table[aten.take.default] = _take
     table[aten._native_multi_head_attention.default] = _native_multi_head_attention
     table[aten._transformer_encoder_layer_fwd.default] = _transformer_encoder_layer
+    table[aten._weight_norm_interface_backward.default] = _weight_norm_backward
     return table
 
 
@@ -130,6 +131,20 @@ def _transformer_encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, 
     if not norm_first:
         x = norm(x, norm_weight_2, norm_bias_2)
     return x
+
+
+def _weight_norm_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    """The backward of weight normalization w = g * v / ||v|| (norms over every dim but `dim`,
+    as the forward saved them), as eager's fused kernel computes it, in float32 for bf16:
+    grad_g = sum(grad_w * v) / norm, grad_v = (g / norm) * (grad_w - v * grad_g / norm).
+    Speech encoders' convolutional position embeddings (HuBERT, WavLM, SEW) train through it."""
+    acc = get_computation_dtype(grad_w.dtype)
+    gw, v, g, norms = (aten._to_copy(t, dtype=acc) for t in (grad_w, saved_v, saved_g, saved_norms))
+    others = [d for d in range(v.dim()) if d != dim % max(v.dim(), 1)]
+    grad_g = aten.div(aten.sum.dim_IntList(aten.mul(gw, v), others, True), norms)
+    grad_v = aten.mul(aten.div(g, norms), aten.sub(gw, aten.mul(v, aten.div(grad_g, norms))))
+    return (aten._to_copy(grad_v, dtype=saved_v.dtype),
+            aten._to_copy(aten.reshape(grad_g, saved_g.shape), dtype=saved_g.dtype))
 
 
 def _take(x, index):

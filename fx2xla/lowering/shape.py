@@ -17,6 +17,7 @@ from torch.ops import aten
 
 from ..layouts import dense_permutation
 from ..sharding import MARK_SHARDING, decode_spec, mesh_by_id
+from .checks import VALUE
 from .registry import concrete_shape, register_lowering
 
 
@@ -326,6 +327,15 @@ def _unfold(ctx, x, dim, size, step):
 def _assert_tensor_metadata(ctx, x, size=None, stride=None, dtype=None, *, device=None, layout=None):
     # torch.export's check that a tensor has the traced metadata: the shapes and dtypes the
     # module is lowered for are static, so it holds by construction (nothing to compute).
+    return None
+
+
+@register_lowering(aten._assert_async.default, aten._assert_async.msg)
+def _assert_async(ctx, cond, message="Expected Tensor with single nonzero value, but got zero"):
+    # torch's asynchronous assertion, which decompositions emit for the values eager checks
+    # (F.one_hot's classes in [0, num_classes)): a run-time check like an index check, raised
+    # after the call as fx2xla.InvalidValueError with eager's message.
+    ctx.check(jnp.reshape(cond, ()) == 0, message, error=VALUE)
     return None
 
 

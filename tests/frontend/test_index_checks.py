@@ -172,3 +172,25 @@ def test_async_check_message_fits_torchs_limit():
     _assert_async_private(torch.tensor(0, dtype=torch.int32), records)
     with pytest.raises(RuntimeError, match=r"aten.embedding.default, aten.gather.default"):
         _assert_async_private(torch.tensor(2, dtype=torch.int32), records)
+
+
+@pytest.mark.parametrize("bad, message", [([1, 7, 4], "smaller than num_classes"), ([-1, 0, 1], "non-negative")])
+def test_one_hot_class_values_checked_as_in_eager(bad, message):
+    """F.one_hot with num_classes: its decomposition asserts the class values lie in
+    [0, num_classes) (`aten._assert_async.msg`), which fx2xla lowers as a run-time check
+    (no eager island under fallback="error"): in-range values match eager exactly, values out of
+    range raise fx2xla.InvalidValueError (a RuntimeError, as eager's) with eager's message, the
+    op and the user's source line; check_indices=False skips the check as for index checks."""
+    def fn(x):
+        return F.one_hot(x, 5) * 2
+
+    good = torch.tensor([[1, 2], [4, 0]])
+    torch.testing.assert_close(_compiled(fn)(good), fn(good), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=message):
+        fn(torch.tensor(bad))
+    with pytest.raises(fx2xla.InvalidValueError) as info:
+        _compiled(fn)(torch.tensor(bad))
+    assert isinstance(info.value, RuntimeError)
+    msg = str(info.value)
+    assert message in msg and "_assert_async" in msg and "test_index_checks.py" in msg
+    _compiled(fn, check_indices=False)(torch.tensor(bad))   # no check, no error

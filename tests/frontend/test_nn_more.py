@@ -488,3 +488,40 @@ def test_batch_norm_with_update_functional(check, dtype):
 
     check(fn, make(4, 3, 5, dtype=dtype), make(2, 3, 4, 4, dtype=dtype, seed=1), make(3, dtype=dtype, seed=2),
           make(3, dtype=dtype, seed=3), make(3, dtype=dtype, seed=4), make(3, dtype=dtype, seed=5).abs())
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight normalization
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [0, 2, None])
+def test_weight_norm_training(dtype, dim):
+    """A training step through a Conv1d under `parametrizations.weight_norm` (as HuBERT's and
+    WavLM's position embeddings: dim 2, the last; also dim 0, the fused kernel's other case, and
+    None, the whole tensor, which eager computes without the fused op), with `fallback="error"`:
+    the output, the loss and the grads of the direction `v` and the magnitude `g` match eager's
+    at the dtype's tolerance (conftest: float32 rtol 1e-4 / atol 1e-5, bfloat16 rtol 1.6e-2 /
+    atol 1e-2; eager's fused backward computes bf16 in float32, as fx2xla does)."""
+    from conftest import tolerance
+
+    def model():
+        torch.manual_seed(0)
+        conv = torch.nn.Conv1d(8, 6, 5, padding=2).to(dtype)
+        return torch.nn.utils.parametrizations.weight_norm(conv, dim=dim)
+
+    m, twin = model(), model()
+    x = torch.randn(3, 8, 11, generator=torch.Generator().manual_seed(1)).to(dtype)
+    w = torch.rand(3, 6, 11, generator=torch.Generator().manual_seed(2)).to(dtype)
+    compiled = torch.compile(m, backend="fx2xla", fullgraph=True, options={"fallback": "error"})
+    out, ref = compiled(x), twin(x)
+    loss, ref_loss = (out * w).float().square().mean(), (ref * w).float().square().mean()
+    loss.backward()
+    ref_loss.backward()
+    tol = tolerance(dtype)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    grads = dict(m.named_parameters())
+    assert {"parametrizations.weight.original0", "parametrizations.weight.original1", "bias"} <= set(grads)
+    for name, p in twin.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, **tol, msg=name)
