@@ -2,6 +2,7 @@
 
     PJRT_DEVICE=CUDA python3 bench/cuda_sweep.py --out $OUT/sweep.json          # H100
     .venv/bin/python bench/cuda_sweep.py --device cpu --models gpt2,llama --dtypes float32 --modes infer,train
+    PJRT_DEVICE=CUDA python3 bench/cuda_sweep.py --start-at detr --deadline 300    # go on from a model
 
 Every model is built from a tiny config with random weights (nothing is downloaded): 2 layers,
 hidden 64, 4 heads, vocab 512 (images 32 x 32; detection and segmentation models 64 x 64, hidden
@@ -900,6 +901,9 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16", help=f"comma list of {', '.join(DTYPES)}")
     p.add_argument("--modes", default="infer,train", help="comma list of infer, train")
     p.add_argument("--models", default="", help=f"comma list (default all): {', '.join(names)}")
+    p.add_argument("--start-at", default="", metavar="MODEL",
+                   help="only the models from MODEL on, in the order of --models (or the sweep's): to go on "
+                        "where a run that met its deadline stopped")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence (image and audio models have fixed sizes)")
     p.add_argument("--out", default="bench/results/cuda_sweep.json")
@@ -915,6 +919,10 @@ def parse_args(argv=None):
         bad = [x for x in given if x not in known]
         if bad or not given:
             p.error(f"unknown {kind} {', '.join(bad) or '(none given)'}; known: {', '.join(known)}")
+    if a.start_at:
+        if a.start_at not in a.models:
+            p.error(f"--start-at {a.start_at}: not among the models to run ({', '.join(a.models)})")
+        a.models = a.models[a.models.index(a.start_at):]
     try:
         a.device = torch.device(a.device)
     except RuntimeError as e:

@@ -3,7 +3,7 @@
 sweep's own tolerances (float32: relative 1e-3 on outputs, losses and grads), and every figure
 in its JSON, the models run in the order `--models` names them (a deadline cuts the last); its
 batch-norm calibration, its float64 reference for float32 cases that fail the direct comparison,
-and its refusal of an all-zero eager answer, each on a small CNN."""
+and its refusal of an all-zero eager answer, each on a small CNN; `--start-at`."""
 
 import pytest
 import torch
@@ -103,3 +103,14 @@ def test_float32_falls_back_to_a_float64_reference(monkeypatch):
 
     with pytest.raises(ValueError, match="all zeros"):
         sweep.run_infer(Zeros(), x, torch.float32, device, sweep.Stage())
+
+
+def test_start_at_goes_on_from_a_model():
+    """--start-at MODEL keeps the models from MODEL on, in the order run (the sweep's, or
+    --models'), and names the models to run when MODEL is not among them."""
+    sweep = _sweep()
+    names = [s.name for s in sweep.model_specs(32)]
+    assert sweep.parse_args(["--start-at", "phi3"]).models == names[names.index("phi3"):]
+    assert sweep.parse_args(["--models", "bert,gpt2,t5", "--start-at", "gpt2"]).models == ["gpt2", "t5"]
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--models", "bert,gpt2", "--start-at", "t5"])
