@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import run_op, tolerance
+from tests.conftest import run_op, tolerance
 
 aten = torch.ops.aten
 B, H, LQ, LK, D = 2, 3, 5, 7, 8

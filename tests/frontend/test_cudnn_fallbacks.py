@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import jax
 import pytest
 import torch
-from conftest import tolerance
+from tests.conftest import tolerance
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -6,7 +6,7 @@ import platform
 
 import pytest
 import torch
-from conftest import run_op
+from tests.conftest import run_op
 
 aten = torch.ops.aten
 # An op without a rule must fail these tests, not fall back to eager ("fx2xla: aten.x has no

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fx2xla.lowering.fft  # noqa: F401  (registers the rules until lowering/__init__ imports it)
-from conftest import tolerance
+from tests.conftest import tolerance
 
 aten = torch.ops.aten
 # A missing rule would silently run eagerly; make that a failure.

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fx2xla import torch_kernels
 
-from conftest import tolerance
+from tests.conftest import tolerance
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float64]
 

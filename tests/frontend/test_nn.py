@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from conftest import tolerance
+from tests.conftest import tolerance
 from fx2xla.compiled_graph import CompiledGraph
 from fx2xla.runtime import default_device
 

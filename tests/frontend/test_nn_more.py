@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import tolerance
 from test_nn import HALF_AND_FLOAT, check_grads, check_graph, make  # noqa: F401 (fixtures)
 
 aten = torch.ops.aten
@@ -503,8 +504,6 @@ def test_weight_norm_training(dtype, dim):
     the output, the loss and the grads of the direction `v` and the magnitude `g` match eager's
     at the dtype's tolerance (conftest: float32 rtol 1e-4 / atol 1e-5, bfloat16 rtol 1.6e-2 /
     atol 1e-2; eager's fused backward computes bf16 in float32, as fx2xla does)."""
-    from conftest import tolerance
-
     def model():
         torch.manual_seed(0)
         conv = torch.nn.Conv1d(8, 6, 5, padding=2).to(dtype)

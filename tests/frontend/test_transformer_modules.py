@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_loss_and_grads_close, tolerance
+from tests.conftest import assert_loss_and_grads_close, tolerance
 
 aten = torch.ops.aten
 D, HEADS, FF = 32, 4, 64

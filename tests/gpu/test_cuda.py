@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fx2xla
-from conftest import tolerance
+from tests.conftest import tolerance
 
 pytestmark = pytest.mark.cuda
 

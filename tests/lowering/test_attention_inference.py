@@ -24,7 +24,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tolerance
+from tests.conftest import tolerance
 
 import fx2xla  # noqa: F401  (registers the backend)
 from fx2xla.metrics import live_graphs

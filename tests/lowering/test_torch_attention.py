@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import calls_in_threads, tolerance
+from tests.conftest import calls_in_threads, tolerance
 
 import fx2xla  # noqa: F401  (registers the backend)
 from fx2xla import torch_kernels
