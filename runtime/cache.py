@@ -23,11 +23,21 @@ class CacheStats:
         return dict(self.__dict__)
 
 
+# Each XLA:CPU executable holds its JIT-compiled code in tens to hundreds of memory mappings
+# (59 for a 2-layer GPT-2), and Linux allows a process 65,530 (vm.max_map_count). With 512
+# entries, a process that compiled 84 transformers models one after another (the model sweep)
+# kept enough of them to exhaust that: LLVM's JIT failed with "Cannot allocate memory" and the
+# process crashed. An executable a live graph holds stays loaded whatever the cache does; the
+# cache only keeps others for a recompile of the same module (a retrace after
+# torch._dynamo.reset(), a new guard set with the same graph), which a few dozen cover.
+DEFAULT_MAX_ENTRIES = 64
+
+
 @dataclass
 class ExecutableCache:
     """LRU map `key -> loaded executable`. An eviction only ever costs a recompile."""
 
-    max_entries: int = 512
+    max_entries: int = DEFAULT_MAX_ENTRIES
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self):

@@ -32,3 +32,34 @@ def test_pjrt_device_selection(monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "cpu")
     d = default_device()
     assert d.platform == "cpu" and d.index == 0 and d.kind
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_evicted_executables_release_their_memory_mappings():
+    """The default cache keeps DEFAULT_MAX_ENTRIES executables, and an evicted executable that
+    nothing else holds gives back its JIT code's memory mappings: compiling 2x that many distinct
+    modules leaves the cache full and the process's mappings about where they were when it first
+    filled (each executable holds several; Linux allows 65,530 per process, which 512 entries of
+    transformers models once exhausted)."""
+    import pytest
+
+    from fx2xla.runtime.cache import DEFAULT_MAX_ENTRIES
+
+    if not __import__("os").path.exists("/proc/self/maps"):
+        pytest.skip("no /proc/self/maps on this OS")
+    cache = ExecutableCache()
+    assert cache.max_entries == DEFAULT_MAX_ENTRIES <= 64
+    dev = default_device()
+    before = _mappings()
+    for i in range(cache.max_entries):
+        compile_module(_module(1.0 + i), dev, cache, use_disk=False)
+    full = _mappings()
+    assert full - before >= cache.max_entries   # each executable holds at least one mapping
+    for i in range(cache.max_entries, 2 * cache.max_entries):
+        compile_module(_module(1.0 + i), dev, cache, use_disk=False)
+    assert len(cache) == cache.max_entries and cache.stats.evictions == cache.max_entries
+    assert _mappings() - full < (full - before) // 4, (before, full, _mappings())
