@@ -1,9 +1,13 @@
 """The in-memory executable cache: hits, misses, and LRU eviction that only costs a recompile."""
+import os
+
 import jax
 import jax.numpy as jnp
+import pytest
 import torch
 
 from fx2xla.runtime import ExecutableCache, compile_module, default_device
+from fx2xla.runtime.cache import DEFAULT_MAX_ENTRIES
 from fx2xla.runtime.handoff import export_array, import_tensor
 
 
@@ -45,11 +49,7 @@ def test_evicted_executables_release_their_memory_mappings():
     modules leaves the cache full and the process's mappings about where they were when it first
     filled (each executable holds several; Linux allows 65,530 per process, which 512 entries of
     transformers models once exhausted)."""
-    import pytest
-
-    from fx2xla.runtime.cache import DEFAULT_MAX_ENTRIES
-
-    if not __import__("os").path.exists("/proc/self/maps"):
+    if not os.path.exists("/proc/self/maps"):
         pytest.skip("no /proc/self/maps on this OS")
     cache = ExecutableCache()
     assert cache.max_entries == DEFAULT_MAX_ENTRIES <= 64
