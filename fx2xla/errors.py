@@ -1,6 +1,7 @@
 """Errors a user can hit, each naming the op, its inputs and the user's source line."""
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -39,12 +40,26 @@ def user_source_line(node) -> str:
     if not st:
         return _module_of(node) or "(no source line recorded for this node)"
     lines = [l for l in st.rstrip().splitlines() if l.strip()]
-    # Keep the innermost 'File ..., line N' frame and the code line under it.
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].lstrip().startswith("File "):
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{lines[i].strip()}\n    {code}"
-    return lines[-1].strip()
+    # The innermost 'File ..., line N' frame outside torch's own code, and the code line under
+    # it; torch's innermost frame where every frame is torch's. (An op of a function torch's
+    # Python code traces for the user, e.g. flex_attention's score_mod, records the user's call
+    # and then torch's line that traced it.)
+    frames = [i for i, l in enumerate(lines) if l.lstrip().startswith("File ")]
+    if not frames:
+        return lines[-1].strip()
+    theirs = [i for i in frames if not _in_torch(lines[i])]
+    i = (theirs or frames)[-1]
+    code = lines[i + 1].strip() if i + 1 < len(lines) and i + 1 not in frames else ""
+    return f"{lines[i].strip()}\n    {code}"
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _in_torch(frame_line: str) -> bool:
+    """Whether a 'File "path", line N, in f' line names a file of torch's package."""
+    m = re.match(r'\s*File "([^"]+)"', frame_line)
+    return bool(m) and os.path.abspath(m.group(1)).startswith(_TORCH_DIR)
 
 
 def _module_of(node) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -39,17 +40,46 @@ def clean_env(**extra) -> dict:
 
 
 class Group:
-    """Processes started together, their output in files (no pipe can fill up and stall one)."""
+    """Processes started together, their output in files (no pipe can fill up and stall one).
+
+    Each command runs in a session of its own (torchrun and the workers it starts), so that
+    `kill_leftovers` ends a launcher's children too, not only the launcher. A process still
+    running at `wait`'s timeout is a hang to be explained: every process of its session gets
+    SIGABRT, on which Python's faulthandler (PYTHONFAULTHANDLER) writes each thread's stack to
+    its stderr, and the failure shows those stacks."""
 
     def __init__(self, tmp_path: Path, commands: list, env: dict):
         self.procs, self.files = [], []
+        env = {**env, "PYTHONFAULTHANDLER": "1"}
         for i, cmd in enumerate(commands):
             out, err = open(tmp_path / f"{i}.out", "w+"), open(tmp_path / f"{i}.err", "w+")
             self.files.append((out, err))
-            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err))
+            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err,
+                                               start_new_session=True))
+        self.started = time.monotonic()
 
     def wait(self, i: int, timeout: float = TIMEOUT_S) -> int:
-        return self.procs[i].wait(timeout=timeout)
+        try:
+            return self.procs[i].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal(self.procs[i], signal.SIGABRT)  # stacks to stderr, then an abort
+        try:
+            self.procs[i].wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(1)  # a launcher's children write their stacks too
+        out, err = self.output(i)
+        raise AssertionError(f"process {i} ({' '.join(map(str, self.procs[i].args))[:200]}) still ran "
+                             f"{time.monotonic() - self.started:.0f} s after the group started; its session's "
+                             f"stacks (stderr):\n{err[-12000:]}\nstdout:\n{out[-3000:]}")
+
+    @staticmethod
+    def _signal(proc, sig) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # the session's process group: the command and its children
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def output(self, i: int) -> tuple[str, str]:
         out, err = self.files[i]
@@ -59,9 +89,10 @@ class Group:
 
     def kill_leftovers(self):
         for p in self.procs:
+            self._signal(p, signal.SIGKILL)  # also children whose launcher is gone
             if p.poll() is None:
                 p.kill()
-                p.wait()
+            p.wait()
         for out, err in self.files:
             out.close()
             err.close()
@@ -90,6 +121,36 @@ def check_reduction(found: list):
         assert r["sum"] == r["expected"] == sum(range(64))
         assert "already initialized" in r["different_args"] and "local_device_count=4 (now 5)" in r["different_args"]
         assert r["private_client"] and not r["public_client"]
+
+
+def test_a_hung_group_fails_with_its_stacks_and_leaves_no_process(tmp_path):
+    """The harness itself: a launcher whose child hangs fails `wait` with both processes' Python
+    stacks (the line each one hangs on), and `kill_leftovers` ends the child as well."""
+    child = "import time\ntime.sleep(600)\n"  # hangs on its line 2
+    launcher = ("import subprocess, sys, time\n"
+                f"p = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+                "print(p.pid, flush=True)\n"
+                "time.sleep(600)\n")  # hangs on its line 4
+    group = Group(tmp_path, [[sys.executable, "-c", launcher]], clean_env())
+    try:
+        for _ in range(100):  # the child's pid, once the launcher has started it
+            if group.output(0)[0].strip():
+                break
+            time.sleep(0.1)
+        child_pid = int(group.output(0)[0].split()[0])
+        with pytest.raises(AssertionError) as info:
+            group.wait(0, timeout=3)
+        stacks = str(info.value)
+        assert stacks.count("Fatal Python error: Aborted") == 2, stacks  # both processes' stacks
+        assert 'File "<string>", line 2 in <module>' in stacks and 'File "<string>", line 4 in <module>' in stacks
+    finally:
+        group.kill_leftovers()
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{child_pid}") or "Z" in Path(f"/proc/{child_pid}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the launcher's child {child_pid} outlived kill_leftovers")
 
 
 def test_two_processes_one_global_mesh(tmp_path):

@@ -1,0 +1,415 @@
+"""Lowering rules: FlexAttention (`torch.nn.attention.flex_attention`), forward and backward.
+
+Dynamo turns `flex_attention(q, k, v, score_mod=, block_mask=)` into the higher-order op
+`flex_attention`, whose score_mod and mask_mod arrive as GraphModules over 0-d values (a score
+and the b, h, q_idx, kv_idx indices); AOTAutograd adds `flex_attention_backward`. Eager runs
+them as dense ("math") attention, vmapping score_mod and mask_mod over the whole score matrix;
+Inductor generates a blocked kernel that reads the BlockMask's tables. Here each subgraph runs
+through the ordinary lowering rules under four nested `jax.vmap`s, as eager vmaps it, so any op
+that has a rule may appear in a score_mod (a bias table indexed by head, a soft cap, ...), and
+the index checks of its gathers are kept (their codes are reduced over the grid).
+
+Which scores count is the BlockMask's meaning, as the compiled kernels read it: a key block
+listed among a query block's "full" blocks counts wholly, one listed among its partial blocks
+counts where mask_mod says so, and an unlisted one not at all. For a mask built by
+`create_block_mask(mask_mod)` that is exactly mask_mod (eager's dense path applies mask_mod
+alone); a BlockMask built from tables (`BlockMask.from_kv_blocks`) is honored as the kernels
+honor it, where eager's dense path would ignore its tables.
+
+Numerics follow eager's dense path: scores and softmax in float32 (float64 for float64
+inputs), the probabilities rounded to the inputs' dtype before the product with V; a row whose
+every score is masked gives output 0 and logsumexp -inf. The op returns the logsumexp and the
+row maxima in base 2 (divided by ln 2), as the kernels do; `flex_attention` converts back.
+
+The backward is eager's dense formula with the saved output and logsumexp; the gradient
+through score_mod (and to the tensors it captures, e.g. a learnable bias) is jax's vjp of the
+vmapped forward subgraph, which is what AOTAutograd's joint graph computes.
+
+The score matrix is materialized: memory grows with batch x heads x q_len x kv_len, as in
+eager's dense path (not as in Inductor's blocked kernel)."""
+from __future__ import annotations
+
+import copy
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.fx
+from jax import lax
+
+from .checks import CODE_DTYPE, no_failure
+from .control_flow import _run_subgraph
+from .dtypes import to_torch_dtype
+from .linalg import dot, matmul_precision
+from .registry import PYTHON_OPS, concrete_shape, lowering_for_node, register_lowering
+
+higher_order = torch.ops.higher_order
+
+LN2 = math.log(2.0)
+# BlockMask tuple (BlockMask.as_tuple(), torch 2.13): q_len, kv_len, kv_num_blocks, kv_indices,
+# full_kv_num_blocks, full_kv_indices, four q-major tables, four backward orderings,
+# Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod.
+_KV_NUM, _KV_IDX, _FULL_NUM, _FULL_IDX = 2, 3, 4, 5
+
+
+def _graph(gm, arg):
+    """The GraphModule an argument names (a get_attr node), or None."""
+    if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+        sub = getattr(gm, arg.target)
+        return sub if isinstance(sub, torch.fx.GraphModule) else None
+    return None
+
+
+def _forward_subgraphs(gm, node):
+    return [g for g in (_graph(gm, node.args[3]), _graph(gm, node.args[4][-1])) if g is not None]
+
+
+def _backward_subgraphs(gm, node):
+    # The joint graph is not lowered: the gradient through score_mod is jax's vjp of fw_graph.
+    return [g for g in (_graph(gm, node.args[7]), _graph(gm, node.args[9][-1])) if g is not None]
+
+
+def _lowerable_graph(sub: torch.fx.GraphModule) -> bool:
+    for n in sub.graph.nodes:
+        if n.op != "call_function" or n.target in PYTHON_OPS:
+            continue
+        rule = lowering_for_node(n)
+        if rule is None or rule.draws(n) or rule.subgraphs is not None:
+            return False
+    return True
+
+
+def _accepts(subgraphs):
+    """Lower the node when every op of its score_mod and mask_mod has a rule and draws no
+    random bits (a vmapped draw would repeat one value over the grid); else it falls back."""
+    def accepts(node):
+        gm = node.graph.owning_module
+        return gm is not None and all(_lowerable_graph(s) for s in subgraphs(gm, node))
+    return accepts
+
+
+class _MetaRecorder(torch.fx.Interpreter):
+    """Runs a graph on meta tensors, keeping each node's result as its meta value."""
+
+    def run_node(self, n):
+        result = super().run_node(n)
+        n.meta["val"] = result
+        return result
+
+
+def _in_working_precision(ctx, gm, dtype):
+    """`gm` (a score_mod over a 0-d score) with its score in `dtype`, the working precision:
+    Dynamo traces it on a score of the inputs' dtype (bf16 for bf16 inputs), but eager's dense
+    path, like the kernels, runs it on float32 scores. Every node's dtype is propagated again
+    from there on meta tensors, so a captured bf16 tensor added to the score promotes to float32
+    as in eager. A copy: the GraphModule is Dynamo's."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if placeholders[0].meta["val"].dtype == dtype:
+        return gm
+    gm = copy.deepcopy(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = []
+    for i, n in enumerate(placeholders):
+        val = n.meta["val"]
+        if isinstance(val, torch.Tensor):
+            inputs.append(torch.empty(concrete_shape(val.shape, ctx.sizes), device="meta",
+                                      dtype=dtype if i == 0 else val.dtype))
+        else:
+            inputs.append(val)
+    _MetaRecorder(gm).run(*inputs)
+    return gm
+
+
+def _grid(ctx, gm, B: int, H: int, N: int, with_score: bool, nbuf: int):
+    """`gm` (score_mod or mask_mod over 0-d values) as a function over a [B, H, R, N] block of
+    the grid: f(score, rows, *buffers) -> (values, check code), or f(rows, *buffers) for a
+    mask_mod, where `rows` are the R query indices of the block. The buffers (the tensors the
+    function captured) are arguments so that jax.vjp can differentiate with respect to them."""
+    b, h, n = (jnp.arange(s, dtype=jnp.int32) for s in (B, H, N))
+    checks = ctx.checks
+
+    def one(*args):
+        inner = checks.nested() if checks is not None else None
+        out = _run_subgraph(ctx, gm, list(args), None, checks=inner)[0]
+        code = inner.code() if inner is not None else None
+        return out, (no_failure() if code is None else code)
+
+    lead = (0,) if with_score else ()
+    fn = one
+    # innermost: kv_idx, then q_idx, h, b; the score varies along every axis
+    for pos in (3, 2, 1, 0):
+        axes = [None] * 4
+        axes[pos] = 0
+        fn = jax.vmap(fn, in_axes=(*lead, *axes, *([None] * nbuf)))
+
+    def run(*args):
+        score = args[:1] if with_score else ()
+        rows, buffers = args[len(score)], args[len(score) + 1:]
+        out, code = fn(*score, b, h, jnp.asarray(rows, jnp.int32), n, *buffers)
+        out = jnp.broadcast_to(out, (B, H, len(rows), N))
+        return out, _first_code(code)
+    return run
+
+
+def _first_code(code):
+    """The failing check with the lowest number over the grid (each element's code is already
+    the first failure of its own evaluation), or 0."""
+    code = jnp.asarray(code, CODE_DTYPE)
+    if code.ndim == 0:
+        return code
+    big = jnp.iinfo(np.int32).max
+    first = jnp.min(jnp.where(code == 0, big, code))
+    return jnp.where(first == big, no_failure(), first)
+
+
+class _Blocks:
+    """A block table (num[..., qb]: how many entries of idx[..., qb, :] are listed) as a dense
+    bool [..., q blocks, kv blocks], expanded to elements for the rows asked for."""
+
+    def __init__(self, num, idx, cols: int, block_rows: int, block_cols: int):
+        nqb, width = idx.shape[-2], idx.shape[-1]
+        nkb = max(-(-cols // block_cols), width)  # enough columns for every listed block
+        listed = jnp.arange(width, dtype=num.dtype) < num[..., None]
+        col = jnp.where(listed, idx, nkb)  # unlisted entries land in a column that is dropped
+        lead = idx.shape[:-2]
+        index = tuple(jnp.arange(s).reshape((-1,) + (1,) * (len(lead) + 1 - d))
+                      for d, s in enumerate(lead + (nqb,)))
+        dense = jnp.zeros(lead + (nqb, nkb + 1), jnp.bool_).at[index + (col,)].set(True, mode="drop")[..., :nkb]
+        # kv block -> keys: keys of block kb are [kb * block_cols, (kb + 1) * block_cols)
+        if block_cols <= cols <= nkb * block_cols:
+            dense = jnp.repeat(dense, block_cols, axis=-1, total_repeat_length=nkb * block_cols)[..., :cols]
+        else:  # one block wider than the sequence (the no-op mask's)
+            dense = jnp.take(dense, jnp.asarray(np.minimum(np.arange(cols) // block_cols, nkb - 1)), axis=-1)
+        self.dense, self.nqb, self.block_rows = dense, nqb, block_rows
+
+    def rows(self, rows):
+        """[..., len(rows), cols]: the listed keys of each query row in `rows`."""
+        nqb, block_rows = self.nqb, self.block_rows
+        if isinstance(rows, np.ndarray) and block_rows <= len(rows) <= nqb * block_rows \
+                and np.array_equal(rows, np.arange(len(rows))):
+            return jnp.repeat(self.dense, block_rows, axis=-2, total_repeat_length=nqb * block_rows)[..., :len(rows), :]
+        block = jnp.minimum(jnp.asarray(rows) // block_rows, nqb - 1)
+        return jnp.take(self.dense, block, axis=-2)
+
+
+def _working(dtype):
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def _wide_dot(a, b, contract, batch, dtype):
+    """dot_general accumulating into `dtype` (float32 for half inputs, on GPUs too): products
+    summed over query-row chunks are added up in it."""
+    return lax.dot_general(a, b, (contract, batch), precision=matmul_precision(a.dtype),
+                           preferred_element_type=dtype)
+
+
+# Scores (batch x heads x query rows x keys) computed at once. Past this, a loop takes the query
+# rows in chunks: memory then grows with the sequence length, not with its square, where the
+# dense path (eager's) would hold several [B, H, M, N] float32 arrays at once.
+CHUNK_SCORES = 1 << 24
+
+
+def _row_chunk(B: int, H: int, M: int, N: int, block_rows: int) -> int | None:
+    """Query rows per chunk, or None: all rows at once."""
+    rows = CHUNK_SCORES // max(1, B * H * N)
+    if rows >= M:
+        return None
+    rows = max(1, rows)
+    if block_rows <= rows:
+        rows -= rows % block_rows  # whole query blocks
+    return rows
+
+
+class _Attention:
+    """One flex_attention node's operands and subgraphs, and its math over a block of query rows.
+
+    Key and value may have one batch row (broadcast over the query's) and fewer heads
+    (grouped-query attention: kv head j serves query heads [j*G, (j+1)*G)): each kv head's group
+    of query rows is one block of rows of a dot, so K and V are never copied per query head."""
+
+    def __init__(self, ctx, query, key, value, score_mod, block_mask, scale, score_bufs, mask_bufs):
+        self.B, self.H, self.M, _ = query.shape
+        self.Bkv, self.Hkv, self.N = key.shape[0], key.shape[1], key.shape[2]
+        if self.H % self.Hkv:
+            raise ValueError(f"query heads {self.H} are not a multiple of key/value heads {self.Hkv}")
+        if self.Bkv not in (1, self.B):
+            raise ValueError(f"query batch {self.B} and key/value batch {self.Bkv} do not broadcast")
+        self.G = self.H // self.Hkv
+        self.dtype, self.wp = query.dtype, _working(query.dtype)
+        self.scale = jnp.asarray(scale, self.wp)
+        self.score_bufs = [b if hasattr(b, "dtype") else jnp.asarray(b) for b in score_bufs]
+        self.mask_bufs = [b if hasattr(b, "dtype") else jnp.asarray(b) for b in mask_bufs]
+        block_rows, block_cols, mask_mod = block_mask[-3], block_mask[-2], block_mask[-1]
+        self.chunk = _row_chunk(self.B, self.H, self.M, self.N, block_rows)
+        self.partial = _Blocks(block_mask[_KV_NUM], block_mask[_KV_IDX], self.N, block_rows, block_cols)
+        self.full = (None if block_mask[_FULL_NUM] is None else
+                     _Blocks(block_mask[_FULL_NUM], block_mask[_FULL_IDX], self.N, block_rows, block_cols))
+        self.mask = _grid(ctx, mask_mod, self.B, self.H, self.N, False, len(self.mask_bufs))
+        score_mod = _in_working_precision(ctx, score_mod, to_torch_dtype(self.wp))
+        self.score = _grid(ctx, score_mod, self.B, self.H, self.N, True, len(self.score_bufs))
+        self.key = jnp.broadcast_to(key, (self.B,) + key.shape[1:])
+        self.value = jnp.broadcast_to(value, (self.B,) + value.shape[1:])
+
+    def kept(self, rows):
+        """Which scores of these rows count, [B or 1, H or 1, R, N] bool, and mask_mod's code."""
+        mask, code = self.mask(rows, *self.mask_bufs)
+        keep = mask & self.partial.rows(rows)
+        if self.full is not None:
+            keep = keep | self.full.rows(rows)
+        return keep, code
+
+    def scores(self, q):
+        """scale * q k^T in the working precision, [B, H, R, N], for query rows q [B, H, R, E]."""
+        R = q.shape[2]
+        qg = q.astype(self.wp).reshape(self.B, self.Hkv, self.G * R, q.shape[-1])
+        s = dot(qg, self.key.astype(self.wp), ((3,), (3,)), ((0, 1), (0, 1)))
+        return s.reshape(self.B, self.H, R, self.N) * self.scale
+
+    def times_values(self, g, v):
+        """g [B, H, R, D] @ v^T [B, Hkv, D, N] -> [B, H, R, N]."""
+        R = g.shape[2]
+        out = dot(g.reshape(self.B, self.Hkv, self.G * R, g.shape[-1]), v, ((3,), (3,)), ((0, 1), (0, 1)))
+        return out.reshape(self.B, self.H, R, self.N)
+
+    def rows_times(self, p, kv):
+        """p [B, H, R, N] @ kv [B, Hkv, N, D] -> [B, H, R, D], in p's dtype's dot result."""
+        R = p.shape[2]
+        out = dot(p.reshape(self.B, self.Hkv, self.G * R, self.N), kv, ((3,), (2,)), ((0, 1), (0, 1)))
+        return out.reshape(self.B, self.H, R, kv.shape[-1])
+
+    def cols_times(self, p, x):
+        """p^T [B, H, N, R] @ x [B, H, R, D], summed over each kv head's group: [B, Hkv, N, D],
+        accumulated in the working precision."""
+        R = p.shape[2]
+        pg = p.reshape(self.B, self.Hkv, self.G, R, self.N)
+        xg = x.reshape(self.B, self.Hkv, self.G, R, x.shape[-1])
+        return _wide_dot(pg, xg, ((2, 3), (2, 3)), ((0, 1), (0, 1)), self.wp)
+
+    def kv_grad(self, g):
+        """A [B, Hkv, N, D] gradient summed over the batch where key/value had one row."""
+        if self.Bkv == 1 and self.B != 1:
+            g = jnp.sum(g, axis=0, keepdims=True)
+        return g
+
+    def over_rows(self, step, padded, carry=None):
+        """`step(rows, *row_slices, carry) -> (carry, outputs)` over every query row: at once, or
+        in chunks by a loop when the scores would be too many (`padded`: [B, H, M, ...] arrays
+        sliced per chunk, padded with their given fill value to whole chunks). Returns
+        (carry, outputs [B, H, M, ...])."""
+        if self.chunk is None:
+            return step(np.arange(self.M), *[a for a, _ in padded], carry)
+        R, M = self.chunk, self.M
+        count = -(-M // R)
+        padded = [jnp.pad(a, [(0, 0), (0, 0), (0, count * R - M)] + [(0, 0)] * (a.ndim - 3),
+                          constant_values=fill) for a, fill in padded]
+
+        def body(carry, c):
+            start = c * R
+            # rows past the end repeat the last row (indices a score_mod may read stay in range)
+            rows = jnp.minimum(start + jnp.arange(R, dtype=jnp.int32), M - 1)
+            slices = [lax.dynamic_slice_in_dim(a, start, R, axis=2) for a in padded]
+            return step(rows, *slices, carry)
+
+        carry, outs = lax.scan(body, carry, jnp.arange(count, dtype=jnp.int32))
+        # [count, B, H, R, ...] -> [B, H, count * R, ...] -> the first M rows
+        outs = [jnp.moveaxis(o, 0, 2).reshape(o.shape[1:3] + (count * R,) + o.shape[4:])[:, :, :M]
+                if o.ndim >= 4 else o for o in outs]
+        return carry, outs
+
+
+def _record(ctx, codes):
+    if ctx.checks is not None:
+        ctx.checks.add_code(_first_code(jnp.stack([jnp.asarray(c, CODE_DTYPE) for c in codes])))
+
+
+@register_lowering(higher_order.flex_attention, subgraphs=_forward_subgraphs,
+                   accepts=_accepts(_forward_subgraphs))
+def _flex_attention(ctx, query, key, value, score_mod, block_mask, scale, kernel_options,
+                    score_mod_other_buffers=(), mask_mod_other_buffers=()):
+    att = _Attention(ctx, query, key, value, score_mod, block_mask, scale,
+                     score_mod_other_buffers, mask_mod_other_buffers)
+    wp = att.wp
+    neg_inf, zero, one = (jnp.asarray(x, wp) for x in (-jnp.inf, 0, 1))
+
+    def step(rows, q, carry):
+        keep, mask_code = att.kept(rows)
+        modded, score_code = att.score(att.scores(q), rows, *att.score_bufs)
+        post = jnp.where(keep, modded.astype(wp), neg_inf)
+        top = jnp.max(post, axis=-1)
+        dead = top == neg_inf  # every score of the row masked: output 0, logsumexp -inf
+        shift = jnp.where(dead, zero, top)
+        p = jnp.exp(post - shift[..., None])
+        total = jnp.where(dead, one, jnp.sum(p, axis=-1))
+        lse = jnp.where(dead, neg_inf, shift + jnp.log(total))
+        out = att.rows_times((p / total[..., None]).astype(att.dtype), att.value.astype(att.dtype))
+        codes = jnp.stack([_first_code(mask_code), _first_code(score_code)])
+        return carry, [out, lse, top, codes]
+
+    _, (out, lse, top, codes) = att.over_rows(step, [(query, 0)])
+    _record(ctx, [codes])
+    f32 = jnp.float32
+    return out, (lse / LN2).astype(f32), (top / LN2).astype(f32)
+
+
+@register_lowering(higher_order.flex_attention_backward, subgraphs=_backward_subgraphs,
+                   accepts=_accepts(_backward_subgraphs))
+def _flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, grad_logsumexp,
+                             fw_graph, joint_graph, block_mask, scale, kernel_options,
+                             score_mod_other_buffers=(), mask_mod_other_buffers=()):
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"flex_attention backward needs query, key and value of one dtype, got "
+                         f"{query.dtype}, {key.dtype} and {value.dtype} (as eager)")
+    att = _Attention(ctx, query, key, value, fw_graph, block_mask, scale,
+                     score_mod_other_buffers, mask_mod_other_buffers)
+    wp, dtype = att.wp, att.dtype
+    neg_inf, zero = jnp.asarray(-jnp.inf, wp), jnp.asarray(0, wp)
+    # Which captured tensors get a gradient: those torch's meta gives one (they require grad).
+    diff = [i for i, m in enumerate(ctx.out[3]) if isinstance(m, torch.Tensor)]
+    if grad_out is None:
+        grad_out = jnp.zeros(out.shape, out.dtype)
+    if grad_logsumexp is None:
+        grad_logsumexp = jnp.zeros(logsumexp.shape, jnp.float32)
+    key_d, value_wp = att.key.astype(dtype), att.value.astype(wp)
+
+    def modded(s, rows, *diff_bufs):
+        bufs = list(att.score_bufs)
+        for i, b in zip(diff, diff_bufs):
+            bufs[i] = b
+        values, code = att.score(s, rows, *bufs)
+        return values.astype(wp), code
+
+    def step(rows, q, o, go, lse, glse, carry):
+        keep, mask_code = att.kept(rows)
+        post, pull, score_code = jax.vjp(lambda s, *bufs: modded(s, rows, *bufs), att.scores(q),
+                                         *[att.score_bufs[i] for i in diff], has_aux=True)
+        lse = lse.astype(wp) * jnp.asarray(LN2, wp)
+        dead = lse == neg_inf  # (padded rows too: nothing flows from them)
+        p = jnp.exp(jnp.where(keep, post, neg_inf) - jnp.where(dead, zero, lse)[..., None])
+        p = jnp.where(dead[..., None], zero, p)
+        go_wp = go.astype(wp)
+        dp = att.times_values(go_wp, value_wp)  # dO V^T, [B, H, R, N]
+        ds = dp - jnp.sum(o.astype(wp) * go_wp, axis=-1, keepdims=True)
+        ds = ds + (glse.astype(wp) / jnp.asarray(LN2, wp))[..., None]
+        ds = jnp.where(keep, p * ds, zero)
+        grad_s, *grad_bufs = pull(ds)
+        grad_s = jnp.where(keep, grad_s * att.scale, zero).astype(dtype)
+        grad_k, grad_v, bufs = carry
+        grad_k = grad_k + att.cols_times(grad_s, q.astype(dtype))
+        grad_v = grad_v + att.cols_times(p.astype(dtype), go.astype(dtype))
+        bufs = [a + g.astype(a.dtype) for a, g in zip(bufs, grad_bufs)]
+        grad_q = att.rows_times(grad_s, key_d)
+        codes = jnp.stack([_first_code(mask_code), _first_code(score_code)])
+        return (grad_k, grad_v, bufs), [grad_q, codes]
+
+    kv_shape = (att.B, att.Hkv, att.N)
+    carry = (jnp.zeros(kv_shape + (key.shape[-1],), wp), jnp.zeros(kv_shape + (value.shape[-1],), wp),
+             [jnp.zeros(att.score_bufs[i].shape, _working(att.score_bufs[i].dtype)) for i in diff])
+    rows_in = [(query, 0), (out, 0), (grad_out, 0), (logsumexp, -jnp.inf), (grad_logsumexp, 0)]
+    (grad_k, grad_v, bufs), (grad_q, codes) = att.over_rows(step, rows_in, carry)
+    _record(ctx, [codes])
+    grads = [None] * len(ctx.out[3])
+    for i, g in zip(diff, bufs):
+        grads[i] = g
+    return grad_q, att.kv_grad(grad_k), att.kv_grad(grad_v), tuple(grads)
