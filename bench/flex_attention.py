@@ -106,7 +106,7 @@ def phase(mask_name: str, seq: int, train: bool, a, device, dtype, sync) -> dict
             if c == "eager":
                 ref = result
             elif ref is not None:
-                err = max(gpu._max_abs(x, y)[0] for x, y in zip(result, ref))
+                err = max(gpu.max_abs(x, y)[0] for x, y in zip(result, ref))
                 scale = max(float(y.float().abs().max()) for y in ref)
                 res[f"{c}_max_abs_err"], res[f"{c}_max_rel_err"] = err, err / scale if scale else err
                 gpu.log(f"  {c} vs eager: max|err| {err:.2e} (relative to max|eager| {res[f'{c}_max_rel_err']:.2e})")

@@ -427,7 +427,7 @@ def _graph_counters() -> tuple[int, int, int]:
     return m["graphs"], m["fallback_ops"], int(counters["stats"]["unique_graphs"])
 
 
-def _max_abs(out, ref) -> tuple[float, float]:
+def max_abs(out, ref) -> tuple[float, float]:
     if not isinstance(out, torch.Tensor) or not isinstance(ref, torch.Tensor):
         raise TypeError(f"outputs are {type(out).__name__} / {type(ref).__name__}, not tensors")
     err = float((out.float() - ref.float()).abs().max())
@@ -497,7 +497,7 @@ def phase_tiny(a, device, sync) -> dict:
                 continue
             if c != "eager":
                 try:
-                    res[f"{c}_max_abs_err"] = _max_abs(out, tiny(x))[0]
+                    res[f"{c}_max_abs_err"] = max_abs(out, tiny(x))[0]
                 except Exception as e:  # noqa: BLE001
                     res[f"{c}_check_error"] = short(e)
             if warm(c, call, sync, res, errors):
@@ -535,7 +535,7 @@ def phase_inference(name: str, dtype: torch.dtype, a, device, sync) -> dict:
             if out is None:
                 continue
             try:
-                err, rel = _max_abs(out, ref)
+                err, rel = max_abs(out, ref)
                 res[f"{c}_max_abs_err"], res[f"{c}_max_rel_err"] = err, rel
                 log(f"  {c} vs eager: max|err| {err:.2e} (relative to max|eager| {rel:.2e})")
             except Exception as e:  # noqa: BLE001

@@ -33,7 +33,7 @@ def _outputs(gm: torch.fx.GraphModule, env: dict) -> list:
     return [env[o] if isinstance(o, torch.fx.Node) else o for o in out]
 
 
-def _run_subgraph(ctx, gm: torch.fx.GraphModule, inputs, key, known: dict | None = None, checks=None):
+def run_subgraph(ctx, gm: torch.fx.GraphModule, inputs, key, known: dict | None = None, checks=None):
     """Evaluate `gm` on `inputs` (bound to its placeholders in order); its outputs as a list.
     `known`: values of nodes computed already (hoisted out of a loop), not evaluated again.
     `checks`: the RuntimeChecks of the level `gm` is traced at (None: no checks)."""
@@ -60,7 +60,7 @@ def _hoist_invariants(ctx, body: torch.fx.GraphModule, invariant_inputs: dict, k
     """Evaluate, once and outside the loop, the body's nodes that depend only on loop-invariant
     inputs (attention masks and what is derived from them): XLA's loop-invariant code motion
     leaves size-inflating ops (broadcasts, iota masks) in the loop, unrolled layers share them.
-    Returns their values (plus `invariant_inputs`) for `_run_subgraph(known=...)`."""
+    Returns their values (plus `invariant_inputs`) for `run_subgraph(known=...)`."""
     invariant = set(invariant_inputs)
     hoisted = []
     for n in body.graph.nodes:
@@ -145,7 +145,7 @@ def _scan(ctx, body, init, xs, additional_inputs):
         inner = _nested(ctx)
         token = _linalg.STACKED.set({per_step[k]: (s, i) for k, s in stacks.items()} or None)
         try:
-            outs = _run_subgraph(ctx, body, [*carry, *x, *extra], body_key, known, inner)
+            outs = run_subgraph(ctx, body, [*carry, *x, *extra], body_key, known, inner)
         finally:
             _linalg.STACKED.reset(token)
         new = [_like(o, c) for o, c in zip(outs[:n_carry], carry)]
@@ -221,7 +221,7 @@ def _cond(ctx, pred, true_fn, false_fn, operands):
         def run(ops):
             k = None if key is None else jax.random.fold_in(key, which)
             inner = _nested(ctx)
-            outs = _run_subgraph(ctx, gm, list(ops), k, checks=inner)
+            outs = run_subgraph(ctx, gm, list(ops), k, checks=inner)
             # Both branches must return identically typed values: torch's meta decides.
             outs = [lax.convert_element_type(jnp.asarray(o), to_jax_dtype(m.dtype))
                     if isinstance(m, torch.Tensor) else o for o, m in zip(outs, meta)]
@@ -244,7 +244,7 @@ def _while_loop(ctx, cond_fn, body_fn, carried_inputs, additional_inputs, mutate
 
     def predicate(i, carry, checks):
         k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 0), i)
-        (pred,) = _run_subgraph(ctx, cond_fn, [*carry, *extra], k, checks=checks)
+        (pred,) = run_subgraph(ctx, cond_fn, [*carry, *extra], k, checks=checks)
         return jnp.asarray(pred).astype(jnp.bool_).reshape(())
 
     def cond(state):
@@ -256,7 +256,7 @@ def _while_loop(ctx, cond_fn, body_fn, carried_inputs, additional_inputs, mutate
         inner = _nested(ctx)
         predicate(i, carry, inner)
         k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, 1), i)
-        outs = _run_subgraph(ctx, body_fn, [*carry, *extra], k, checks=inner)
+        outs = run_subgraph(ctx, body_fn, [*carry, *extra], k, checks=inner)
         return i + 1, [_like(o, c) for o, c in zip(outs, carry)], _merge_code(code, inner)
 
     i, carry, code = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), carried, no_failure()))
@@ -271,4 +271,4 @@ def _invoke_subgraph(ctx, subgraph, identifier, *operands):
     # The body of a torch.compiler.nested_compile_region, traced once by Dynamo and
     # AOTAutograd and called at each use. XLA inlines calls anyway, so it is inlined here;
     # runs of calls that only thread a carry are folded into one loop by the scan_folding pass.
-    return _run_subgraph(ctx, subgraph, list(operands), _node_key(ctx), checks=ctx.checks)
+    return run_subgraph(ctx, subgraph, list(operands), _node_key(ctx), checks=ctx.checks)

@@ -17,7 +17,8 @@ alone); a BlockMask built from tables (`BlockMask.from_kv_blocks`) is honored as
 honor it, where eager's dense path would ignore its tables.
 
 Numerics follow eager's dense path: scores and softmax in float32 (float64 for float64
-inputs), the probabilities rounded to the inputs' dtype before the product with V; a row whose
+inputs), the probabilities rounded to the inputs' dtype before the product with V (the block
+walk below rounds unnormalized ones, as the kernels do); a row whose
 every score is masked gives output 0 and logsumexp -inf. The op returns the logsumexp and the
 row maxima in base 2 (divided by ln 2), as the kernels do; `flex_attention` converts back.
 
@@ -25,8 +26,12 @@ The backward is eager's dense formula with the saved output and logsumexp; the g
 through score_mod (and to the tensors it captures, e.g. a learnable bias) is jax's vjp of the
 vmapped forward subgraph, which is what AOTAutograd's joint graph computes.
 
-The score matrix is materialized: memory grows with batch x heads x q_len x kv_len, as in
-eager's dense path (not as in Inductor's blocked kernel)."""
+Where the BlockMask has at least two key blocks, the forward walks the blocks its tables list
+and skips the rest, as the kernels do: a loop over query blocks and, within it, over their
+listed key blocks, with an online softmax (running maximum, sum and output in the working
+precision; bf16 outputs then differ from eager's dense path by an ulp in places, as the
+kernels' do). Otherwise, and in the backward, the score matrix is materialized, dense, and past
+`CHUNK_SCORES` scores taken in chunks of query rows."""
 from __future__ import annotations
 
 import copy
@@ -40,7 +45,7 @@ import torch.fx
 from jax import lax
 
 from .checks import CODE_DTYPE, no_failure
-from .control_flow import _run_subgraph
+from .control_flow import run_subgraph
 from .dtypes import to_torch_dtype
 from .linalg import dot, matmul_precision
 from .registry import PYTHON_OPS, concrete_shape, lowering_for_node, register_lowering
@@ -51,7 +56,7 @@ LN2 = math.log(2.0)
 # BlockMask tuple (BlockMask.as_tuple(), torch 2.13): q_len, kv_len, kv_num_blocks, kv_indices,
 # full_kv_num_blocks, full_kv_indices, four q-major tables, four backward orderings,
 # Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod.
-_KV_NUM, _KV_IDX, _FULL_NUM, _FULL_IDX = 2, 3, 4, 5
+KV_NUM, KV_IDX, FULL_NUM, FULL_IDX = 2, 3, 4, 5
 
 
 def _graph(gm, arg):
@@ -122,22 +127,26 @@ def _in_working_precision(ctx, gm, dtype):
     return gm
 
 
+def _at_one_point(ctx, gm):
+    """`gm` on 0-d values: (its result, the code of the first index check that failed)."""
+    checks = ctx.checks
+
+    def one(*args):
+        inner = checks.nested() if checks is not None else None
+        out = run_subgraph(ctx, gm, list(args), None, checks=inner)[0]
+        code = inner.code() if inner is not None else None
+        return out, (no_failure() if code is None else code)
+    return one
+
+
 def _grid(ctx, gm, B: int, H: int, N: int, with_score: bool, nbuf: int):
     """`gm` (score_mod or mask_mod over 0-d values) as a function over a [B, H, R, N] block of
     the grid: f(score, rows, *buffers) -> (values, check code), or f(rows, *buffers) for a
     mask_mod, where `rows` are the R query indices of the block. The buffers (the tensors the
     function captured) are arguments so that jax.vjp can differentiate with respect to them."""
     b, h, n = (jnp.arange(s, dtype=jnp.int32) for s in (B, H, N))
-    checks = ctx.checks
-
-    def one(*args):
-        inner = checks.nested() if checks is not None else None
-        out = _run_subgraph(ctx, gm, list(args), None, checks=inner)[0]
-        code = inner.code() if inner is not None else None
-        return out, (no_failure() if code is None else code)
-
     lead = (0,) if with_score else ()
-    fn = one
+    fn = _at_one_point(ctx, gm)
     # innermost: kv_idx, then q_idx, h, b; the score varies along every axis
     for pos in (3, 2, 1, 0):
         axes = [None] * 4
@@ -150,6 +159,29 @@ def _grid(ctx, gm, B: int, H: int, N: int, with_score: bool, nbuf: int):
         out, code = fn(*score, b, h, jnp.asarray(rows, jnp.int32), n, *buffers)
         out = jnp.broadcast_to(out, (B, H, len(rows), N))
         return out, _first_code(code)
+    return run
+
+
+def _block_grid(ctx, gm, B: int, H: int, with_score: bool, nbuf: int):
+    """`gm` over the blocks one step of the block walk visits: f(score, rows, cols, *buffers) ->
+    (values [B, H, Gq, R, C], check code), or f(rows, cols, *buffers) for a mask_mod, where
+    `rows` [Gq, R] are the query indices of Gq query blocks and `cols` [B, H, Gq, C] the key
+    indices of the key block each (batch, head) visits for each of them."""
+    b, h = (jnp.arange(s, dtype=jnp.int32) for s in (B, H))
+    lead = (0,) if with_score else ()
+    bufs = (None,) * nbuf
+    fn = _at_one_point(ctx, gm)
+    # (b, h, q_idx, kv_idx) axes, innermost first: keys, rows, query blocks, heads, batch
+    for axes in ((None, None, None, 0), (None, None, 0, None), (None, None, 0, 0), (None, 0, None, 0),
+                 (0, None, None, 0)):
+        fn = jax.vmap(fn, in_axes=(*lead, *axes, *bufs))
+
+    def run(*args):
+        score = args[:1] if with_score else ()
+        rows, cols, buffers = args[len(score)], args[len(score) + 1], args[len(score) + 2:]
+        cols = jnp.broadcast_to(cols, (B, H) + cols.shape[2:])
+        out, code = fn(*score, b, h, rows, cols, *buffers)
+        return jnp.broadcast_to(out, (B, H) + rows.shape + cols.shape[-1:]), _first_code(code)
     return run
 
 
@@ -211,7 +243,7 @@ def _wide_dot(a, b, contract, batch, dtype):
 CHUNK_SCORES = 1 << 24
 
 
-def _row_chunk(B: int, H: int, M: int, N: int, block_rows: int) -> int | None:
+def row_chunk(B: int, H: int, M: int, N: int, block_rows: int) -> int | None:
     """Query rows per chunk, or None: all rows at once."""
     rows = CHUNK_SCORES // max(1, B * H * N)
     if rows >= M:
@@ -242,12 +274,13 @@ class _Attention:
         self.score_bufs = [b if hasattr(b, "dtype") else jnp.asarray(b) for b in score_bufs]
         self.mask_bufs = [b if hasattr(b, "dtype") else jnp.asarray(b) for b in mask_bufs]
         block_rows, block_cols, mask_mod = block_mask[-3], block_mask[-2], block_mask[-1]
-        self.chunk = _row_chunk(self.B, self.H, self.M, self.N, block_rows)
-        self.partial = _Blocks(block_mask[_KV_NUM], block_mask[_KV_IDX], self.N, block_rows, block_cols)
-        self.full = (None if block_mask[_FULL_NUM] is None else
-                     _Blocks(block_mask[_FULL_NUM], block_mask[_FULL_IDX], self.N, block_rows, block_cols))
+        self.chunk = row_chunk(self.B, self.H, self.M, self.N, block_rows)
+        self.partial = _Blocks(block_mask[KV_NUM], block_mask[KV_IDX], self.N, block_rows, block_cols)
+        self.full = (None if block_mask[FULL_NUM] is None else
+                     _Blocks(block_mask[FULL_NUM], block_mask[FULL_IDX], self.N, block_rows, block_cols))
         self.mask = _grid(ctx, mask_mod, self.B, self.H, self.N, False, len(self.mask_bufs))
         score_mod = _in_working_precision(ctx, score_mod, to_torch_dtype(self.wp))
+        self.mask_gm, self.score_gm = mask_mod, score_mod
         self.score = _grid(ctx, score_mod, self.B, self.H, self.N, True, len(self.score_bufs))
         self.key = jnp.broadcast_to(key, (self.B,) + key.shape[1:])
         self.value = jnp.broadcast_to(value, (self.B,) + value.shape[1:])
@@ -319,6 +352,136 @@ class _Attention:
         return carry, outs
 
 
+# The forward walks the listed key blocks of each query block (as the kernels do, skipping the
+# rest) once there are at least this many key blocks; below, one dense pass costs less.
+WALK_MIN_KV_BLOCKS = 2
+
+
+def walk_plan(platform: str, M: int, N: int, block_mask) -> int | None:
+    """How many query blocks one step of the block walk takes (None: the dense path). On the
+    CPU one (each query block visits exactly its own listed key blocks, so a causal mask does
+    half the work); elsewhere all of them at once, each visiting its t-th listed block at step t
+    (fewer, larger steps for a GPU: as many as the most blocks any query block lists)."""
+    block_rows, block_cols = block_mask[-3], block_mask[-2]
+    nqb = block_mask[KV_IDX].shape[-2]
+    if not (isinstance(block_rows, int) and isinstance(block_cols, int)) or nqb != -(-M // block_rows):
+        return None  # tables that do not tile the query rows: the dense path's reading of them
+    if -(-N // block_cols) < WALK_MIN_KV_BLOCKS:
+        return None
+    return 1 if platform == "cpu" else nqb
+
+
+def _walk_blocks(ctx, att, query, block_mask, group: int):
+    """The forward over the listed blocks only: a loop over groups of `group` query blocks,
+    and within it a loop over the key blocks they list (partial ones first, then full ones),
+    gathering each key/value block and keeping an online softmax (running maximum, sum and
+    output in the working precision, the probabilities rounded to the inputs' dtype before V,
+    as the kernels do). A (batch, head) whose tables list fewer blocks than another's sits out
+    the extra steps. Returns (out, logsumexp, row maxima) as the dense path does (natural log)."""
+    B, H, M, N, Hkv = att.B, att.H, att.M, att.N, att.Hkv
+    BR, BC = block_mask[-3], block_mask[-2]
+    wp, dtype = att.wp, att.dtype
+    num_p, idx_p = block_mask[KV_NUM], block_mask[KV_IDX]
+    num_f, idx_f = block_mask[FULL_NUM], block_mask[FULL_IDX]
+    if num_f is None:
+        num_f, idx_f = jnp.zeros_like(num_p), jnp.zeros(num_p.shape + (1,), idx_p.dtype)
+    Bm, Hm, nqb = num_p.shape  # [batch or 1, heads or 1, query blocks]
+    num_p, num_f, idx_p, idx_f = (t.astype(jnp.int32) for t in (num_p, num_f, idx_p, idx_f))
+    nkb = -(-N // BC)
+    # Keys and values per (batch, head) the tables distinguish: a mask per query head gathers
+    # for each query head; otherwise each kv head's block serves its group of query heads.
+    Hk = H if Hm == H else Hkv
+    Gk = H // Hk
+    key, value = att.key.astype(wp), att.value.astype(dtype)
+    if Hk != Hkv:
+        key, value = (jnp.repeat(t, H // Hkv, axis=1) for t in (key, value))
+    pad_keys = [(0, 0), (0, 0), (0, nkb * BC - N), (0, 0)]
+    key, value = jnp.pad(key, pad_keys), jnp.pad(value, pad_keys)
+
+    ngroups = -(-nqb // group)
+    extra = ngroups * group - nqb  # query blocks past the end list nothing
+
+    def grouped(t):  # [Bm, Hm, nqb, ...] -> [ngroups, Bm, Hm, group, ...]
+        t = jnp.pad(t, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (t.ndim - 3))
+        return jnp.moveaxis(t.reshape((Bm, Hm, ngroups, group) + t.shape[3:]), 2, 0)
+    tables = [grouped(t) for t in (num_p, idx_p, num_f, idx_f)]
+    rows_pad = ngroups * group * BR
+    q = jnp.pad(query.astype(wp), [(0, 0), (0, 0), (0, rows_pad - M), (0, 0)])
+    q = jnp.moveaxis(q.reshape(B, H, ngroups, group, BR, q.shape[-1]), 2, 0)  # [ngroups, B, H, Gq, BR, E]
+
+    score = _block_grid(ctx, att.score_gm, B, H, True, len(att.score_bufs))
+    mask = _block_grid(ctx, att.mask_gm, B, H, False, len(att.mask_bufs))
+    lane = jnp.arange(BC, dtype=jnp.int32)
+    neg_inf, zero = jnp.asarray(-jnp.inf, wp), jnp.asarray(0, wp)
+
+    def by_kv_head(x):  # [B, H, ...] -> [B, Hk, Gk, ...]
+        return x.reshape((B, Hk, Gk) + x.shape[2:])
+
+    def gather(kb, cols):
+        """The key and value blocks each (batch, head) visits, [B, Hk, Gq, BC, E or D]."""
+        if Bm == Hm == group == 1:  # one block for everyone: a slice, not a gather
+            start = jnp.clip(kb[0, 0, 0], 0, nkb - 1) * BC
+            return tuple(lax.dynamic_slice_in_dim(t, start, BC, axis=2)[:, :, None] for t in (key, value))
+        at = jnp.clip(cols, 0, nkb * BC - 1).reshape(Bm, Hm, group * BC)
+        at = jnp.broadcast_to(at, (B, Hk, group * BC))[..., None]
+        return tuple(jnp.take_along_axis(t, at, axis=2).reshape(B, Hk, group, BC, t.shape[-1]) for t in (key, value))
+
+    def group_step(_, xs):
+        c, q_blk, (n_p, i_p, n_f, i_f) = xs
+        rows = jnp.minimum((c * group + jnp.arange(group, dtype=jnp.int32))[:, None] * BR
+                           + jnp.arange(BR, dtype=jnp.int32), M - 1)  # [Gq, BR]
+        steps = jnp.max(n_p + n_f)
+        qg = by_kv_head(q_blk)  # [B, Hk, Gk, Gq, BR, E]
+
+        def kv_step(state):
+            t, m, l, acc, code = state
+            partial = t < n_p  # [Bm, Hm, Gq]
+            j = t - n_p
+            full = ~partial & (j < n_f)
+            kb = jnp.where(partial, lax.dynamic_index_in_dim(i_p, jnp.minimum(t, i_p.shape[-1] - 1), -1, False),
+                           jnp.take_along_axis(i_f, jnp.clip(j, 0, i_f.shape[-1] - 1)[..., None], axis=-1)[..., 0])
+            cols = kb[..., None] * BC + lane  # [Bm, Hm, Gq, BC]
+            valid = (partial | full)[..., None] & (cols < N) & (kb[..., None] >= 0)
+            k_blk, v_blk = gather(kb, cols)
+            # [B, Hk, Gq, Gk, BR, BC] -> [B, H, Gq, BR, BC]
+            s = lax.dot_general(qg, k_blk, (((5,), (4,)), ((0, 1, 3), (0, 1, 2))),
+                                precision=matmul_precision(wp), preferred_element_type=wp)
+            s = jnp.swapaxes(s, 2, 3).reshape(B, H, group, BR, BC) * att.scale
+            idx = jnp.minimum(cols, N - 1)
+            modded, score_code = score(s, rows, idx, *att.score_bufs)
+            allowed, mask_code = mask(rows, idx, *att.mask_bufs)
+            keep = valid[..., None, :] & (allowed | full[..., None, None])
+            post = jnp.where(keep, modded.astype(wp), neg_inf)
+            m_new = jnp.maximum(m, jnp.max(post, axis=-1))
+            shift = jnp.where(m_new == neg_inf, zero, m_new)
+            p = jnp.exp(post - shift[..., None])
+            alpha = jnp.exp(m - shift)  # 0 while m is -inf
+            l = l * alpha + jnp.sum(p, axis=-1)
+            pv = lax.dot_general(by_kv_head(p.astype(dtype)), v_blk, (((5,), (3,)), ((0, 1, 3), (0, 1, 2))),
+                                 precision=matmul_precision(dtype), preferred_element_type=wp)
+            pv = jnp.swapaxes(pv, 2, 3).reshape(B, H, group, BR, value.shape[-1])
+            acc = acc * alpha[..., None] + pv
+            code = _first_code(jnp.stack([code, _first_code(mask_code), _first_code(score_code)]))
+            return t + 1, m_new, l, acc, code
+
+        state = (jnp.asarray(0, jnp.int32), jnp.full((B, H, group, BR), -jnp.inf, wp),
+                 jnp.zeros((B, H, group, BR), wp), jnp.zeros((B, H, group, BR, value.shape[-1]), wp),
+                 no_failure())
+        _, m, l, acc, code = lax.while_loop(lambda st: st[0] < steps, kv_step, state)
+        dead = l == zero  # every score of the row masked: output 0, logsumexp -inf
+        out = jnp.where(dead[..., None], zero, acc / jnp.where(dead, 1, l)[..., None]).astype(dtype)
+        lse = jnp.where(dead, neg_inf, m + jnp.log(jnp.where(dead, 1, l)))
+        return None, (out, lse, m, code)
+
+    xs = (jnp.arange(ngroups, dtype=jnp.int32), q, tables)
+    _, (out, lse, top, codes) = lax.scan(group_step, None, xs)
+
+    def ungroup(x):  # [ngroups, B, H, Gq, BR, ...] -> [B, H, M, ...]
+        x = jnp.moveaxis(x, 0, 2)
+        return x.reshape((B, H, rows_pad) + x.shape[5:])[:, :, :M]
+    return ungroup(out), ungroup(lse), ungroup(top), _first_code(codes)
+
+
 def _record(ctx, codes):
     if ctx.checks is not None:
         ctx.checks.add_code(_first_code(jnp.stack([jnp.asarray(c, CODE_DTYPE) for c in codes])))
@@ -331,6 +494,12 @@ def _flex_attention(ctx, query, key, value, score_mod, block_mask, scale, kernel
     att = _Attention(ctx, query, key, value, score_mod, block_mask, scale,
                      score_mod_other_buffers, mask_mod_other_buffers)
     wp = att.wp
+    f32 = jnp.float32
+    group = walk_plan(ctx.platform, att.M, att.N, block_mask)
+    if group is not None:
+        out, lse, top, code = _walk_blocks(ctx, att, query, block_mask, group)
+        _record(ctx, [code])
+        return out, (lse / LN2).astype(f32), (top / LN2).astype(f32)
     neg_inf, zero, one = (jnp.asarray(x, wp) for x in (-jnp.inf, 0, 1))
 
     def step(rows, q, carry):
@@ -349,7 +518,6 @@ def _flex_attention(ctx, query, key, value, score_mod, block_mask, scale, kernel
 
     _, (out, lse, top, codes) = att.over_rows(step, [(query, 0)])
     _record(ctx, [codes])
-    f32 = jnp.float32
     return out, (lse / LN2).astype(f32), (top / LN2).astype(f32)
 
 
