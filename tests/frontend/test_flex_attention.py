@@ -195,6 +195,47 @@ def test_queries_and_keys_of_other_lengths(rows):
     _assert_rows(rows)
 
 
+def test_lengths_change_under_dynamic_shapes(rows):
+    """Compiled with dynamic=True and called at 256, 384 and 640 tokens (a block mask made for
+    each): every output matches eager's."""
+    fn = lambda q, k, v, bm: flex_attention(q, k, v, score_mod=_softcap, block_mask=bm)  # noqa: E731
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fx2xla", dynamic=True, options=OPTIONS)
+    for S in (256, 384, 640):
+        q, k, v = _qkv(B=1, H=2, S=S)
+        bm = create_block_mask(_causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device="cpu")
+        torch.testing.assert_close(compiled(q, k, v, bm), fn(q, k, v, bm), **tolerance(torch.float32))
+    _assert_rows(rows)
+
+
+def test_sharded_over_batch_and_heads_needs_no_collective(rows):
+    """q, k, v and the output sharded over a 2 x 4 mesh of the 8 virtual CPU devices, batch
+    over one axis and heads over the other: the output matches eager's, and the optimized HLO
+    holds no collective (each device attends its own batch rows and heads)."""
+    from fx2xla.metrics import live_graphs
+    from fx2xla.runtime.executor import optimized_hlo_text
+    from fx2xla.sharding import collectives
+
+    mesh = fx2xla.Mesh((2, 4), ("data", "model"))
+    spec = ("data", "model", None, None)
+    S = 384
+    bm = create_block_mask(_causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device="cpu")
+
+    def fn(q, k, v):
+        q, k, v = (fx2xla.mark_sharding(t, mesh, spec) for t in (q, k, v))
+        return fx2xla.mark_sharding(flex_attention(q, k, v, score_mod=_softcap, block_mask=bm), mesh, spec)
+
+    q, k, v = _qkv(B=2, H=8, S=S)
+    before = {id(g) for g in live_graphs}
+    actual = _compiled(fn)(q, k, v)
+    expected = flex_attention(q, k, v, score_mod=_softcap, block_mask=bm)
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+    graphs = [g for g in live_graphs if id(g) not in before]
+    assert len(graphs) == 1
+    assert collectives(optimized_hlo_text(graphs[0].static.exe)) == []
+    _assert_rows(rows)
+
+
 def test_forward_without_mask_or_score_mod_and_with_a_scale():
     """No block mask and no score_mod (plain attention), and an explicit scale, match eager."""
     args = _qkv(S=96)
