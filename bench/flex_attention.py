@@ -11,8 +11,9 @@ score_mod=soft cap 30 * tanh(s / 30), block_mask=...)` on q [batch, heads, seq, 
 captured tensor). Contenders: eager (torch's unfused dense path, as flex_attention runs without
 torch.compile), Inductor (`torch.compile(fn)`) and fx2xla, each a `torch.compile(fn,
 fullgraph=True)` of the same function. Training (CUDA only: torch refuses flex_attention's
-backward on the CPU for every backend) times forward + `out.float().square().mean()` + backward
-to q, k and v.
+backward on the CPU for every backend) times the compiled forward and loss
+`out.float().square().mean()`, then its backward to q, k and v outside the compiled function, as
+a training loop runs it.
 
 Per contender: the first call, and bench/gpu.py's three figures (synced wall, queued wall,
 kernel time on CUDA), medians of interleaved rounds, with ratios fx2xla / eager and fx2xla /
@@ -58,16 +59,40 @@ def make_mask(name: str, seq: int, device):
 
 
 def make_fn(block_mask, gqa: bool, train: bool):
-    if not train:
-        def fn(q, k, v):
-            return flex_attention(q, k, v, score_mod=softcap, block_mask=block_mask, enable_gqa=gqa)
-        return fn
+    """The function each contender compiles: flex_attention, or (training) its loss, whose
+    backward runs outside the compiled function, as a training loop's does (Dynamo does not
+    trace `.backward()`)."""
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=softcap, block_mask=block_mask, enable_gqa=gqa)
 
-    def step(q, k, v):
-        out = flex_attention(q, k, v, score_mod=softcap, block_mask=block_mask, enable_gqa=gqa)
-        out.float().square().mean().backward()
-        return out.detach()
+    def loss(q, k, v):
+        return fn(q, k, v).float().square().mean()
+    return loss if train else fn
+
+
+def make_call(compiled, q, k, v, train: bool):
+    """One timed call: the forward, and in training the backward to q, k and v (the loss is
+    returned, for the synchronization)."""
+    if not train:
+        return lambda: compiled(q, k, v)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        value = compiled(q, k, v)
+        value.backward()
+        return value.detach()
     return step
+
+
+def lift_cpu_refusal() -> None:
+    """Let flex_attention's backward run on the CPU: torch refuses it there for every backend
+    (the check `_validate_device`, torch 2.5-2.13), though eager's dense math and the compiled
+    backends compute it. A bench option, for CPU training figures; never done by fx2xla."""
+    import torch.nn.attention.flex_attention as flex_module
+    if not hasattr(flex_module, "_validate_device"):
+        raise SystemExit("--cpu-training: this torch has no flex_attention._validate_device to lift")
+    flex_module._validate_device = lambda *args, **kwargs: None
 
 
 def phase(mask_name: str, seq: int, train: bool, a, device, dtype, sync) -> dict:
@@ -89,16 +114,10 @@ def phase(mask_name: str, seq: int, train: bool, a, device, dtype, sync) -> dict
     def grads():
         return [t.grad.detach().clone() for t in (q, k, v)]
 
-    def clear():
-        for t in (q, k, v):
-            t.grad = None
-
     with gpu.cold_caches():
         for c in a.contenders:
             call_fn = fn if c == "eager" else torch.compile(fn, backend=gpu.BACKENDS[c], fullgraph=True)
-            call = (lambda f: lambda: f(q, k, v))(call_fn)
-            if train:
-                clear()
+            call = make_call(call_fn, q, k, v, train)
             out = gpu.first_call(c, call, sync, res, errors)
             if out is None:
                 continue
@@ -133,6 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--queued", type=int, default=5)
     p.add_argument("--profiled", type=int, default=3)
     p.add_argument("--phase-budget", type=float, default=30.0, help="seconds of timed rounds per phase")
+    p.add_argument("--cpu-training", action="store_true",
+                   help="allow training phases on the CPU by lifting torch's refusal of flex_attention's backward "
+                        "there (torch.nn.attention.flex_attention._validate_device), for every contender")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "flex_attention.json"))
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -141,7 +163,10 @@ def main(argv=None) -> int:
     a.contenders = [c for c in ("eager", "inductor", "fx2xla") if c in a.contenders.split(",")]
     modes = (a.modes or ("infer,train" if device.type == "cuda" else "infer")).split(",")
     if device.type == "cpu" and "train" in modes:
-        p.error("training phases need CUDA: torch refuses flex_attention's backward on the CPU")
+        if not a.cpu_training:
+            p.error("training phases need CUDA: torch refuses flex_attention's backward on the CPU "
+                    "(--cpu-training lifts that refusal)")
+        lift_cpu_refusal()
     sync = gpu.make_sync(device)
     results: dict = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "dtype": str(dtype),
                      "batch": a.batch, "heads": a.heads, "kv_heads": a.kv_heads, "dim": a.dim,

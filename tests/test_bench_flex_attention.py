@@ -3,7 +3,7 @@ fx2xla's first calls, the wall-time figures (positive, finite; no kernel time of
 ratios, fx2xla's output within float32 rounding of eager's (relative 1e-5 of its largest value),
 nothing compiled while timing, in every phase (two masks, two lengths; each phase compiles
 afresh, so Dynamo's recompile limit, even at 1, is never reached); training phases are refused
-on the CPU with a clear message."""
+on the CPU with a clear message unless `--cpu-training` lifts torch's refusal."""
 import json
 import math
 import os
@@ -53,3 +53,25 @@ def test_flex_attention_bench_refuses_training_on_cpu(tmp_path):
                            "--modes", "train", "--out", str(tmp_path / "x.json")],
                           capture_output=True, text=True, timeout=300, env=_env(), cwd=root)
     assert proc.returncode == 2 and "need CUDA" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_flex_attention_bench_trains_on_cpu_with_the_refusal_lifted(tmp_path):
+    """`--cpu-training` lifts torch's refusal of flex_attention's backward on the CPU: the
+    training phase (the compiled loss, its backward outside the compiled function) runs for eager
+    and fx2xla, each with a first step and timed ones, nothing compiles while timing, and
+    fx2xla's gradients of q, k and v are within float32 rounding of eager's (relative 1e-5 of
+    the largest)."""
+    out = tmp_path / "train.json"
+    args = [str(BENCH), "--device", "cpu", "--modes", "train", "--cpu-training", "--seqs", "384",
+            "--heads", "4", "--kv-heads", "2", "--dim", "16", "--masks", "causal", "--contenders", "eager,fx2xla",
+            "--rounds", "3", "--queued", "2", "--phase-budget", "1", "--out", str(out)]
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=900, env=_env(),
+                          cwd=BENCH.parent.parent)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())["phases"]["train causal 384"]
+    for name in ("eager", "fx2xla"):
+        c = res["contenders"][name]
+        assert "error" not in c, (name, c)
+        assert all(math.isfinite(c[f]) and c[f] > 0 for f in ("first_s", "synced_s", "queued_s")), (name, c)
+    assert res["fx2xla_graphs_compiled_while_timing"] == 0
+    assert res["fx2xla_max_rel_err"] < 1e-5, res

