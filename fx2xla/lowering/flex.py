@@ -358,18 +358,21 @@ class _Attention:
 WALK_MIN_KV_BLOCKS = 2
 
 
-def walk_plan(platform: str, M: int, N: int, block_mask) -> int | None:
+def walk_plan(platform: str, B: int, H: int, M: int, N: int, block_mask) -> int | None:
     """How many query blocks one step of the block walk takes (None: the dense path). On the
     CPU one (each query block visits exactly its own listed key blocks, so a causal mask does
-    half the work); elsewhere all of them at once, each visiting its t-th listed block at step t
-    (fewer, larger steps for a GPU: as many as the most blocks any query block lists)."""
+    half the work); elsewhere as many as keep a step's scores (batch x heads x their rows x one
+    key block) within `CHUNK_SCORES`, all of them for most shapes: each visits its t-th listed
+    block at step t (fewer, larger steps for a GPU: as many as the most blocks any lists)."""
     block_rows, block_cols = block_mask[-3], block_mask[-2]
     nqb = block_mask[KV_IDX].shape[-2]
     if not (isinstance(block_rows, int) and isinstance(block_cols, int)) or nqb != -(-M // block_rows):
         return None  # tables that do not tile the query rows: the dense path's reading of them
     if -(-N // block_cols) < WALK_MIN_KV_BLOCKS:
         return None
-    return 1 if platform == "cpu" else nqb
+    if platform == "cpu":
+        return 1
+    return max(1, min(nqb, CHUNK_SCORES // max(1, B * H * block_rows * block_cols)))
 
 
 class _Walk:
@@ -608,7 +611,7 @@ def _flex_attention(ctx, query, key, value, score_mod, block_mask, scale, kernel
                      score_mod_other_buffers, mask_mod_other_buffers)
     wp = att.wp
     f32 = jnp.float32
-    group = walk_plan(ctx.platform, att.M, att.N, block_mask)
+    group = walk_plan(ctx.platform, att.B, att.H, att.M, att.N, block_mask)
     if group is not None:
         out, lse, top, code = _walk_forward(ctx, att, query, block_mask, group)
         _record(ctx, [code])
@@ -653,7 +656,7 @@ def _flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, g
     if grad_logsumexp is None:
         grad_logsumexp = jnp.zeros(logsumexp.shape, jnp.float32)
     key_d, value_wp = att.key.astype(dtype), att.value.astype(wp)
-    group = walk_plan(ctx.platform, att.M, att.N, block_mask)
+    group = walk_plan(ctx.platform, att.B, att.H, att.M, att.N, block_mask)
     if group is not None:
         return _backward_by_walk(ctx, att, block_mask, group, diff, query, out, grad_out, logsumexp,
                                  grad_logsumexp)
@@ -701,6 +704,7 @@ def _flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, g
 
 
 def _backward_by_walk(ctx, att, block_mask, group, diff, query, out, grad_out, logsumexp, grad_logsumexp):
+    """flex_attention_backward's results from `_walk_backward`, in the op's form."""
     wp, B, Hkv, N = att.wp, att.B, att.Hkv, att.N
 
     def modded(grid, s, rows, cols, *diff_bufs):

@@ -48,8 +48,8 @@ def rows(request, monkeypatch):
         chosen.append(40 if request.param == "row chunks" else choose(B, H, M, N, block_rows))
         return chosen[-1]
 
-    def walk_spy(platform, M, N, block_mask):
-        group = plan(platform, M, N, block_mask)
+    def walk_spy(platform, B, H, M, N, block_mask):
+        group = plan(platform, B, H, M, N, block_mask)
         if request.param not in WALKS or group is None:
             group = None
         elif request.param == WALKS[1]:
@@ -73,6 +73,20 @@ def _assert_rows(rows, walks=True):
     else:
         assert chosen and all(c == (40 if kind == "row chunks" else None) for c in chosen), chosen
         assert all(w is None for w in walked), walked
+
+
+def test_walk_steps_are_chosen_by_platform_and_number_of_scores(monkeypatch):
+    """The block walk: none with fewer than two key blocks or with tables that do not tile the
+    query rows; on the CPU one query block a step; elsewhere as many as keep a step's scores
+    within CHUNK_SCORES (all of them while they fit), at least one."""
+    monkeypatch.setattr(flex_rules, "CHUNK_SCORES", 1 << 20)
+    bm = create_block_mask(_causal, B=None, H=None, Q_LEN=1024, KV_LEN=1024, device="cpu").as_tuple()
+    assert flex_rules.walk_plan("cpu", 1, 8, 1024, 1024, bm) == 1
+    assert flex_rules.walk_plan("cuda", 1, 8, 1024, 1024, bm) == 8  # 8 x 8 x 128 x 128 = 2^20 scores
+    assert flex_rules.walk_plan("cuda", 2, 8, 1024, 1024, bm) == 4
+    assert flex_rules.walk_plan("cuda", 64, 64, 1024, 1024, bm) == 1
+    assert flex_rules.walk_plan("cuda", 1, 8, 1024, 128, bm) is None  # one key block
+    assert flex_rules.walk_plan("cuda", 1, 8, 2048, 1024, bm) is None  # 8 query blocks for 2,048 rows
 
 
 def test_row_chunks_are_chosen_by_the_number_of_scores(monkeypatch):
