@@ -491,8 +491,16 @@ class _Walk:
     def kept(self, rows, cols, valid, full):
         """Which scores of the step's blocks count, [B, H, group, BR, BC], and mask_mod's code."""
         att = self.att
-        allowed, code = self.mask(rows, jnp.minimum(cols, att.N - 1), *att.mask_bufs)
-        return valid[..., None, :] & (allowed | full[..., None, None]), code
+
+        def allowed():
+            return self.mask(rows, jnp.minimum(cols, att.N - 1), *att.mask_bufs)
+
+        if self._one_block():  # one block for everyone: mask_mod only where it is a partial one
+            shape = (att.B, att.H, self.group, self.BR, self.BC)
+            ok, code = lax.cond(full[0, 0, 0], lambda: (jnp.ones(shape, jnp.bool_), no_failure()), allowed)
+        else:
+            ok, code = allowed()
+        return valid[..., None, :] & (ok | full[..., None, None]), code
 
     def loop(self, body, state, tables):
         """Runs body(t, state) over the steps the group's query blocks need."""

@@ -39,14 +39,40 @@ def clean_env(**extra) -> dict:
     return env
 
 
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, pgrp, session, ...)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def _session_members(sid: int) -> list[int]:
+    """The live processes of session `sid`, children before their parents (descending pid)."""
+    if not os.path.isdir("/proc"):
+        return []
+    members = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _stat(int(name))
+            if fields is not None and fields[0] != "Z" and int(fields[3]) == sid:
+                members.append(int(name))
+    return sorted(members, reverse=True)
+
+
 class Group:
     """Processes started together, their output in files (no pipe can fill up and stall one).
 
     Each command runs in a session of its own (torchrun and the workers it starts), so that
     `kill_leftovers` ends a launcher's children too, not only the launcher. A process still
     running at `wait`'s timeout is a hang to be explained: every process of its session gets
-    SIGABRT, on which Python's faulthandler (PYTHONFAULTHANDLER) writes each thread's stack to
-    its stderr, and the failure shows those stacks."""
+    SIGABRT, one at a time, on which Python's faulthandler (PYTHONFAULTHANDLER) writes each
+    thread's stack to its stderr, and the failure shows those stacks."""
 
     def __init__(self, tmp_path: Path, commands: list, env: dict):
         self.procs, self.files = [], []
@@ -63,16 +89,30 @@ class Group:
             return self.procs[i].wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
-        self._signal(self.procs[i], signal.SIGABRT)  # stacks to stderr, then an abort
+        self._abort_one_by_one(self.procs[i])
         try:
             self.procs[i].wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        time.sleep(1)  # a launcher's children write their stacks too
         out, err = self.output(i)
         raise AssertionError(f"process {i} ({' '.join(map(str, self.procs[i].args))[:200]}) still ran "
                              f"{time.monotonic() - self.started:.0f} s after the group started; its session's "
                              f"stacks (stderr):\n{err[-12000:]}\nstdout:\n{out[-3000:]}")
+
+    @staticmethod
+    def _abort_one_by_one(proc) -> None:
+        """SIGABRT to each process of proc's session in turn, each given up to 5 s to write its
+        stacks and die before the next: they share the stderr file, and stacks written at once
+        interleave line by line."""
+        for pid in _session_members(proc.pid) or [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except (ProcessLookupError, PermissionError):
+                continue
+            for _ in range(50):
+                if not _alive(pid):
+                    break
+                time.sleep(0.1)
 
     @staticmethod
     def _signal(proc, sig) -> None:
