@@ -276,6 +276,9 @@ class _Attention:
         self.mask_bufs = [b if hasattr(b, "dtype") else jnp.asarray(b) for b in mask_bufs]
         block_rows, block_cols, mask_mod = block_mask[-3], block_mask[-2], block_mask[-1]
         self.chunk = row_chunk(self.B, self.H, self.M, self.N, block_rows)
+        # The dense path's reading of the tables. Built here also for the block walk, which
+        # leaves them unread (XLA drops them): block sizes that are traced values (a
+        # dynamic-shape lowering, retried with concrete ones) fail here, before any walk.
         self.partial = _Blocks(block_mask[KV_NUM], block_mask[KV_IDX], self.N, block_rows, block_cols)
         self.full = (None if block_mask[FULL_NUM] is None else
                      _Blocks(block_mask[FULL_NUM], block_mask[FULL_IDX], self.N, block_rows, block_cols))
@@ -293,6 +296,14 @@ class _Attention:
         if self.full is not None:
             keep = keep | self.full.rows(rows)
         return keep, code
+
+    def with_buffers(self, diff, diff_bufs) -> list:
+        """score_mod's captured tensors with those at positions `diff` replaced by `diff_bufs`
+        (the ones jax.vjp differentiates)."""
+        bufs = list(self.score_bufs)
+        for i, b in zip(diff, diff_bufs):
+            bufs[i] = b
+        return bufs
 
     def scores(self, q):
         """scale * q k^T in the working precision, [B, H, R, N], for query rows q [B, H, R, E]."""
@@ -444,26 +455,30 @@ class _Walk:
     def _one_block(self):
         return self.Bm == self.Hm == self.group == 1
 
+    def _start(self, kb):
+        """Where the one visited block starts (`_one_block`)."""
+        return jnp.clip(kb[0, 0, 0], 0, self.nkb - 1) * self.BC
+
+    def _keys(self, cols):
+        """The visited keys per (batch, kv head), [B, Hk, group * BC], clipped into the keys."""
+        at = jnp.clip(cols, 0, self.nkb * self.BC - 1).reshape(self.Bm, self.Hm, self.group * self.BC)
+        return jnp.broadcast_to(at, (self.att.B, self.Hk, self.group * self.BC))
+
     def gather(self, kb, cols, x):
         """The blocks of x [B, Hk, keys, ...] the (batch, head)s visit: [B, Hk, group, BC, ...]."""
-        B, Hk, BC, group = self.att.B, self.Hk, self.BC, self.group
         if self._one_block():  # one block for everyone: a slice, not a gather
-            start = jnp.clip(kb[0, 0, 0], 0, self.nkb - 1) * BC
-            return lax.dynamic_slice_in_dim(x, start, BC, axis=2)[:, :, None]
-        at = jnp.broadcast_to(jnp.clip(cols, 0, self.nkb * BC - 1).reshape(self.Bm, self.Hm, group * BC),
-                              (B, Hk, group * BC))
-        return jnp.take_along_axis(x, at[..., None], axis=2).reshape((B, Hk, group, BC) + x.shape[3:])
+            return lax.dynamic_slice_in_dim(x, self._start(kb), self.BC, axis=2)[:, :, None]
+        out = jnp.take_along_axis(x, self._keys(cols)[..., None], axis=2)
+        return out.reshape((self.att.B, self.Hk, self.group, self.BC) + x.shape[3:])
 
     def scatter_add(self, kb, cols, acc, update):
         """acc [B, Hk, keys, ...] with update [B, Hk, group, BC, ...] added at the visited keys."""
-        B, Hk, BC, group = self.att.B, self.Hk, self.BC, self.group
         if self._one_block():
-            start = jnp.clip(kb[0, 0, 0], 0, self.nkb - 1) * BC
-            old = lax.dynamic_slice_in_dim(acc, start, BC, axis=2)
+            start = self._start(kb)
+            old = lax.dynamic_slice_in_dim(acc, start, self.BC, axis=2)
             return lax.dynamic_update_slice_in_dim(acc, old + update[:, :, 0].astype(acc.dtype), start, axis=2)
-        at = jnp.broadcast_to(jnp.clip(cols, 0, self.nkb * BC - 1).reshape(self.Bm, self.Hm, group * BC),
-                              (B, Hk, group * BC))
-        update = update.reshape((B, Hk, group * BC) + update.shape[4:]).astype(acc.dtype)
+        at = self._keys(cols)
+        update = update.reshape(at.shape + update.shape[4:]).astype(acc.dtype)
         add = jax.vmap(jax.vmap(lambda a, i, u: a.at[i].add(u)))  # duplicates (two query blocks) add up
         return add(acc, at, update)
 
@@ -538,7 +553,7 @@ def _walk_forward(ctx, att, query, block_mask, group: int):
             alpha = jnp.exp(m - shift)  # 0 while m is -inf
             l = l * alpha + jnp.sum(p, axis=-1)
             acc = acc * alpha[..., None] + walk.rows_times(p.astype(dtype), walk.gather(kb, cols, walk.value), wp)
-            code = _first_code(jnp.stack([code, _first_code(mask_code), _first_code(score_code)]))
+            code = _first_code(jnp.stack([code, mask_code, score_code]))
             return m_new, l, acc, code
 
         shape = (B, H, group, BR)
@@ -591,7 +606,7 @@ def _walk_backward(ctx, att, block_mask, group, modded, diff_bufs, query, grad_o
             dk = walk.scatter_add(kb, cols, dk, walk.cols_times(grad_s, q_blk.astype(dtype), wp))
             dv = walk.scatter_add(kb, cols, dv, walk.cols_times(p.astype(dtype), go_blk.astype(dtype), wp))
             bufs = [a + g.astype(a.dtype) for a, g in zip(bufs, grad_bufs)]
-            code = _first_code(jnp.stack([code, _first_code(mask_code), _first_code(score_code)]))
+            code = _first_code(jnp.stack([code, mask_code, score_code]))
             return dq, (dk, dv, bufs), code
 
         dq = jnp.zeros(q_blk.shape, wp)
@@ -604,6 +619,15 @@ def _walk_backward(ctx, att, block_mask, group, modded, diff_bufs, query, grad_o
           walk.grouped(lse, -jnp.inf), walk.grouped(delta), walk.tables)
     (dk, dv, bufs), (dq, codes) = lax.scan(group_step, carry, xs)
     return walk.ungrouped(dq), dk, dv, bufs, walk.Hk, _first_code(codes)
+
+
+def _buffer_grads(ctx, diff, grads) -> tuple:
+    """The captured tensors' gradients in the op's form: one per captured tensor, None where it
+    gets none."""
+    out = [None] * len(ctx.out[3])
+    for i, g in zip(diff, grads):
+        out[i] = g
+    return tuple(out)
 
 
 def _record(ctx, codes):
@@ -637,7 +661,7 @@ def _flex_attention(ctx, query, key, value, score_mod, block_mask, scale, kernel
         total = jnp.where(dead, one, jnp.sum(p, axis=-1))
         lse = jnp.where(dead, neg_inf, shift + jnp.log(total))
         out = att.rows_times((p / total[..., None]).astype(att.dtype), att.value.astype(att.dtype))
-        codes = jnp.stack([_first_code(mask_code), _first_code(score_code)])
+        codes = jnp.stack([mask_code, score_code])
         return carry, [out, lse, top, codes]
 
     _, (out, lse, top, codes) = att.over_rows(step, [(query, 0)])
@@ -663,17 +687,14 @@ def _flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, g
         grad_out = jnp.zeros(out.shape, out.dtype)
     if grad_logsumexp is None:
         grad_logsumexp = jnp.zeros(logsumexp.shape, jnp.float32)
-    key_d, value_wp = att.key.astype(dtype), att.value.astype(wp)
     group = walk_plan(ctx.platform, att.B, att.H, att.M, att.N, block_mask)
     if group is not None:
         return _backward_by_walk(ctx, att, block_mask, group, diff, query, out, grad_out, logsumexp,
                                  grad_logsumexp)
+    key_d, value_wp = att.key.astype(dtype), att.value.astype(wp)
 
     def modded(s, rows, *diff_bufs):
-        bufs = list(att.score_bufs)
-        for i, b in zip(diff, diff_bufs):
-            bufs[i] = b
-        values, code = att.score(s, rows, *bufs)
+        values, code = att.score(s, rows, *att.with_buffers(diff, diff_bufs))
         return values.astype(wp), code
 
     def step(rows, q, o, go, lse, glse, carry):
@@ -696,7 +717,7 @@ def _flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, g
         grad_v = grad_v + att.cols_times(p.astype(dtype), go.astype(dtype))
         bufs = [a + g.astype(a.dtype) for a, g in zip(bufs, grad_bufs)]
         grad_q = att.rows_times(grad_s, key_d)
-        codes = jnp.stack([_first_code(mask_code), _first_code(score_code)])
+        codes = jnp.stack([mask_code, score_code])
         return (grad_k, grad_v, bufs), [grad_q, codes]
 
     kv_shape = (att.B, att.Hkv, att.N)
@@ -705,10 +726,7 @@ def _flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, g
     rows_in = [(query, 0), (out, 0), (grad_out, 0), (logsumexp, -jnp.inf), (grad_logsumexp, 0)]
     (grad_k, grad_v, bufs), (grad_q, codes) = att.over_rows(step, rows_in, carry)
     _record(ctx, [codes])
-    grads = [None] * len(ctx.out[3])
-    for i, g in zip(diff, bufs):
-        grads[i] = g
-    return grad_q, att.kv_grad(grad_k), att.kv_grad(grad_v), tuple(grads)
+    return grad_q, att.kv_grad(grad_k), att.kv_grad(grad_v), _buffer_grads(ctx, diff, bufs)
 
 
 def _backward_by_walk(ctx, att, block_mask, group, diff, query, out, grad_out, logsumexp, grad_logsumexp):
@@ -716,10 +734,7 @@ def _backward_by_walk(ctx, att, block_mask, group, diff, query, out, grad_out, l
     wp, B, Hkv, N = att.wp, att.B, att.Hkv, att.N
 
     def modded(grid, s, rows, cols, *diff_bufs):
-        bufs = list(att.score_bufs)
-        for i, b in zip(diff, diff_bufs):
-            bufs[i] = b
-        values, code = grid(s, rows, cols, *bufs)
+        values, code = grid(s, rows, cols, *att.with_buffers(diff, diff_bufs))
         return values.astype(wp), code
 
     lse = logsumexp.astype(wp) * jnp.asarray(LN2, wp)
@@ -731,7 +746,4 @@ def _backward_by_walk(ctx, att, block_mask, group, diff, query, out, grad_out, l
     grad_k, grad_v = grad_k[:, :, :N], grad_v[:, :, :N]
     if Hk != Hkv:  # a gradient per query head: summed over each kv head's group
         grad_k, grad_v = (g.reshape((B, Hkv, Hk // Hkv) + g.shape[2:]).sum(axis=2) for g in (grad_k, grad_v))
-    grads = [None] * len(ctx.out[3])
-    for i, g in zip(diff, bufs):
-        grads[i] = g
-    return grad_q, att.kv_grad(grad_k), att.kv_grad(grad_v), tuple(grads)
+    return grad_q, att.kv_grad(grad_k), att.kv_grad(grad_v), _buffer_grads(ctx, diff, bufs)
