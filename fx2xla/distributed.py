@@ -59,8 +59,9 @@ jax does, saying whether the coordinator address answered at all, with `EXIT_COD
 The watchdog finds process 0's port, and `barrier()` waits, through jax's client of its
 coordination service (`jax._src.distributed.global_state.client`, read in one function,
 `coordination_client`). FX2XLA_PUBLIC_DISTRIBUTED=1 uses public jax only: no watchdog (jax's
-heartbeat termination above is then the bound), and `barrier()` is a collective over every device
-(`multihost_utils.sync_global_devices`, bounded by the collective timeout).
+heartbeat termination above is then the bound), and `barrier()` is a gather over every device
+(`gather_from_processes`, bounded by the collective timeout), which returns once every local
+device's part has finished.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 
 from .errors import Fx2XlaError
 
@@ -270,9 +272,12 @@ def barrier(name: str, timeout_s: float = 300) -> None:
     timeout instead."""
     client = coordination_client()
     if client is None:
-        from jax.experimental import multihost_utils
+        import numpy as np
 
-        multihost_utils.sync_global_devices(name)
+        rows = gather_from_processes(np.array([zlib.crc32(name.encode())], np.uint32))
+        if (rows != rows[0]).any():
+            raise DistributedError(f"barrier {name!r}: the processes arrived at differently named barriers "
+                                   f"(name checksums by process: {rows[:, 0].tolist()})")
         return
     try:
         client.wait_at_barrier(f"fx2xla/barrier/{name}", max(1, int(timeout_s * 1000)))
@@ -318,15 +323,35 @@ def process_share() -> ProcessShare | None:
 
 
 def _broadcast_from_process_0(text: str | None) -> str:
-    """Public jax only: process 0's `text` in every process, by two collectives over every
-    device (its length, then its bytes). Every process calls it, in the same order."""
+    """Public jax only: process 0's `text` in every process, by two gathers over every device (its
+    length, then its bytes). Every process calls it, in the same order."""
     import numpy as np
-    from jax.experimental import multihost_utils
 
     data = np.frombuffer(text.encode(), np.uint8) if text is not None else np.zeros(0, np.uint8)
-    n = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int64)))
+    n = int(gather_from_processes(np.array([len(data)], np.int32))[0, 0])
     buf = data if text is not None else np.zeros(n, np.uint8)
-    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)).decode()
+    return bytes(gather_from_processes(buf)[0]).decode()
+
+
+def gather_from_processes(row):
+    """Every process's `row` (a numpy array of one shape in every process), stacked in process
+    order, by an all-gather over every device of the group (public jax only). Returns once every
+    local device's gather has finished (see `runtime.handoff.gather_whole`): jax's
+    `sync_global_devices` and `broadcast_one_to_all` do not wait for them."""
+    import jax
+    import numpy as np
+
+    from .runtime.handoff import gather_whole
+
+    row = np.asarray(row)
+    if jax.dtypes.canonicalize_dtype(row.dtype) != row.dtype:
+        raise ValueError(f"gather_from_processes: jax would narrow this {row.dtype} row to "
+                         f"{jax.dtypes.canonicalize_dtype(row.dtype)} (jax_enable_x64 is off); pass that dtype")
+    n, local = jax.process_count(), jax.local_device_count()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(n, local), ("processes", "local"))
+    stacked = jax.make_array_from_process_local_data(
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("processes")), row[None], (n, *row.shape))
+    return gather_whole(stacked)
 
 
 def coordination_client(public: bool | None = None):

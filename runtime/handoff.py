@@ -429,7 +429,32 @@ def gather_array(array, device) -> torch.Tensor:
     """The whole value of a global jax Array whose shards live in several processes (each holds
     its own devices'), as a torch tensor on `device`: a collective every process must take part
     in, in the same order."""
-    from jax.experimental import multihost_utils
-
-    whole = multihost_utils.process_allgather(array, tiled=True)
+    whole = gather_whole(array)
     return torch.from_numpy(whole if whole.flags.writeable else whole.copy()).to(device)
+
+
+def gather_whole(array):
+    """A global jax Array's whole value as a numpy array, by an all-gather over its devices that
+    has finished on every local device when this returns.
+
+    jax's `multihost_utils.process_allgather` reads the first local device's copy and leaves the
+    others' gathers running: a process could then reach its exit and tear down the coordination
+    service its peers' gloo still connects through, leaving a peer hung at exit in a gather
+    nobody joins. It stays the fallback for shardings without a mesh (fx2xla's are NamedShardings)."""
+    import jax
+    import numpy as np
+
+    sharding = array.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(array, tiled=True)
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(),
+                                            memory_kind=sharding.memory_kind)
+    out = jax.jit(_identity, out_shardings=replicated)(array)
+    out.block_until_ready()  # every local device's copy, so no gather outlives this call
+    return np.asarray(out.addressable_data(0))
+
+
+def _identity(x):
+    return x

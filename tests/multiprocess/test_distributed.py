@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,7 @@ def check_reduction(found: list):
         assert r["sum"] == r["expected"] == sum(range(64))
         assert "already initialized" in r["different_args"] and "local_device_count=4 (now 5)" in r["different_args"]
         assert r["private_client"] and not r["public_client"]
+        assert r["public_share"] == "from process 0"
 
 
 def test_a_hung_group_fails_with_its_stacks_and_leaves_no_process(tmp_path):
@@ -194,6 +196,11 @@ def test_a_hung_group_fails_with_its_stacks_and_leaves_no_process(tmp_path):
 
 
 def test_two_processes_one_global_mesh(tmp_path):
+    """Two processes join, see one global mesh, sum across it, and meet at barriers (private and
+    public) and share a text (public). The public barrier and share are gathers over every device:
+    each process's 4 devices join one 2-device gloo group with its peer in the other process. No
+    such group is still connecting once the process has printed its RESULT, which jax's own
+    multihost_utils did not ensure (a peer could exit first and leave the other hung at exit)."""
     port = free_port()
     group = Group(tmp_path, [explicit("reduce", port, i) for i in (0, 1)], clean_env())
     try:
@@ -201,6 +208,10 @@ def test_two_processes_one_global_mesh(tmp_path):
         outputs = [group.output(i) for i in (0, 1)]
         assert codes == [0, 0], outputs
         check_reduction([r for out, _ in outputs for r in results(out)])
+        for out, _ in outputs:
+            before, after = out.split("RESULT {", 1)
+            assert len(re.findall(r"\[Gloo\] Rank \d+ is connected to 1 peer ranks", before)) >= 4, out
+            assert "is connected to" not in after.split("\n", 1)[-1], out
     finally:
         group.kill_leftovers()
 
@@ -346,11 +357,21 @@ class FakeClient:
 
 
 def test_coordination_client_private_path_and_public_fallback(monkeypatch):
+    """barrier() waits at the coordination service's barrier through jax's private client, and
+    gathers a checksum of its name over every device in public mode (or where the client lacks
+    what it needs); names that differ between processes raise, naming the barrier."""
     from jax._src import distributed as jax_distributed
-    from jax.experimental import multihost_utils
+    import numpy as np
 
-    synced = []
-    monkeypatch.setattr(multihost_utils, "sync_global_devices", synced.append)
+    synced, processes = [], 1
+
+    def gather(row):
+        synced.append(int(row[0]))
+        rows = np.stack([row] * processes)
+        rows[1:] += np.uint32(1)  # the other processes' names differ
+        return rows
+
+    monkeypatch.setattr(distributed, "gather_from_processes", gather)
     monkeypatch.delenv("FX2XLA_PUBLIC_DISTRIBUTED", raising=False)
     fake = FakeClient()
     monkeypatch.setattr(jax_distributed.global_state, "client", fake)
@@ -362,12 +383,52 @@ def test_coordination_client_private_path_and_public_fallback(monkeypatch):
     assert distributed.coordination_client(public=True) is None
     monkeypatch.setenv("FX2XLA_PUBLIC_DISTRIBUTED", "1")
     distributed.barrier("step", timeout_s=1.5)
-    assert synced == ["step"] and len(fake.barriers) == 1
+    assert synced == [zlib.crc32(b"step")] and len(fake.barriers) == 1
+    processes = 2
+    with pytest.raises(distributed.DistributedError, match="barrier 'step': the processes arrived at differently named"):
+        distributed.barrier("step")
 
     # A jax whose client lacks what this module calls: the public path, not an AttributeError.
     monkeypatch.delenv("FX2XLA_PUBLIC_DISTRIBUTED")
     monkeypatch.setattr(jax_distributed.global_state, "client", object())
     assert distributed.coordination_client() is None
+
+
+def test_gather_from_processes_in_one_process():
+    """One process of 8 CPU devices (the suite's): every device takes part, and the result is
+    this process's row, stacked, in its dtype and shape (0-d, empty and text rows included). A
+    dtype jax would narrow (int64 without x64) is refused rather than truncated."""
+    import numpy as np
+
+    for row in (np.arange(6, dtype=np.int32).reshape(2, 3), np.array(7, np.uint32), np.zeros(0, np.uint8),
+                np.frombuffer("ünï".encode(), np.uint8)):
+        out = distributed.gather_from_processes(row)
+        assert out.dtype == row.dtype and out.shape == (1, *row.shape)
+        np.testing.assert_array_equal(out[0], row)
+    assert distributed.ProcessShare(0, None)("k", "from process 0 ✓") == "from process 0 ✓"
+    with pytest.raises(ValueError, match="would narrow this int64 row to int32"):
+        distributed.gather_from_processes(np.arange(3))
+
+
+def test_gather_whole_named_and_other_shardings():
+    """runtime.handoff.gather_whole: a mesh-sharded array (split over a 2x4 mesh, bf16 and int32)
+    by fx2xla's own replicating gather, another sharding by jax's process_allgather; both give
+    the array's whole value exactly."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fx2xla.runtime.handoff import gather_whole
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    for dtype in (jnp.bfloat16, jnp.int32):
+        value = np.arange(8 * 12).reshape(8, 12).astype(dtype)
+        split = jax.device_put(value, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b")))
+        whole = gather_whole(split)
+        assert whole.dtype == value.dtype and whole.shape == value.shape
+        np.testing.assert_array_equal(whole, value)
+    single = jax.device_put(np.arange(5, dtype=np.float32), jax.devices()[3])
+    np.testing.assert_array_equal(gather_whole(single), np.arange(5, dtype=np.float32))
 
 
 def torch_distributed_available() -> bool:

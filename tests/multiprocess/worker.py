@@ -1,7 +1,7 @@
 """One process of a test group, run by test_distributed.py: `worker.py MODE [options]`.
 
-Modes: `reduce` (join, check the global mesh, a cross-process sum, barriers; prints a RESULT
-line of JSON), `kill` (join, then loop on a cross-process sum; process --victim SIGKILLs itself
+Modes: `reduce` (join, check the global mesh, a cross-process sum, barriers, process 0's text
+shared in public mode; prints a RESULT line of JSON, its last collective done), `kill` (join, then loop on a cross-process sum; process --victim SIGKILLs itself
 after --iterations), `join` (join a group whose other process never comes), `raise` (join, meet
 at a barrier; then process 0's program ends on the jax runtime error a collective raises when
 its peer is killed, and process 1 SIGKILLs itself 0.2 s later: the error comes first, as a
@@ -79,6 +79,7 @@ def main():
     os.environ["FX2XLA_PUBLIC_DISTRIBUTED"] = "1"
     result["public_client"] = distributed.coordination_client() is not None
     distributed.barrier("public", timeout_s=30)
+    result["public_share"] = distributed.ProcessShare(me, None)("greeting", "from process 0" if me == 0 else None)
     del os.environ["FX2XLA_PUBLIC_DISTRIBUTED"]
     # One write: the other process and Gloo's C++ logging may share this stdout (under torchrun).
     os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
