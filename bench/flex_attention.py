@@ -18,7 +18,9 @@ a training loop runs it.
 Per contender: the first call, and bench/gpu.py's three figures (synced wall, queued wall,
 kernel time on CUDA), medians of interleaved rounds, with ratios fx2xla / eager and fx2xla /
 Inductor; fx2xla's and Inductor's largest difference from eager's output (inference) or
-gradients (training). Raw numbers go to --out (bench/results/flex_attention.json).
+gradients (training), and every contender's from a float64 truth (eager's dense path on float64
+copies of q, k and v, where the phase has at most 2^27 scores), which says which side of a
+difference from eager is off. Raw numbers go to --out (bench/results/flex_attention.json).
 """
 from __future__ import annotations
 
@@ -95,6 +97,28 @@ def lift_cpu_refusal() -> None:
     flex_module._validate_device = lambda *args, **kwargs: None
 
 
+# Scores in a phase's float64 truth at most (1 GiB of them): larger phases go without.
+TRUTH_MAX_SCORES = 1 << 27
+
+
+def float64_truth(fn, q, k, v, train: bool):
+    """eager's dense path on float64 copies of q, k and v: its output, or in training the
+    gradients of the loss to q, k and v."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(train) for t in (q, k, v))
+    out = fn(q64, k64, v64)
+    if not train:
+        return [out.detach()]
+    out.backward()
+    return [t.grad.detach() for t in (q64, k64, v64)]
+
+
+def max_rel_err(result, ref) -> float:
+    """The largest |result - ref| over the tensors, relative to the largest |ref| (in float64)."""
+    err = max(float((x.double() - y.double()).abs().max()) for x, y in zip(result, ref))
+    scale = max(float(y.double().abs().max()) for y in ref)
+    return err / scale if scale else err
+
+
 def phase(mask_name: str, seq: int, train: bool, a, device, dtype, sync) -> dict:
     # Each phase compiles afresh: its first calls are true first calls, and the phases' masks
     # (new mask_mod functions, new shapes) do not pile up recompilations of one `fn` past
@@ -109,7 +133,9 @@ def phase(mask_name: str, seq: int, train: bool, a, device, dtype, sync) -> dict
     res: dict = {"mask": mask_name, "seq": seq, "train": train, "sparsity_percent": block_mask.sparsity(),
                  "contenders": {}}
     errors: dict = {}
-    fns, ref = {}, None
+    fns, ref, truth = {}, None, None
+    if a.batch * a.heads * seq * seq <= TRUTH_MAX_SCORES:
+        truth = float64_truth(fn, q, k, v, train)
 
     def grads():
         return [t.grad.detach().clone() for t in (q, k, v)]
@@ -121,13 +147,15 @@ def phase(mask_name: str, seq: int, train: bool, a, device, dtype, sync) -> dict
             out = gpu.first_call(c, call, sync, res, errors)
             if out is None:
                 continue
-            result = grads() if train else [out.detach()]
+            result = grads() if train else [out.detach().clone()]  # a copy: nothing later can write it
+            if truth is not None:
+                res[f"{c}_max_rel_err_f64"] = max_rel_err(result, truth)
+                gpu.log(f"  {c} vs float64: max|err| relative to max|truth| {res[f'{c}_max_rel_err_f64']:.2e}")
             if c == "eager":
                 ref = result
             elif ref is not None:
                 err = max(gpu.max_abs(x, y)[0] for x, y in zip(result, ref))
-                scale = max(float(y.float().abs().max()) for y in ref)
-                res[f"{c}_max_abs_err"], res[f"{c}_max_rel_err"] = err, err / scale if scale else err
+                res[f"{c}_max_abs_err"], res[f"{c}_max_rel_err"] = err, max_rel_err(result, ref)
                 gpu.log(f"  {c} vs eager: max|err| {err:.2e} (relative to max|eager| {res[f'{c}_max_rel_err']:.2e})")
             if gpu.warm(c, call, sync, res, errors):
                 fns[c] = call

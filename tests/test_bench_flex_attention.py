@@ -1,6 +1,7 @@
 """bench/flex_attention.py runs end to end on the CPU with a small configuration: eager's and
 fx2xla's first calls, the wall-time figures (positive, finite; no kernel time off CUDA), the
 ratios, fx2xla's output within float32 rounding of eager's (relative 1e-5 of its largest value),
+and eager's and fx2xla's of a float64 truth (the same bound, and not 0: the truth is float64),
 nothing compiled while timing, in every phase (two masks, two lengths; each phase compiles
 afresh, so Dynamo's recompile limit, even at 1, is never reached); training phases are refused
 on the CPU with a clear message unless `--cpu-training` lifts torch's refusal."""
@@ -42,6 +43,8 @@ def test_flex_attention_bench_runs_on_cpu(tmp_path):
                 assert isinstance(c[fig], float) and math.isfinite(c[fig]) and c[fig] > 0, (key, name, fig, c)
             assert c["kernel_s"] is None
         assert phase["fx2xla_max_rel_err"] < 1e-5, (key, phase)
+        for name in ("eager", "fx2xla"):  # both within float32 rounding of the float64 truth
+            assert 0 < phase[f"{name}_max_rel_err_f64"] < 1e-5, (key, name, phase)
         assert phase["fx2xla_graphs_compiled_while_timing"] == 0, key
         assert phase["ratios"]["fx2xla/eager"]["synced"] > 0, key
         assert f"== {key}" in proc.stdout
@@ -60,7 +63,7 @@ def test_flex_attention_bench_trains_on_cpu_with_the_refusal_lifted(tmp_path):
     training phase (the compiled loss, its backward outside the compiled function) runs for eager
     and fx2xla, each with a first step and timed ones, nothing compiles while timing, and
     fx2xla's gradients of q, k and v are within float32 rounding of eager's (relative 1e-5 of
-    the largest)."""
+    the largest), and eager's and fx2xla's of the float64 truth's."""
     out = tmp_path / "train.json"
     args = [str(BENCH), "--device", "cpu", "--modes", "train", "--cpu-training", "--seqs", "384",
             "--heads", "4", "--kv-heads", "2", "--dim", "16", "--masks", "causal", "--contenders", "eager,fx2xla",
@@ -75,3 +78,5 @@ def test_flex_attention_bench_trains_on_cpu_with_the_refusal_lifted(tmp_path):
         assert all(math.isfinite(c[f]) and c[f] > 0 for f in ("first_s", "synced_s", "queued_s")), (name, c)
     assert res["fx2xla_graphs_compiled_while_timing"] == 0
     assert res["fx2xla_max_rel_err"] < 1e-5, res
+    for name in ("eager", "fx2xla"):  # gradients within float32 rounding of the float64 truth's
+        assert 0 < res[f"{name}_max_rel_err_f64"] < 1e-5, (name, res)

@@ -209,9 +209,11 @@ def test_two_processes_one_global_mesh(tmp_path):
         assert codes == [0, 0], outputs
         check_reduction([r for out, _ in outputs for r in results(out)])
         for out, _ in outputs:
+            # Gloo logs one "[Gloo] Rank r is connected to p peer ranks ..." line per group joined,
+            # in pieces that threads joining at once interleave: count the tags. 4 groups of 8
+            # devices (the sum) and 4 of 2 (the public gathers), all before the RESULT line.
             before, after = out.split("RESULT {", 1)
-            assert len(re.findall(r"\[Gloo\] Rank \d+ is connected to 1 peer ranks", before)) >= 4, out
-            assert "is connected to" not in after.split("\n", 1)[-1], out
+            assert before.count("[Gloo]") >= 8 and "[Gloo]" not in after, out
     finally:
         group.kill_leftovers()
 
