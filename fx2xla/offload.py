@@ -37,6 +37,7 @@ from .errors import Fx2XlaError
 from .metrics import is_compiled_graph, live_graphs
 from .plan import input_mutations
 from .runtime.executor import optimized_hlo_text
+from .runtime.handoff import numpy_to_torch
 from .sharding import fmt_bytes, mesh_by_id, per_device_bytes
 
 # The memory kind host-offloaded values live in: jax's `jax.memory.Space.Host`, on accelerators
@@ -252,16 +253,6 @@ def host_sharding(plan):
     return SingleDeviceSharding(plan.device.jax_device, memory_kind=HOST_KIND)
 
 
-def _copied_to_torch(a) -> torch.Tensor:
-    """A host-memory jax Array's values as a CPU torch tensor (a copy): where DLPack refuses it."""
-    import numpy as np
-
-    host = np.asarray(a)
-    if host.dtype.name == "bfloat16":
-        return torch.from_numpy(host.view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.array(host, copy=True))
-
-
 def host_export(export):
     """`export` for a result left in host memory: zero-copy through DLPack where the runtime
     allows it (the CPU client), else a copy into a CPU tensor (the values are what torch needs;
@@ -274,7 +265,7 @@ def host_export(export):
                 return export(a)
             except Exception:  # noqa: BLE001  (a runtime whose DLPack has no host memory)
                 refused.append(True)
-        return _copied_to_torch(a)
+        return numpy_to_torch(a)  # a copy: where DLPack refuses a host-memory Array
 
     return export_host
 

@@ -429,8 +429,23 @@ def gather_array(array, device) -> torch.Tensor:
     """The whole value of a global jax Array whose shards live in several processes (each holds
     its own devices'), as a torch tensor on `device`: a collective every process must take part
     in, in the same order."""
-    whole = gather_whole(array)
-    return torch.from_numpy(whole if whole.flags.writeable else whole.copy()).to(device)
+    return numpy_to_torch(gather_whole(array)).to(device)
+
+
+# ml_dtypes' types that torch.from_numpy refuses, by name: torch's dtype of the same bits.
+_VIEWED_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def numpy_to_torch(a) -> torch.Tensor:
+    """A copy of numpy array `a` as a CPU torch tensor, bf16 and float8 included (torch.from_numpy
+    refuses ml_dtypes' types: their bits go over as unsigned integers of the same width)."""
+    import numpy as np
+
+    a = np.asarray(a)
+    viewed = _VIEWED_DTYPES.get(a.dtype.name)
+    if viewed is not None:
+        return torch.from_numpy(a.view(np.dtype(f"uint{8 * a.dtype.itemsize}")).copy()).view(viewed)
+    return torch.from_numpy(np.array(a, copy=True))
 
 
 def gather_whole(array):

@@ -433,6 +433,37 @@ def test_gather_whole_named_and_other_shardings():
     np.testing.assert_array_equal(gather_whole(single), np.arange(5, dtype=np.float32))
 
 
+def test_gathered_arrays_become_torch_tensors_in_every_dtype():
+    """runtime.handoff.gather_array (a sharded output made whole) and numpy_to_torch: bf16 and
+    float8 too, which torch.from_numpy refuses, bit for bit; 0-d, empty, non-contiguous and int64
+    values; the tensor is a copy (writing it leaves the source alone)."""
+    import jax
+    import ml_dtypes
+    import numpy as np
+    import torch
+
+    from fx2xla.runtime.handoff import gather_array, numpy_to_torch
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    value = torch.randn(8, 12).to(torch.bfloat16)
+    split = jax.device_put(value.float().numpy().astype(ml_dtypes.bfloat16),
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b")))
+    whole = gather_array(split, torch.device("cpu"))
+    assert whole.dtype == torch.bfloat16 and torch.equal(whole, value)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        t = torch.randn(3, 4).to(dtype)
+        source = np.asarray(jax.numpy.asarray(t.float().numpy()).astype(jax.numpy.dtype(str(dtype).removeprefix("torch."))))
+        back = numpy_to_torch(source)
+        assert back.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8)), dtype
+    source = np.arange(12, dtype=np.int64).reshape(3, 4).T
+    for a in (source, np.array(7, np.int64), np.zeros((0, 3), np.float32)):
+        t = numpy_to_torch(a)
+        assert t.shape == a.shape and t.dtype == torch.from_numpy(np.ascontiguousarray(a)).dtype
+        np.testing.assert_array_equal(t.numpy(), a)
+    numpy_to_torch(source)[0, 0] = 100
+    assert source[0, 0] == 0
+
+
 def torch_distributed_available() -> bool:
     import torch.distributed
 
