@@ -19,6 +19,7 @@ prescribes (jax's own `from_dlpack` / `torch.from_dlpack` do the same):
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
 import time
@@ -466,9 +467,18 @@ def gather_whole(array):
         return multihost_utils.process_allgather(array, tiled=True)
     replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(),
                                             memory_kind=sharding.memory_kind)
-    out = jax.jit(_identity, out_shardings=replicated)(array)
+    out = _replicator(replicated)(array)
     out.block_until_ready()  # every local device's copy, so no gather outlives this call
     return np.asarray(out.addressable_data(0))
+
+
+@functools.lru_cache(maxsize=64)
+def _replicator(replicated):
+    """One jitted identity per target sharding: a gather of every call's sharded output reuses
+    it rather than wrapping a new function each time."""
+    import jax
+
+    return jax.jit(_identity, out_shardings=replicated)
 
 
 def _identity(x):
