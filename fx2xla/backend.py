@@ -8,6 +8,7 @@ the `device_index` option override it).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import os
 import re
@@ -101,7 +102,9 @@ def _check_options(options: dict | None) -> dict:
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ValueError(f"fx2xla: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
+        guesses = {u: difflib.get_close_matches(u, OPTIONS, n=1) for u in unknown}
+        hint = "".join(f" (did you mean {g[0]!r} for {u!r}?)" for u, g in guesses.items() if g)
+        raise ValueError(f"fx2xla: unknown option(s) {unknown}{hint}; known: {sorted(OPTIONS)}")
     opts = {k: options.get(k, d) for k, (d, _) in OPTIONS.items()}
     opts["torch_kernels"] = torch_kernels.kinds(opts["torch_kernels"])  # a ValueError names a bad kind
     for name in ("channels_last", "attention_op", "merge_linears", "linear_weight_lhs"):

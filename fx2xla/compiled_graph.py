@@ -244,6 +244,11 @@ class CompiledGraph:
             for i, a in enumerate(args)
         )
 
+    def specializations(self) -> list[Specialization]:
+        """The executables compiled so far: the static one, or one per concrete shape a dynamic
+        graph was called with."""
+        return [self.static] if self.static is not None else list(self._specializations.values())
+
     def specialization_for(self, args) -> Specialization:
         """The executable for `args`' concrete shapes (compiled at the first call with them)."""
         key = self._signature(args)

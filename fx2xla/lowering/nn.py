@@ -1122,19 +1122,37 @@ def _check_no_dropout(dropout_p):
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
-def _unrepeated(ctx, i: int, value):
-    """Attention's key or value (node arg `i`) without the model's own grouped-query repeat, or
-    `value` itself. A repeat `x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)`
-    (transformers' repeat_kv; the clone is the reshape's copy) gives each of kv heads n query
-    heads in a row, which is how the rule (`_sdpa`) pairs query heads with fewer kv heads: it
-    then reads x once per group instead of a copy of x per query head."""
-    src = _unrepeated_node(ctx, i)
-    return value if src is None else ctx.values[src]
+def _unrepeated_kv(ctx, k, v):
+    """Attention's key and value (node args 1 and 2) without the model's own grouped-query
+    repeat, both or neither: (k, v) as given where either is not such a repeat, or where their
+    sources' head counts differ. A repeat `x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n,
+    s, d)` (transformers' repeat_kv; the clone is the reshape's copy) gives each of kv heads n
+    query heads in a row, which is how the rules (`_sdpa`) pair query heads with fewer kv heads:
+    they then read x once per group instead of a copy of x per query head. They take the group
+    size from k's heads, so v must come with as many."""
+    k_src, v_src = _unrepeated_node(ctx, 1), _unrepeated_node(ctx, 2)
+    if k_src is None or v_src is None:
+        return k, v
+    k_kv, v_kv = ctx.values[k_src], ctx.values[v_src]
+    if k_kv.shape[1] != v_kv.shape[1]:
+        return k, v
+    return k_kv, v_kv
+
+
+def _full_slice(node) -> bool:
+    """Whether `node` is a slice that keeps all of its input (`x[:, :, None, :, :]` traces one
+    over the new dim's neighbour once a size is dynamic)."""
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.slice.Tensor and isinstance(node.args[0], torch.fx.Node)):
+        return False
+    before, after = node.args[0].meta.get("val"), node.meta.get("val")
+    step = node.args[4] if len(node.args) > 4 else 1
+    return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and step == 1
+            and tuple(map(str, before.shape)) == tuple(map(str, after.shape)))
 
 
 def _unrepeated_node(ctx, i: int):
     """The node attention's key or value (node arg `i`) repeats for grouped-query attention,
-    as `_unrepeated` finds it, or None."""
+    as `_unrepeated_kv` finds it, or None."""
     node = ctx.node.args[i]
     if ctx.values is None or not isinstance(node, torch.fx.Node) or node.target not in _VIEWS:
         return None
@@ -1144,6 +1162,8 @@ def _unrepeated_node(ctx, i: int):
     if not (isinstance(inner, torch.fx.Node) and inner.target is aten.expand.default):
         return None
     unsq = inner.args[0]
+    while _full_slice(unsq):
+        unsq = unsq.args[0]
     if not (isinstance(unsq, torch.fx.Node) and unsq.target is aten.unsqueeze.default and unsq.args[1] in (2, -3)):
         return None
     src = unsq.args[0]
@@ -1274,7 +1294,7 @@ def _decode_attention(ctx, q, k, v, attn_mask, is_causal, scale):
     neither bool nor float32 or does not broadcast to the scores."""
     if ctx.spmd or ctx.platform != "cpu" or not torch_kernels.available("decode_attention"):
         return None
-    k, v = _unrepeated(ctx, 1, k), _unrepeated(ctx, 2, v)
+    k, v = _unrepeated_kv(ctx, k, v)
     if any(a.ndim != 4 or a.dtype != jnp.float32 for a in (q, k, v)):
         return None
     if not all(isinstance(d, int) and d > 0 for a in (q, k, v) for d in a.shape):
@@ -1313,7 +1333,7 @@ def _sdpa_flash_cpu(ctx, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=N
         done = _decode_attention(ctx, q, k, v, attn_mask, is_causal, scale)
     if done is not None:
         return done
-    return _sdpa(q, _unrepeated(ctx, 1, k), _unrepeated(ctx, 2, v), attn_mask, is_causal, scale)
+    return _sdpa(q, *_unrepeated_kv(ctx, k, v), attn_mask, is_causal, scale)
 
 
 @register_lowering(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)

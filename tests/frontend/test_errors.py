@@ -51,8 +51,14 @@ def test_failing_rule_names_op_and_source_line():
 
 
 def test_unknown_option_is_rejected():
+    """An unknown option raises, naming it; a misspelt one also names the option meant."""
     compiled = torch.compile(lambda x: x + 1, backend="fx2xla", options={"no_such_option": 1})
-    with pytest.raises(Exception, match="unknown option.*no_such_option"):
+    with pytest.raises(Exception, match="unknown option.*no_such_option") as info:
+        compiled(torch.randn(2))
+    assert "did you mean" not in str(info.value)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x + 1, backend="fx2xla", options={"scan_foldng": True})
+    with pytest.raises(Exception, match="did you mean 'scan_folding' for 'scan_foldng'"):
         compiled(torch.randn(2))
 
 

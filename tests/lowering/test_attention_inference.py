@@ -11,6 +11,8 @@ outputs against a float64 eager copy, within 4x eager's own bfloat16 error and a
 - a model's own interleaving repeat of K and V leaves no repeated copy in XLA's optimized
   program, while a tiling repeat (`Tensor.repeat`, which pairs heads differently) is kept and
   still matches eager;
+- with only one of K and V repeated, neither is read in place and the result matches eager; a
+  repeat traced through a slice that keeps everything (a dynamic length) is still read in place;
 - a training graph keeps torch's decomposition, and its gradients match eager's;
 - a transformers LLaMA (grouped-query attention) decodes the same tokens as eager with a
   static cache, and an 8-layer one folded into a loop keeps the op inside the loop's body;
@@ -144,6 +146,49 @@ def test_interleaving_repeat_is_read_in_place_and_tiling_repeat_is_kept():
         out, graphs = compiled_graphs(tiled, q, k, v)
         assert_matches_eager(tiled, (q, k, v), out)
         assert not torch.allclose(out, interleaved(q, k, v))  # the two pairings differ
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("repeated", ["key", "value"])
+def test_one_repeated_operand_matches_eager(rows, repeated):
+    """Only one of K and V repeated by the model (the other given with every query head): the
+    rule reads neither in place, as their head counts must agree, and matches eager, for a
+    decode step's one query row and for 40 rows (torch's kernel's threshold)."""
+    q, kv2, _ = qkv(lq=rows)
+    full = torch.randn(2, 4, 7, 8, generator=torch.Generator().manual_seed(5))
+
+    def fn(q, kv2, full):
+        k, v = (repeat_kv(kv2, 2), full) if repeated == "key" else (full, repeat_kv(kv2, 2))
+        return F.scaled_dot_product_attention(q, k, v)
+
+    with torch.no_grad():
+        out, graphs = compiled_graphs(fn, q, kv2, full)
+    assert FLASH in targets(graphs[0])
+    assert_matches_eager(fn, (q, kv2, full), out)
+
+
+def test_repeat_through_a_dynamic_slice_is_read_in_place():
+    """transformers' repeat_kv on a value whose length is dynamic (a cache Dynamo saw at other
+    lengths) traces a slice that keeps everything between the unsqueeze and the expand: both K
+    and V are still read in place (no 5-d broadcast in XLA's program), and the step matches
+    eager at two lengths."""
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fx2xla")
+    before = {id(g) for g in live_graphs}
+    with torch.no_grad():
+        for length in (7, 11):
+            q, k, v = qkv(lq=1, lk=length, seed=length)
+            torch._dynamo.mark_dynamic(v, 2)
+            assert_matches_eager(fn, (q, k, v), compiled(q, k, v))
+    graphs = [g for g in live_graphs if id(g) not in before]
+    slices = [n for g in graphs for n in g.gm.graph.nodes if n.target is aten.slice.Tensor]
+    assert slices, "the traced repeat no longer slices: this test no longer covers the case"
+    hlo = "".join(optimized_hlo_text(spec.exe) for g in graphs for spec in g.specializations())
+    assert "f32[2,2,11,8]" in hlo, hlo  # the pattern below can match
+    assert not _broadcasts_to(hlo, (2, 2, 2, 11, 8)), hlo
 
 
 def test_training_graph_keeps_decomposition_and_grads_match():
