@@ -41,11 +41,10 @@ torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 # Training steps whose parameters and moments XLA writes in place (runtime/inplace.py): at exit
 # they are torch views that hold XLA's buffers.
 _TRAIN_CHILD = """
-import copy, torch
+import copy, sys, torch
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 16))
-ref = copy.deepcopy(model)
-again = copy.deepcopy(model)
+start = copy.deepcopy(model)
 x = torch.randn(8, 64)
 def train(m, backend):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -56,17 +55,27 @@ def train(m, backend):
         step()
         opt.zero_grad()
     return opt
+def eager():
+    m = copy.deepcopy(start)
+    train(m, None)
+    return [p.detach() for p in m.parameters()]
+def same(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a, b))
 opt = train(model, "fx2xla")
-train(ref, None)
-try:
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
-except AssertionError as e:
-    # Seen once in CI (2.2e-5 on one element, 2026-11-29), never in 44 runs alone: say which
-    # side moved, eager against itself from the same start or fx2xla against eager.
-    train(again, None)
-    same = all(torch.equal(a, b) for a, b in zip(again.parameters(), ref.parameters()))
-    raise AssertionError(f"{e}; eager trained again gives its first bits: {same}") from None
+# Eager's own reference, confirmed by a second run from the same start (a third where they
+# differ): about one process in a hundred, under load, the first eager AdamW step computes
+# exp_avg_sq.sqrt() (MKL's vector sqrt, two threads of 4096 elements) on one thread to about 12
+# bits, and a rerun gives the right values (docs/testing.md, "Eager's own glitch").
+ref, again = eager(), eager()
+if not same(ref, again):
+    third = eager()
+    confirmed = [r for r in (ref, again) if same(r, third)]
+    print(f"eager disagreed with itself; a third run agrees with {len(confirmed)} of the two", file=sys.stderr)
+    if not confirmed:
+        raise AssertionError("eager gave three different results from the same start")
+    ref = confirmed[0]
+for p, q in zip(model.parameters(), ref):
+    torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 """
 
 
@@ -116,7 +125,8 @@ def test_processes_that_compile_exit_cleanly(tmp_path):
 def test_processes_that_train_in_place_exit_cleanly(tmp_path):
     """Processes whose parameters and AdamW moments XLA wrote in place (torch views holding
     XLA's buffers when the interpreter finalizes) exit with 0, their parameters matching
-    eager's after 3 steps."""
+    eager's after 3 steps (f32 rtol 1e-4 / atol 1e-5), eager's confirmed by a second eager run
+    from the same start."""
     env = dict(os.environ, FX2XLA_CACHE_DIR=str(tmp_path / "cache"))
     _assert_all_exit_cleanly(_run_children([(_TRAIN_CHILD,)] * _RUNS, env))
 
