@@ -51,7 +51,10 @@ that a step's few-row matmuls hand their parts to the kernel library's helper th
 the same program. `--park-region` adds "fx2xla:park-region": fx2xla parking torch's spinning
 OpenMP workers inside a parallel region of their team (torch_kernels.park_signals(False), the
 way before parking by signal) for each of its calls; its end waits for a worker's wake-up and
-leaves the worker spinning again, so the next step parks it again.
+leaves the worker spinning again, so the next step parks it again. `--split-sleep` adds
+"fx2xla:split-sleep": fx2xla with the kernel library's split matmuls sleeping at once until the
+parts other threads run are done (torch_kernels.split_spin(False)), where by default the caller
+polls for up to twice its own parts' time first.
 
 `--split` also takes fx2xla's step apart at each batch size: per step, fx2xla's graph (its
 `CompiledGraph` call) and, inside it, the executable's launch through the export of its results;
@@ -115,7 +118,8 @@ def contenders(args) -> tuple:
             + (("fx2xla:no-decode-attention",) if args.no_decode_attention else ())
             + (("fx2xla:helpers",) if args.helpers else ())
             + (("fx2xla:xla-attention",) if args.xla_attention else ())
-            + (("fx2xla:park-region",) if args.park_region else ()))
+            + (("fx2xla:park-region",) if args.park_region else ())
+            + (("fx2xla:split-sleep",) if args.split_sleep else ()))
 
 
 _step_times: dict = {}  # id(model) -> seconds of each compiled decode step it ran
@@ -178,6 +182,12 @@ def make_generate(model, name: str, ids, new_tokens: int, max_cache_len: int | N
                 return generate(**extra)
 
         return generate_region
+    if name == "fx2xla:split-sleep":
+        def generate_sleeping(**extra):
+            with fx2xla.torch_kernels.split_spin(False):
+                return generate(**extra)
+
+        return generate_sleeping
     return generate
 
 
@@ -379,6 +389,10 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_park_region_tokens_per_s"] = med["fx2xla:park-region"] / med["fx2xla"]
         res["fx2xla_vs_park_region_cpu"] = cmed["fx2xla:park-region"] / cmed["fx2xla"]
         res["fx2xla_vs_park_region_step"] = smed["fx2xla"] / smed["fx2xla:park-region"]
+    if "fx2xla:split-sleep" in med:
+        res["fx2xla_vs_split_sleep_tokens_per_s"] = med["fx2xla:split-sleep"] / med["fx2xla"]
+        res["fx2xla_vs_split_sleep_cpu"] = cmed["fx2xla:split-sleep"] / cmed["fx2xla"]
+        res["fx2xla_vs_split_sleep_step"] = smed["fx2xla"] / smed["fx2xla:split-sleep"]
     if split is not None:
         split.close()
         res["split"] = step_split(res, med, graph_steps, launch_steps, weight_read_s(models["fx2xla"]), args)
@@ -426,6 +440,9 @@ def main() -> None:
     p.add_argument("--park-region", action="store_true",
                    help="also time fx2xla parking torch's workers in a parallel region instead of by signal "
                         "(torch_kernels.park_signals(False))")
+    p.add_argument("--split-sleep", action="store_true",
+                   help="also time fx2xla with split matmuls sleeping at once for their other parts "
+                        "(torch_kernels.split_spin(False))")
     p.add_argument("--no-few-rows", action="store_true",
                    help="also time fx2xla without its few-row float32 matmul kernel")
     p.add_argument("--helpers", action="store_true",
@@ -511,6 +528,10 @@ def main() -> None:
             print(f"      fx2xla ÷ fx2xla:park-region tokens/s {r['fx2xla_vs_park_region_tokens_per_s']:.3f}"
                   f" (cpu time: {r['fx2xla_vs_park_region_cpu']:.3f}); step time "
                   f"{r['fx2xla_vs_park_region_step']:.3f}")
+        if "fx2xla_vs_split_sleep_tokens_per_s" in r:
+            print(f"      fx2xla ÷ fx2xla:split-sleep tokens/s {r['fx2xla_vs_split_sleep_tokens_per_s']:.3f}"
+                  f" (cpu time: {r['fx2xla_vs_split_sleep_cpu']:.3f}); step time "
+                  f"{r['fx2xla_vs_split_sleep_step']:.3f}")
     results["load_after"] = load()
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")

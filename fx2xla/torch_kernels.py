@@ -293,6 +293,9 @@ def _load() -> tuple[bool, str]:
         for name in TARGETS:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
         lib.fx2xla_torch_kernels_set_slicing.argtypes = [ctypes.c_int]
+        lib.fx2xla_set_split_spin.argtypes = [ctypes.c_int]
+        lib.fx2xla_split_waits.argtypes = [ctypes.POINTER(ctypes.c_int64)] * 3
+        lib.fx2xla_split_waits.restype = None
         lib.fx2xla_torch_kernels_sliced_calls.restype = ctypes.c_int64
         lib.fx2xla_split_parts.argtypes = [ctypes.POINTER(ctypes.c_int64)] * 2
         lib.fx2xla_split_parts.restype = None
@@ -724,6 +727,34 @@ def split_parts() -> dict:
     parts, elsewhere = ctypes.c_int64(), ctypes.c_int64()
     _lib.fx2xla_split_parts(ctypes.byref(parts), ctypes.byref(elsewhere))
     return {"parts": parts.value, "elsewhere": elsewhere.value}
+
+
+def set_split_spin(on: bool) -> bool:
+    """Process-wide: whether a handler that split its work into short parts (100 us or less on
+    average) polls for the parts other threads still run, for up to twice a part's time, before
+    it sleeps (the default; waking from the sleep cost about 40 us per split on a 2-vCPU VM, more
+    than such a part). Results are the same either way. Returns the previous setting (True where
+    the library is not loaded)."""
+    if not load()[0]:
+        return True
+    return bool(_lib.fx2xla_set_split_spin(int(bool(on))))
+
+
+def split_waits() -> dict:
+    """Of every split the handlers made in this process: how many callers, out of parts to
+    claim, waited for parts other threads still ran (`waits`), how many of those polled for them
+    (`polled`: split_spin on, short parts), and how many saw them end while polling (`polled_out`,
+    no sleep). Zeros where the library is not loaded."""
+    if not load()[0]:
+        return {"waits": 0, "polled": 0, "polled_out": 0}
+    counts = [ctypes.c_int64() for _ in range(3)]
+    _lib.fx2xla_split_waits(*(ctypes.byref(c) for c in counts))
+    return dict(zip(("waits", "polled", "polled_out"), (c.value for c in counts)))
+
+
+def split_spin(on: bool):
+    """`set_split_spin(on)` for the block, then the previous setting back (process-wide)."""
+    return _scoped(set_split_spin, on)
 
 
 def batch_slicing(on: bool):

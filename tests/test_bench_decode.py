@@ -1,5 +1,5 @@
 """bench/decode.py runs on the CPU with `--split` (a 1-layer, 64-wide LLaMA, batch 1, 4 new
-tokens; and `--helpers` at batch 2): every contender's generated ids equal eager's and its logits
+tokens; and `--helpers --split-sleep` at batch 2): every contender's generated ids equal eager's and its logits
 are within float32 tolerance of eager's (max |err| ≤ 1e-4 for logits of scale ~1); the split timed fx2xla's graph
 and its launch once per decode step of every timed call (3 steps: the prompt's call is eager),
 the graph holds the launch and the rest of the token lies outside it; and XLA's weight read counts the model's parameters' bytes, with positive
@@ -30,14 +30,19 @@ def test_decode_bench_split_runs_on_cpu(tmp_path):
 
 
 def test_decode_bench_helpers_contender(tmp_path):
-    """`--helpers` at batch 2 (few-row matmuls): fx2xla with the helper threads runs beside the
-    others, its ids equal eager's, its logits are within 1e-4 of eager's, and the run reports it
-    against fx2xla (positive ratios of tokens/s, CPU time and step time)."""
+    """`--helpers --split-sleep` at batch 2 (few-row matmuls): fx2xla with the helper threads and
+    fx2xla with split waits slept at once run beside the others, their ids equal eager's, their
+    logits are within 1e-4 of eager's, and the run reports each against fx2xla (positive ratios of
+    tokens/s, CPU time and step time)."""
     r, out = run_bench("decode.py", ["--batches", "2", "--new-tokens", "4", "--rounds", "1", "--layers", "1",
-                                     "--hidden", "64", "--helpers"], tmp_path / "d.json")
+                                     "--hidden", "64", "--helpers", "--split-sleep"], tmp_path / "d.json")
     b = r["batches"]["2"]
-    assert b["ids_match_eager"]["fx2xla:helpers"] and all(b["ids_match_eager"].values())
+    assert all(b["ids_match_eager"].values())
+    assert b["ids_match_eager"]["fx2xla:helpers"] and b["ids_match_eager"]["fx2xla:split-sleep"]
     assert b["max_abs_logit_err_vs_eager"]["fx2xla:helpers"] <= 1e-4
-    for key in ("helpers_vs_fx2xla_tokens_per_s", "helpers_vs_fx2xla_cpu", "helpers_vs_fx2xla_step"):
+    assert b["max_abs_logit_err_vs_eager"]["fx2xla:split-sleep"] <= 1e-4
+    for key in ("helpers_vs_fx2xla_tokens_per_s", "helpers_vs_fx2xla_cpu", "helpers_vs_fx2xla_step",
+                "fx2xla_vs_split_sleep_tokens_per_s", "fx2xla_vs_split_sleep_cpu", "fx2xla_vs_split_sleep_step"):
         assert b[key] > 0, key
     assert "fx2xla:helpers ÷ fx2xla tokens/s" in out
+    assert "fx2xla ÷ fx2xla:split-sleep tokens/s" in out

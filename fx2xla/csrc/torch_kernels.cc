@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cmath>
 #include <cstdint>
@@ -168,6 +169,12 @@ std::atomic<int64_t> sliced_calls{0};  // fx2xla_torch_kernels_sliced_calls
 // ran: where the second stays near 0, the splits ran on the caller alone (fx2xla_split_parts).
 std::atomic<int64_t> split_parts{0};
 std::atomic<int64_t> split_parts_elsewhere{0};
+// Whether a split's caller polls briefly for the parts still running elsewhere before it sleeps
+// (wait_split_briefly; fx2xla_set_split_spin, for A/B measurements).
+std::atomic<bool> split_spin{true};
+// Splits whose caller, out of parts to claim, found parts still running elsewhere; of those, the
+// ones whose caller polled for them, and the ones whose parts all ended while it polled.
+std::atomic<int64_t> split_waits{0}, split_polled{0}, split_polled_out{0};
 
 // The cores this process may run on (its affinity mask): XLA's pool may hold more threads than
 // that (one per virtual device, say), and slices beyond the cores would only queue.
@@ -301,6 +308,35 @@ void helper_loop() {
   }
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// A caller that has run out of parts to claim waits for the parts other threads still run. Those
+// end within about one part's time of the caller's last, which for short parts is shorter than
+// waking from a sleep (39 us per split on a 2-vCPU AMD EPYC VM, 13 splits in a LLaMA 4L decode
+// step at 8 rows: docs/benchmarks.md, "Split waits polled"). So where the caller's own parts took
+// kMaxSplitSpin / 2 or less on average, it polls first, for up to twice that mean, and sleeps
+// only past it. Longer parts (convolution or gemm slices of a millisecond) sleep at once: the
+// wake-up is small beside them, and a polling caller would hold a core that XLA's other work in
+// flight may need.
+constexpr auto kMaxSplitSpin = std::chrono::microseconds(200);
+
+void wait_split_briefly(const std::atomic<int64_t>& finished, int64_t parts, std::chrono::nanoseconds per_part) {
+  if (!split_spin.load(std::memory_order_relaxed) || per_part > kMaxSplitSpin / 2) return;
+  split_polled.fetch_add(1, std::memory_order_relaxed);
+  auto deadline = std::chrono::steady_clock::now() + 2 * per_part;
+  for (int i = 1; finished.load(std::memory_order_acquire) < parts; ++i) {
+    cpu_relax();
+    if (i % 32 == 0 && std::chrono::steady_clock::now() >= deadline) return;
+  }
+  split_polled_out.fetch_add(1, std::memory_order_relaxed);
+}
+
 // How many helper threads: one per usable core past the caller's, at most 3 (measured with one,
 // on 2 cores; beyond a few, the splits of a decode step's matmuls are bound by memory).
 int64_t helper_count() { return std::min<int64_t>(usable_cores() - 1, 3); }
@@ -318,13 +354,17 @@ void run_split(int64_t parts, ffi::ThreadPool& pool, const std::function<void(in
   int64_t tasks = helpers < 0 ? parts - 1 : std::min(parts - 1, helpers);
   if (posted) tasks = std::max<int64_t>(0, tasks - helping.spinning.load(std::memory_order_acquire));
   for (int64_t i = 0; i < tasks; ++i) pool.Schedule([state] { state->work(); });
+  auto started = std::chrono::steady_clock::now();
   int64_t mine = state->work();
   split_parts.fetch_add(parts, std::memory_order_relaxed);
   split_parts_elsewhere.fetch_add(parts - mine, std::memory_order_relaxed);
   if (posted) {
     take_back_split(state);
     // The helpers are running: whatever part one holds ends sooner than a sleep's wake-up would.
-    while (state->finished.load(std::memory_order_acquire) < parts) __builtin_ia32_pause();
+    while (state->finished.load(std::memory_order_acquire) < parts) cpu_relax();
+  } else if (state->finished.load(std::memory_order_acquire) < parts) {
+    split_waits.fetch_add(1, std::memory_order_relaxed);
+    if (mine > 0) wait_split_briefly(state->finished, parts, (std::chrono::steady_clock::now() - started) / mine);
   }
   std::unique_lock<std::mutex> lock(state->mu);
   state->cv.wait(lock, [&] { return state->finished.load(std::memory_order_acquire) == parts; });
@@ -1718,6 +1758,18 @@ extern "C" int64_t fx2xla_decode_attention_calls() { return decode_attention_cal
 // Process-wide: whether the handlers cut batches into slices (see `slices`); returns the previous
 // setting. Off, every call runs torch's kernel once on the whole batch, as eager does.
 extern "C" int fx2xla_torch_kernels_set_slicing(int on) { return slicing.exchange(on != 0); }
+
+// Process-wide: whether a split's caller polls briefly for the parts still running elsewhere
+// before it sleeps (wait_split_briefly); returns the previous setting.
+extern "C" int fx2xla_set_split_spin(int on) { return split_spin.exchange(on != 0); }
+
+// Of every split so far in this process: how many callers waited for parts running elsewhere, how
+// many of those polled, and how many saw the parts end while polling (no sleep).
+extern "C" void fx2xla_split_waits(int64_t* waits, int64_t* polled, int64_t* polled_out) {
+  *waits = split_waits.load();
+  *polled = split_polled.load();
+  *polled_out = split_polled_out.load();
+}
 
 // How many handler calls cut their batch into slices so far, in this process.
 extern "C" int64_t fx2xla_torch_kernels_sliced_calls() { return sliced_calls.load(); }

@@ -12,8 +12,8 @@ with the weight handed over as torch holds it. What these tests hold it to:
   HLO calls the kernel, and the handler runs once per matmul per call;
 - left to XLA's dot: 1 and 9 rows, bf16, training graphs, dynamic rows; the option
   torch_kernels without "few_rows_matmul" gives the weight-left form, within the same tolerance;
-- four threads calling one compiled model get, on every call, the bits a single call gives, also
-  five threads at once whose calls all ask the library's helper threads for the kernel's parts
+- four threads calling one compiled model get, on every call, the bits a single call gives, with
+  the waits for a split's last parts polled (the default) or slept at once, also five threads at once whose calls all ask the library's helper threads for the kernel's parts
   (FX2XLA_HELPER_THREADS=1);
 - with helper threads (their parts counted), an executable gives the bits it gives without them
   (the default), on the main thread and on another, in a child process;
@@ -166,9 +166,9 @@ def test_training_and_dynamic_rows_keep_xla():
     assert torch_kernels.few_rows_calls() == calls
 
 
-def test_threads():
-    """Four threads calling one compiled model whose first weight (4 MiB) is cut across XLA's
-    threads get, on every call, the bits one call of it gives, and eager's result within TOL."""
+def _split_stack():
+    """A compiled Stack whose first weight (4 MiB) is cut across XLA's threads, four inputs of 8
+    rows and one call's result for each, checked against eager's within TOL."""
     torch.manual_seed(0)
     model = Stack(1024, 1024, True).eval()
     inputs = [torch.randn(8, 1024) for _ in range(4)]
@@ -177,10 +177,44 @@ def test_threads():
         refs = [compiled(x) for x in inputs]
         for x, ref in zip(inputs, refs):
             torch.testing.assert_close(ref, model(x), **TOL)
+    return compiled, inputs, refs
+
+
+def test_threads():
+    """Four threads calling one compiled model whose first weight (4 MiB) is cut across XLA's
+    threads get, on every call, the bits one call of it gives, and eager's result within TOL."""
+    compiled, inputs, refs = _split_stack()
     calls = torch_kernels.few_rows_calls()
     results = calls_in_threads(compiled, inputs, 20)
     assert torch_kernels.few_rows_calls() - calls == 4 * 20 * 2
     for i in range(4):
+        for out in results[i]:
+            assert torch.equal(out, refs[i])
+
+
+@pytest.mark.parametrize("spin", [True, False], ids=["polled", "slept"])
+def test_split_waits_polled_or_slept(spin):
+    """A model whose 4 MiB weight is cut across XLA's threads, called 30 times from each of four
+    threads with split waits polled (torch_kernels.split_spin(True), the default) or slept at
+    once (False): every result is the bits one call gives, within TOL of eager's. The counters
+    agree with the setting: slept, no caller polled; polled, none polled beyond those that waited,
+    and none saw its parts end beyond those that polled. set_split_spin returns the setting it
+    replaced, and the block restores the default."""
+    compiled, inputs, refs = _split_stack()
+    with torch_kernels.split_spin(spin):
+        assert torch_kernels.set_split_spin(spin) is spin  # the block's own setting
+        before, parts = torch_kernels.split_waits(), torch_kernels.split_parts()["parts"]
+        results = calls_in_threads(compiled, inputs, 30)
+        after = torch_kernels.split_waits()
+    assert torch_kernels.set_split_spin(True) is True  # restored on leaving
+    assert torch_kernels.split_parts()["parts"] > parts  # the weight was cut into parts
+    waits, polled, polled_out = (after[k] - before[k] for k in ("waits", "polled", "polled_out"))
+    if spin:
+        assert polled <= waits and polled_out <= polled, after
+    else:
+        assert polled == 0 and polled_out == 0, after
+    for i in range(4):
+        assert len(results[i]) == 30
         for out in results[i]:
             assert torch.equal(out, refs[i])
 
