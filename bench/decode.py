@@ -122,6 +122,16 @@ def contenders(args) -> tuple:
             + (("fx2xla:split-sleep",) if args.split_sleep else ()))
 
 
+# Variants reported as fx2xla ÷ the variant (tokens/s, CPU time, step time), under keys named
+# after them: "fx2xla:park-region" gives fx2xla_vs_park_region_*.
+AGAINST_FX2XLA = ("fx2xla:imported-inputs", "fx2xla:no-few-rows", "fx2xla:no-decode-attention", "fx2xla:weight-rhs",
+                  "fx2xla:xla-attention", "fx2xla:park-region", "fx2xla:split-sleep")
+
+
+def _slug(name: str) -> str:
+    return name.split(":")[1].replace("-", "_")
+
+
 _step_times: dict = {}  # id(model) -> seconds of each compiled decode step it ran
 
 
@@ -361,38 +371,16 @@ def bench_batch(batch: int, args) -> dict:
         res["fx2xla_vs_unmerged_step"] = smed["fx2xla"] / smed["fx2xla:unmerged"]
         res["fx2xla_vs_unmerged_tokens_per_s"] = med["fx2xla:unmerged"] / med["fx2xla"]
         res["fx2xla_vs_unmerged_cpu"] = cmed["fx2xla:unmerged"] / cmed["fx2xla"]
-    if "fx2xla:imported-inputs" in med:
-        res["fx2xla_vs_imported_inputs_tokens_per_s"] = med["fx2xla:imported-inputs"] / med["fx2xla"]
-        res["fx2xla_vs_imported_inputs_cpu"] = cmed["fx2xla:imported-inputs"] / cmed["fx2xla"]
-        res["fx2xla_vs_imported_inputs_step"] = smed["fx2xla"] / smed["fx2xla:imported-inputs"]
-    if "fx2xla:no-few-rows" in med:
-        res["fx2xla_vs_no_few_rows_tokens_per_s"] = med["fx2xla:no-few-rows"] / med["fx2xla"]
-        res["fx2xla_vs_no_few_rows_cpu"] = cmed["fx2xla:no-few-rows"] / cmed["fx2xla"]
-        res["fx2xla_vs_no_few_rows_step"] = smed["fx2xla"] / smed["fx2xla:no-few-rows"]
     if "fx2xla:helpers" in med:
         res["helpers_vs_fx2xla_tokens_per_s"] = med["fx2xla"] / med["fx2xla:helpers"]
         res["helpers_vs_fx2xla_cpu"] = cmed["fx2xla"] / cmed["fx2xla:helpers"]
         res["helpers_vs_fx2xla_step"] = smed["fx2xla:helpers"] / smed["fx2xla"]
-    if "fx2xla:no-decode-attention" in med:
-        res["fx2xla_vs_no_decode_attention_tokens_per_s"] = med["fx2xla:no-decode-attention"] / med["fx2xla"]
-        res["fx2xla_vs_no_decode_attention_cpu"] = cmed["fx2xla:no-decode-attention"] / cmed["fx2xla"]
-        res["fx2xla_vs_no_decode_attention_step"] = smed["fx2xla"] / smed["fx2xla:no-decode-attention"]
-    if "fx2xla:weight-rhs" in med:
-        res["fx2xla_vs_weight_rhs_tokens_per_s"] = med["fx2xla:weight-rhs"] / med["fx2xla"]
-        res["fx2xla_vs_weight_rhs_cpu"] = cmed["fx2xla:weight-rhs"] / cmed["fx2xla"]
-        res["fx2xla_vs_weight_rhs_step"] = smed["fx2xla"] / smed["fx2xla:weight-rhs"]
-    if "fx2xla:xla-attention" in med:
-        res["fx2xla_vs_xla_attention_tokens_per_s"] = med["fx2xla:xla-attention"] / med["fx2xla"]
-        res["fx2xla_vs_xla_attention_cpu"] = cmed["fx2xla:xla-attention"] / cmed["fx2xla"]
-        res["fx2xla_vs_xla_attention_step"] = smed["fx2xla"] / smed["fx2xla:xla-attention"]
-    if "fx2xla:park-region" in med:
-        res["fx2xla_vs_park_region_tokens_per_s"] = med["fx2xla:park-region"] / med["fx2xla"]
-        res["fx2xla_vs_park_region_cpu"] = cmed["fx2xla:park-region"] / cmed["fx2xla"]
-        res["fx2xla_vs_park_region_step"] = smed["fx2xla"] / smed["fx2xla:park-region"]
-    if "fx2xla:split-sleep" in med:
-        res["fx2xla_vs_split_sleep_tokens_per_s"] = med["fx2xla:split-sleep"] / med["fx2xla"]
-        res["fx2xla_vs_split_sleep_cpu"] = cmed["fx2xla:split-sleep"] / cmed["fx2xla"]
-        res["fx2xla_vs_split_sleep_step"] = smed["fx2xla"] / smed["fx2xla:split-sleep"]
+    for name in AGAINST_FX2XLA:  # fx2xla ÷ each variant: tokens/s and CPU time as ratios of rates, step times
+        if name in med:
+            slug = _slug(name)
+            res[f"fx2xla_vs_{slug}_tokens_per_s"] = med[name] / med["fx2xla"]
+            res[f"fx2xla_vs_{slug}_cpu"] = cmed[name] / cmed["fx2xla"]
+            res[f"fx2xla_vs_{slug}_step"] = smed["fx2xla"] / smed[name]
     if split is not None:
         split.close()
         res["split"] = step_split(res, med, graph_steps, launch_steps, weight_read_s(models["fx2xla"]), args)
@@ -503,35 +491,14 @@ def main() -> None:
                   f" (cpu time: {r['fx2xla_vs_unmerged_cpu']:.2f}); step time {r['fx2xla_vs_unmerged_step']:.2f}")
         if "fx2xla_vs_not_in_place_tokens_per_s" in r:
             print(f"      fx2xla ÷ fx2xla:not-in-place tokens/s {r['fx2xla_vs_not_in_place_tokens_per_s']:.2f}")
-        if "fx2xla_vs_imported_inputs_tokens_per_s" in r:
-            print(f"      fx2xla ÷ fx2xla:imported-inputs tokens/s {r['fx2xla_vs_imported_inputs_tokens_per_s']:.3f}"
-                  f" (cpu time: {r['fx2xla_vs_imported_inputs_cpu']:.3f}); step time "
-                  f"{r['fx2xla_vs_imported_inputs_step']:.3f}")
-        if "fx2xla_vs_no_few_rows_tokens_per_s" in r:
-            print(f"      fx2xla ÷ fx2xla:no-few-rows tokens/s {r['fx2xla_vs_no_few_rows_tokens_per_s']:.3f}"
-                  f" (cpu time: {r['fx2xla_vs_no_few_rows_cpu']:.3f}); step time {r['fx2xla_vs_no_few_rows_step']:.3f}")
         if "helpers_vs_fx2xla_tokens_per_s" in r:
             print(f"      fx2xla:helpers ÷ fx2xla tokens/s {r['helpers_vs_fx2xla_tokens_per_s']:.3f}"
                   f" (cpu time: {r['helpers_vs_fx2xla_cpu']:.3f}); step time {r['helpers_vs_fx2xla_step']:.3f}")
-        if "fx2xla_vs_no_decode_attention_tokens_per_s" in r:
-            print(f"      fx2xla ÷ fx2xla:no-decode-attention tokens/s {r['fx2xla_vs_no_decode_attention_tokens_per_s']:.3f}"
-                  f" (cpu time: {r['fx2xla_vs_no_decode_attention_cpu']:.3f}); step time "
-                  f"{r['fx2xla_vs_no_decode_attention_step']:.3f}")
-        if "fx2xla_vs_weight_rhs_tokens_per_s" in r:
-            print(f"      fx2xla ÷ fx2xla:weight-rhs tokens/s {r['fx2xla_vs_weight_rhs_tokens_per_s']:.3f}"
-                  f" (cpu time: {r['fx2xla_vs_weight_rhs_cpu']:.3f}); step time {r['fx2xla_vs_weight_rhs_step']:.3f}")
-        if "fx2xla_vs_xla_attention_tokens_per_s" in r:
-            print(f"      fx2xla ÷ fx2xla:xla-attention tokens/s {r['fx2xla_vs_xla_attention_tokens_per_s']:.3f}"
-                  f" (cpu time: {r['fx2xla_vs_xla_attention_cpu']:.3f}); step time "
-                  f"{r['fx2xla_vs_xla_attention_step']:.3f}")
-        if "fx2xla_vs_park_region_tokens_per_s" in r:
-            print(f"      fx2xla ÷ fx2xla:park-region tokens/s {r['fx2xla_vs_park_region_tokens_per_s']:.3f}"
-                  f" (cpu time: {r['fx2xla_vs_park_region_cpu']:.3f}); step time "
-                  f"{r['fx2xla_vs_park_region_step']:.3f}")
-        if "fx2xla_vs_split_sleep_tokens_per_s" in r:
-            print(f"      fx2xla ÷ fx2xla:split-sleep tokens/s {r['fx2xla_vs_split_sleep_tokens_per_s']:.3f}"
-                  f" (cpu time: {r['fx2xla_vs_split_sleep_cpu']:.3f}); step time "
-                  f"{r['fx2xla_vs_split_sleep_step']:.3f}")
+        for name in AGAINST_FX2XLA:
+            slug = _slug(name)
+            if f"fx2xla_vs_{slug}_tokens_per_s" in r:
+                print(f"      fx2xla ÷ {name} tokens/s {r[f'fx2xla_vs_{slug}_tokens_per_s']:.3f}"
+                      f" (cpu time: {r[f'fx2xla_vs_{slug}_cpu']:.3f}); step time {r[f'fx2xla_vs_{slug}_step']:.3f}")
     results["load_after"] = load()
     write_json(a.out, results)
     print(f"\nraw numbers: {a.out}")

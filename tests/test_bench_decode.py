@@ -1,6 +1,6 @@
 """bench/decode.py runs on the CPU with `--split` (a 1-layer, 64-wide LLaMA, batch 1, 4 new
-tokens; and `--helpers --split-sleep` at batch 2): every contender's generated ids equal eager's and its logits
-are within float32 tolerance of eager's (max |err| ≤ 1e-4 for logits of scale ~1); the split timed fx2xla's graph
+tokens; and `--helpers --split-sleep` at batch 2): every contender's generated ids equal eager's
+and its logits are within float32 tolerance of eager's (max |err| ≤ 1e-4 for logits of scale ~1); the split timed fx2xla's graph
 and its launch once per decode step of every timed call (3 steps: the prompt's call is eager),
 the graph holds the launch and the rest of the token lies outside it; and XLA's weight read counts the model's parameters' bytes, with positive
 times hot and from memory."""

@@ -13,7 +13,8 @@ with the weight handed over as torch holds it. What these tests hold it to:
 - left to XLA's dot: 1 and 9 rows, bf16, training graphs, dynamic rows; the option
   torch_kernels without "few_rows_matmul" gives the weight-left form, within the same tolerance;
 - four threads calling one compiled model get, on every call, the bits a single call gives, with
-  the waits for a split's last parts polled (the default) or slept at once, also five threads at once whose calls all ask the library's helper threads for the kernel's parts
+  the waits for a split's last parts polled (the default) or slept at once; also five threads at
+  once whose calls all ask the library's helper threads for the kernel's parts
   (FX2XLA_HELPER_THREADS=1);
 - with helper threads (their parts counted), an executable gives the bits it gives without them
   (the default), on the main thread and on another, in a child process;
